@@ -1,0 +1,86 @@
+"""Base configuration: every key jaxlm reads, each with one line saying what it does.
+
+Files beside this one are small sets of overrides on top of it. Cross-field checks and derived values live in
+`jaxlm/config.py` and run before any device work.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  """Returns the base config (a PaLM-style decoder small enough for a CPU)."""
+  c = ml_collections.ConfigDict()
+  c.name = 'base'  # run name; the default workdir is runs/<name>
+
+  c.model = m = ml_collections.ConfigDict()
+  m.vocab_size = 8192  # V; the tokenizer's vocabulary must fit (prepared data: its metadata is checked)
+  m.d_model = 256  # D, residual stream width
+  m.num_layers = 4  # L
+  m.num_heads = 4  # H, query heads
+  m.num_kv_heads = 1  # K, key/value heads: 1 = multi-query (PaLM), H = multi-head, between = grouped-query
+  m.head_dim = 0  # E; 0 means D // H
+  m.mlp_dim = 0  # F, SwiGLU hidden width; 0 means 4 * D (PaLM)
+  m.parallel_block = True  # PaLM block (one LayerNorm, attention + MLP in parallel); False = Llama pre-norm block
+  m.tie_embeddings = True  # share input and output embeddings (PaLM)
+  m.rope_theta = 10_000.0  # rotary embedding base wavelength
+  m.norm_eps = 1e-6  # epsilon of LayerNorm / RMSNorm
+  m.z_loss = 1e-4  # coefficient of the z-loss (PaLM): keeps log Z near 0 so bf16 softmax stays stable
+  m.dropout_rate = 0.0  # dropout on the attention and MLP outputs (PaLM used none)
+  m.dtype = 'bfloat16'  # compute dtype: bfloat16 | float32 | float16
+  m.param_dtype = 'float32'  # master-weight dtype (optimizer state follows it)
+  m.remat = 'full'  # activation checkpointing per layer: none | full | dots | dots_no_batch | attn_out
+  m.scan_layers = True  # nn.scan over layers: one compiled layer body (fast compiles); False unrolls
+  m.attention = 'xla'  # attention kernel: xla | cudnn | splash | auto
+
+  c.data = d = ml_collections.ConfigDict()
+  d.source = 'stdlib'  # stdlib: this interpreter's standard-library sources (no download); prepared: `paths`
+  d.paths = ''  # prepared dataset directories (from `python -m jaxlm.prepare`), comma-separated
+  d.weights = ''  # mixture weights for `paths`, comma-separated; empty = proportional to tokens
+  d.seq_len = 256  # T, tokens per training sequence
+  d.cache_dir = '~/.cache/jaxlm'  # where the stdlib corpus is prepared once and reused
+  d.stdlib_max_mb = 24  # cap on stdlib source bytes used (keeps first-run preparation short)
+  d.eval_fraction = 0.02  # fraction of documents held out for evaluation, chosen by a hash of their path
+  d.cross_document_attention = False  # False: segment ids + positions keep attention inside each document
+  d.num_workers = 0  # Grain worker processes (0 = read in the training process)
+  d.prefetch = 2  # batches read ahead per worker
+
+  c.train = t = ml_collections.ConfigDict()
+  t.steps = 200  # optimizer steps to train
+  t.batch_size = 16  # global batch, in sequences
+  t.seed = 0  # seeds init, dropout and the data order
+  t.log_every = 10  # steps between metric records
+  t.eval_every = 100  # steps between held-out evaluations (0 = only at the end)
+  t.eval_batches = 8  # batches per evaluation
+
+  c.optim = o = ml_collections.ConfigDict()
+  o.lr = 3e-3  # peak learning rate
+  o.warmup_steps = 20  # linear warmup from 0 to `lr`
+  o.final_lr_fraction = 0.1  # cosine decay ends at lr * this
+  o.b1 = 0.9  # Adam first-moment decay
+  o.b2 = 0.95  # Adam second-moment decay (0.95 as in PaLM/LLaMA: steadier on spikes than 0.999)
+  o.eps = 1e-8  # Adam epsilon
+  o.weight_decay = 0.1  # decoupled weight decay, applied to matrices only (not norms or other 1-D params)
+  o.clip = 1.0  # global gradient-norm clipping threshold (0 = off)
+
+  c.mesh = s = ml_collections.ConfigDict()
+  s.data = 1  # data-parallel ways (params replicated)
+  s.fsdp = -1  # fully-sharded data-parallel ways (ZeRO-3: params and optimizer state sharded); -1 = the rest
+  s.tensor = 1  # tensor-parallel ways (Megatron: heads and MLP hidden sharded)
+
+  c.checkpoint = k = ml_collections.ConfigDict()
+  k.every = 100  # steps between checkpoints (0 = only at the end)
+  k.keep = 3  # newest checkpoints kept
+  k.keep_every = 0  # additionally keep every step that is a multiple of this, forever (0 = none)
+  k.async_save = True  # write in the background while training continues
+  k.max_failures = 3  # consecutive failed saves before training stops
+  k.init_from = ''  # warm start: load params only from this checkpoint directory (fresh optimizer, step 0)
+
+  c.log = g = ml_collections.ConfigDict()
+  g.tensorboard = True  # write TensorBoard event files to <workdir>/tb
+  g.wandb = False  # also log to Weights & Biases (needs `pip install wandb`; WANDB_MODE=offline works)
+  g.wandb_project = 'jaxlm'  # W&B project name
+  g.profile_steps = ''  # steps to trace with jax.profiler, e.g. '10,12' (first,last); empty = none
+  g.slow_step_factor = 3.0  # warn when a step takes longer than this times the rolling median ...
+  g.slow_step_count = 3  # ... for this many steps in a row
+  g.compilation_cache = '~/.cache/jaxlm/xla'  # persistent XLA compilation cache ('' = off)
+  return c

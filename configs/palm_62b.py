@@ -1,0 +1,20 @@
+"""palm_62b: the PaLM paper's 62B shapes, for reference — loads, validates and sizes here; train it on a pod slice."""
+
+import pathlib
+import runpy
+
+_base = runpy.run_path(str(pathlib.Path(__file__).with_name('base.py')))
+
+
+def get_config():
+  c = _base['get_config']()
+  c.name = 'palm_62b'
+  # PaLM 62B (paper, table 1): 64 layers, d 8192, 32 heads of 256, multi-query, 256k vocab
+  c.model.update(vocab_size=256_000, d_model=8192, num_layers=64, num_heads=32, num_kv_heads=1, head_dim=256,
+                 remat='full')
+  c.data.seq_len = 2048
+  c.train.update(steps=250_000, batch_size=512, eval_every=5000)
+  # PaLM: 1e-2 for 10k steps, then 1/sqrt(step) decay; here the same peak with jaxlm's warmup-cosine schedule.
+  c.optim.update(lr=0.01, warmup_steps=10_000, weight_decay=0.1)
+  c.checkpoint.update(every=1000, keep_every=10_000)
+  return c

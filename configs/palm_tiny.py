@@ -1,0 +1,19 @@
+"""palm_tiny: a few seconds per run on a CPU; used by the tests and for smoke runs."""
+
+import pathlib
+import runpy
+
+_base = runpy.run_path(str(pathlib.Path(__file__).with_name('base.py')))
+
+
+def get_config():
+  c = _base['get_config']()
+  c.name = 'palm_tiny'
+  c.model.update(vocab_size=512, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=128,
+                 dtype='float32', remat='none')
+  c.data.seq_len = 64
+  c.data.stdlib_max_mb = 2
+  c.train.update(steps=30, batch_size=8, log_every=5, eval_every=0, eval_batches=2)
+  c.optim.update(lr=3e-3, warmup_steps=5)
+  c.checkpoint.every = 10
+  return c

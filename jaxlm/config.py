@@ -1,0 +1,166 @@
+"""Cross-field checks and derived values of a config, run before any device work.
+
+A user's mistake must end in one line that names the field and the fix, never in a traceback from deep inside
+JAX. `validate` collects every problem it finds, so one run shows them all.
+"""
+
+import math
+
+import ml_collections
+
+DTYPES = ('bfloat16', 'float32', 'float16')
+REMAT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch', 'attn_out')
+ATTENTION_IMPLS = ('xla', 'cudnn', 'splash', 'auto')
+DATA_SOURCES = ('stdlib', 'prepared')
+
+
+class ConfigError(ValueError):
+  """A config that cannot run; the message names each bad field and how to fix it."""
+
+
+def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
+  """(data, fsdp, tensor) with a single -1 filled so the product is `num_devices`; unchecked otherwise."""
+  sizes = [mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor]
+  if sizes.count(-1) == 1:
+    rest = math.prod(s for s in sizes if s != -1)
+    sizes[sizes.index(-1)] = num_devices // rest if rest > 0 and num_devices % rest == 0 else 0
+  return tuple(sizes)
+
+
+def head_dim(model_cfg) -> int:
+  """E: the configured head size, or D // H."""
+  return model_cfg.head_dim or model_cfg.d_model // model_cfg.num_heads
+
+
+def mlp_dim(model_cfg) -> int:
+  """F: the configured SwiGLU width, or 4 * D as in PaLM."""
+  return model_cfg.mlp_dim or 4 * model_cfg.d_model
+
+
+def _model_errors(m) -> list[str]:
+  e = []
+  for key in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads'):
+    if m[key] <= 0:
+      e.append(f'model.{key} is {m[key]}; it must be a positive integer.')
+  for key in ('head_dim', 'mlp_dim'):
+    if m[key] < 0:
+      e.append(f'model.{key} is {m[key]}; use a positive size, or 0 for the default.')
+  if e:
+    return e
+  if m.num_heads % m.num_kv_heads:
+    e.append(f'model.num_kv_heads={m.num_kv_heads} does not divide model.num_heads={m.num_heads}; pick a '
+             f'divisor of num_heads (1 = multi-query, num_heads = multi-head).')
+  if not m.head_dim and m.d_model % m.num_heads:
+    e.append(f'model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; change one, '
+             f'or set model.head_dim explicitly.')
+  elif head_dim(m) % 2:
+    e.append(f'model.head_dim resolves to {head_dim(m)}; rotary embeddings need an even head size.')
+  for key in ('dtype', 'param_dtype'):
+    if m[key] not in DTYPES:
+      e.append(f'model.{key}={m[key]!r} is unknown; use one of {", ".join(DTYPES)}.')
+  if m.remat not in REMAT_POLICIES:
+    e.append(f'model.remat={m.remat!r} is unknown; use one of {", ".join(REMAT_POLICIES)}.')
+  if m.attention not in ATTENTION_IMPLS:
+    e.append(f'model.attention={m.attention!r} is unknown; use one of {", ".join(ATTENTION_IMPLS)}.')
+  if not 0.0 <= m.dropout_rate < 1.0:
+    e.append(f'model.dropout_rate={m.dropout_rate} must be in [0, 1).')
+  if m.z_loss < 0:
+    e.append(f'model.z_loss={m.z_loss} must be >= 0 (0 turns it off).')
+  if m.rope_theta <= 0 or m.norm_eps <= 0:
+    e.append('model.rope_theta and model.norm_eps must be positive.')
+  return e
+
+
+def _data_errors(d) -> list[str]:
+  e = []
+  if d.source not in DATA_SOURCES:
+    e.append(f'data.source={d.source!r} is unknown; use one of {", ".join(DATA_SOURCES)}.')
+  if d.source == 'prepared' and not d.paths:
+    e.append('data.source=prepared needs data.paths: directories written by `python -m jaxlm.prepare`.')
+  if d.weights and len(d.weights.split(',')) != len(d.paths.split(',')):
+    e.append(f'data.weights has {len(d.weights.split(","))} entries but data.paths has '
+             f'{len(d.paths.split(","))}; give one weight per path, or none.')
+  if d.seq_len <= 0:
+    e.append(f'data.seq_len={d.seq_len} must be positive.')
+  if not 0.0 < d.eval_fraction < 1.0:
+    e.append(f'data.eval_fraction={d.eval_fraction} must be between 0 and 1.')
+  if d.num_workers < 0 or d.prefetch < 0:
+    e.append('data.num_workers and data.prefetch must be >= 0.')
+  return e
+
+
+def _train_errors(t, o) -> list[str]:
+  e = []
+  for key in ('steps', 'batch_size', 'log_every', 'eval_batches'):
+    if t[key] <= 0:
+      e.append(f'train.{key}={t[key]} must be a positive integer.')
+  if t.eval_every < 0:
+    e.append(f'train.eval_every={t.eval_every} must be >= 0 (0 = evaluate only at the end).')
+  if o.lr <= 0:
+    e.append(f'optim.lr={o.lr} must be positive.')
+  if o.warmup_steps < 0 or o.warmup_steps >= max(t.steps, 1):
+    e.append(f'optim.warmup_steps={o.warmup_steps} must be >= 0 and shorter than train.steps={t.steps}; '
+             f'lower warmup_steps or raise train.steps.')
+  if not 0.0 <= o.final_lr_fraction <= 1.0:
+    e.append(f'optim.final_lr_fraction={o.final_lr_fraction} must be in [0, 1].')
+  if not (0.0 <= o.b1 < 1.0 and 0.0 <= o.b2 < 1.0):
+    e.append(f'optim.b1={o.b1} and optim.b2={o.b2} must be in [0, 1).')
+  if o.eps <= 0 or o.weight_decay < 0 or o.clip < 0:
+    e.append('optim.eps must be positive; optim.weight_decay and optim.clip must be >= 0.')
+  return e
+
+
+def _mesh_errors(c, num_devices: int) -> list[str]:
+  s = c.mesh
+  sizes = (s.data, s.fsdp, s.tensor)
+  if any(x == 0 or x < -1 for x in sizes) or sizes.count(-1) > 1:
+    return [f'mesh (data={s.data}, fsdp={s.fsdp}, tensor={s.tensor}): each must be positive, with at most one '
+            f'-1 meaning "the remaining devices".']
+  data, fsdp, tensor = mesh_shape(s, num_devices)
+  if data * fsdp * tensor != num_devices:
+    return [f'mesh data×fsdp×tensor = {s.data}×{s.fsdp}×{s.tensor} does not match the {num_devices} devices '
+            f'available; make the product {num_devices}, or set one axis to -1 (e.g. --config.mesh.fsdp=-1).']
+  e = []
+  m = c.model
+  if c.train.batch_size % (data * fsdp):
+    e.append(f'train.batch_size={c.train.batch_size} is not divisible by mesh data×fsdp = {data * fsdp}; '
+             f'use a multiple of {data * fsdp}.')
+  if m.num_heads > 0 and m.num_heads % tensor:
+    e.append(f'model.num_heads={m.num_heads} is not divisible by mesh.tensor={tensor}; heads are split over '
+             f'the tensor axis, so pick a tensor size that divides the head count.')
+  if m.d_model > 0 and m.d_model % fsdp:
+    e.append(f'model.d_model={m.d_model} is not divisible by mesh.fsdp={fsdp}; parameters are sharded over '
+             f'fsdp along d_model, so pick an fsdp size that divides it.')
+  if m.vocab_size > 0 and m.vocab_size % tensor:
+    e.append(f'model.vocab_size={m.vocab_size} is not divisible by mesh.tensor={tensor}; round the vocabulary '
+             f'up to a multiple of {tensor} (extra entries are never produced by the tokenizer).')
+  if m.d_model > 0 and mlp_dim(m) % tensor:
+    e.append(f'model.mlp_dim={mlp_dim(m)} is not divisible by mesh.tensor={tensor}.')
+  return e
+
+
+def _other_errors(c) -> list[str]:
+  e = []
+  k = c.checkpoint
+  if k.every < 0 or k.keep_every < 0:
+    e.append('checkpoint.every and checkpoint.keep_every must be >= 0 (0 = off).')
+  if k.keep < 1 or k.max_failures < 1:
+    e.append('checkpoint.keep and checkpoint.max_failures must be >= 1.')
+  if c.log.profile_steps:
+    try:
+      first, last = (int(x) for x in c.log.profile_steps.split(','))
+      if not 0 <= first <= last:
+        raise ValueError
+    except ValueError:
+      e.append(f'log.profile_steps={c.log.profile_steps!r} must be "first,last" with 0 <= first <= last.')
+  if c.log.slow_step_factor <= 1.0 or c.log.slow_step_count < 1:
+    e.append('log.slow_step_factor must be > 1 and log.slow_step_count >= 1.')
+  return e
+
+
+def validate(c: ml_collections.ConfigDict, num_devices: int) -> None:
+  """Raises ConfigError listing every problem with `c` on a machine with `num_devices` devices."""
+  errors = (_model_errors(c.model) + _data_errors(c.data) + _train_errors(c.train, c.optim)
+            + _mesh_errors(c, num_devices) + _other_errors(c))
+  if errors:
+    raise ConfigError('invalid config:\n  - ' + '\n  - '.join(errors))
