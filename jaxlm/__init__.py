@@ -1,0 +1,1 @@
+"""jaxlm: a small, readable JAX/Flax trainer for PaLM-style language models."""

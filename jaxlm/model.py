@@ -1,0 +1,252 @@
+"""A PaLM-style decoder in Flax Linen: parallel attention + SwiGLU block, multi-query attention, RoPE, no biases.
+
+Shape letters used in every einsum and comment:
+  B batch, T query sequence, S key sequence, D model width, H query heads, K key/value heads,
+  G = H // K query heads per key/value head, E head dim, F MLP hidden, V vocabulary, L layers.
+
+The model knows only logical axis names (`embed`, `heads`, `act_batch`, ...); `sharding.py` maps them to the
+device mesh. Parameters are stored in `param_dtype` (float32 master weights) and cast to `dtype` for compute.
+"""
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxlm import config as config_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """The model section of the config, resolved and frozen (hashable, so Flax can close over it)."""
+  vocab_size: int
+  d_model: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  parallel_block: bool = True
+  tie_embeddings: bool = True
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-6
+  z_loss: float = 1e-4
+  dropout_rate: float = 0.0
+  dtype: str = 'bfloat16'
+  param_dtype: str = 'float32'
+  remat: str = 'full'
+  scan_layers: bool = True
+  attention: str = 'xla'
+
+  @classmethod
+  def from_config(cls, model_cfg) -> 'ModelConfig':
+    """Builds the frozen config from `cfg.model`, filling the derived sizes (head_dim, mlp_dim)."""
+    fields = {f.name: model_cfg[f.name] for f in dataclasses.fields(cls)}
+    fields.update(head_dim=config_lib.head_dim(model_cfg), mlp_dim=config_lib.mlp_dim(model_cfg))
+    return cls(**fields)
+
+
+def param_count(m: ModelConfig) -> int:
+  """Parameters of the model, from its shape alone (tests check it against the real pytree)."""
+  D, H, K, E, F, V, L = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim, m.vocab_size, m.num_layers
+  attention = D * H * E + 2 * D * K * E + H * E * D  # q, k, v, out
+  mlp = 3 * D * F  # gate, up, down
+  norms = D if m.parallel_block else 2 * D  # one shared LayerNorm vs pre-attention and pre-MLP RMSNorms
+  embeddings = V * D * (1 if m.tie_embeddings else 2)
+  return L * (attention + mlp + norms) + D + embeddings  # + final norm
+
+
+def flops_per_token(m: ModelConfig, seq_len: int, causal: bool = False) -> float:
+  """Training FLOPs per token by PaLM's appendix B: 6N + 12·L·H·Q·T (Q = head dim, T = sequence length).
+
+  N counts every parameter that takes part in a matmul: with untied embeddings the input table is a lookup and
+  is left out (PaLM's models were tied, where N is simply all parameters). PaLM counts attention over the
+  whole T×T square; `causal=True` halves that term, as only the lower triangle does useful work.
+  """
+  n = param_count(m) - (0 if m.tie_embeddings else m.vocab_size * m.d_model)
+  attention = 12 * m.num_layers * m.num_heads * m.head_dim * seq_len
+  return 6 * n + (attention / 2 if causal else attention)
+
+
+def _param(module, name, names, shape, std, m: ModelConfig):
+  """A parameter with logical axis names, normal(std) init, stored in param_dtype."""
+  init = nn.with_logical_partitioning(nn.initializers.normal(std), names)
+  return module.param(name, init, shape, jnp.dtype(m.param_dtype))
+
+
+class Norm(nn.Module):
+  """LayerNorm without bias (PaLM) or RMSNorm (Llama); statistics in float32 whatever the compute dtype."""
+  m: ModelConfig
+  rms: bool
+
+  @nn.compact
+  def __call__(self, x):  # (B, T, D)
+    scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, ('embed',)),
+                       (self.m.d_model,), jnp.dtype(self.m.param_dtype))
+    x32 = x.astype(jnp.float32)
+    if not self.rms:
+      x32 = x32 - x32.mean(-1, keepdims=True)
+    x32 = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.m.norm_eps)
+    return (x32 * scale).astype(self.m.dtype)
+
+
+def rope(x, positions, theta: float):
+  """Rotary embeddings, half-split layout (GPT-NeoX/Llama): dims [0, E/2) pair with [E/2, E).
+
+  x: (B, T, N, E) for N heads; positions: (B, T). Angles in float32: bf16 positions lose integer precision
+  past 256.
+  """
+  E = x.shape[-1]
+  inv_freq = theta ** (-jnp.arange(0, E, 2, dtype=jnp.float32) / E)  # (E/2,)
+  angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # (B, T, 1, E/2)
+  sin, cos = jnp.sin(angles), jnp.cos(angles)
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention_mask(segment_ids):
+  """(B, 1, 1, T, S) boolean: causal, within one document, and never from padding (segment 0)."""
+  T = segment_ids.shape[1]
+  causal = jnp.tril(jnp.ones((T, T), bool))  # (T, S)
+  same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, S)
+  real = (segment_ids != 0)[:, :, None]  # (B, T, 1)
+  return (causal & same_doc & real)[:, None, None]
+
+
+def xla_attention(q, k, v, segment_ids):
+  """Reference attention: einsum scores, softmax in float32. q: (B,T,H,E); k, v: (B,S,K,E) -> (B,T,H,E)."""
+  B, T, H, E = q.shape
+  K = k.shape[2]
+  q = q.reshape(B, T, K, H // K, E)  # (B, T, K, G, E): each kv head serves G query heads
+  scores = jnp.einsum('BTKGE,BSKE->BKGTS', q, k).astype(jnp.float32) / math.sqrt(E)
+  # Finite fill, not -inf: a fully masked (padding) row then gives a uniform softmax rather than NaN.
+  scores = jnp.where(attention_mask(segment_ids), scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  return jnp.einsum('BKGTS,BSKE->BTKGE', probs, v).reshape(B, T, H, E)
+
+
+class Attention(nn.Module):
+  """Multi-query / grouped-query self-attention with rotary positions, no biases."""
+  m: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, segment_ids, positions):  # x: (B, T, D)
+    m = self.m
+    D, H, K, E = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim
+    wq = _param(self, 'query', ('embed', 'heads', 'kv'), (D, H, E), D ** -0.5, m)
+    wk = _param(self, 'key', ('embed', 'kv_heads', 'kv'), (D, K, E), D ** -0.5, m)
+    wv = _param(self, 'value', ('embed', 'kv_heads', 'kv'), (D, K, E), D ** -0.5, m)
+    wo = _param(self, 'out', ('heads', 'kv', 'embed'), (H, E, D), (H * E) ** -0.5, m)
+    dt = jnp.dtype(m.dtype)
+    q = jnp.einsum('BTD,DHE->BTHE', x, wq.astype(dt))
+    k = jnp.einsum('BSD,DKE->BSKE', x, wk.astype(dt))
+    v = jnp.einsum('BSD,DKE->BSKE', x, wv.astype(dt))
+    q = nn.with_logical_constraint(q, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
+    q, k = rope(q, positions, m.rope_theta), rope(k, positions, m.rope_theta)
+    out = xla_attention(q, k, v, segment_ids)  # (B, T, H, E)
+    out = nn.with_logical_constraint(out, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
+    # Named so the `attn_out` remat policy can keep it instead of recomputing the whole attention.
+    out = checkpoint_name(out, 'attn_out')
+    return jnp.einsum('BTHE,HED->BTD', out, wo.astype(dt))
+
+
+class SwiGLU(nn.Module):
+  """MLP: down(silu(gate(x)) * up(x)) (Shazeer 2020, used by PaLM), no biases."""
+  m: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):  # (B, T, D)
+    m = self.m
+    D, F = m.d_model, m.mlp_dim
+    dt = jnp.dtype(m.dtype)
+    w_gate = _param(self, 'gate', ('embed', 'mlp'), (D, F), D ** -0.5, m)
+    w_up = _param(self, 'up', ('embed', 'mlp'), (D, F), D ** -0.5, m)
+    w_down = _param(self, 'down', ('mlp', 'embed'), (F, D), F ** -0.5, m)
+    h = jax.nn.silu(jnp.einsum('BTD,DF->BTF', x, w_gate.astype(dt))) * jnp.einsum('BTD,DF->BTF', x, w_up.astype(dt))
+    h = nn.with_logical_constraint(h, ('act_batch', 'act_seq', 'act_mlp'))
+    return jnp.einsum('BTF,FD->BTD', h, w_down.astype(dt))
+
+
+class Block(nn.Module):
+  """One decoder layer: PaLM's parallel block, or the sequential pre-norm block when parallel_block=False."""
+  m: ModelConfig
+  deterministic: bool = True
+
+  @nn.compact
+  def __call__(self, x, segment_ids, positions):  # x: (B, T, D)
+    m = self.m
+    drop = nn.Dropout(m.dropout_rate, deterministic=self.deterministic)
+    if m.parallel_block:
+      # PaLM: y = x + Attn(LN(x)) + MLP(LN(x)); the two input matmuls can fuse, ~15% faster at scale.
+      h = Norm(m, rms=False, name='norm')(x)
+      x = x + drop(Attention(m, name='attention')(h, segment_ids, positions)) + drop(SwiGLU(m, name='mlp')(h))
+    else:
+      x = x + drop(Attention(m, name='attention')(Norm(m, rms=True, name='attn_norm')(x), segment_ids, positions))
+      x = x + drop(SwiGLU(m, name='mlp')(Norm(m, rms=True, name='mlp_norm')(x)))
+    x = nn.with_logical_constraint(x, ('act_batch', 'act_seq', 'act_embed'))
+    return x, None  # (carry, output) as nn.scan wants
+
+
+REMAT_POLICIES = {
+    'full': jax.checkpoint_policies.nothing_saveable,  # recompute the whole layer in the backward pass
+    'dots': jax.checkpoint_policies.checkpoint_dots,  # keep every matmul output
+    'dots_no_batch': jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,  # keep weight matmuls only
+    'attn_out': jax.checkpoint_policies.save_only_these_names('attn_out'),  # keep attention outputs only
+}
+
+
+class Decoder(nn.Module):
+  """The language model: embeddings, L blocks (scanned or unrolled), final norm, (tied) output projection."""
+  m: ModelConfig
+
+  @nn.compact
+  def __call__(self, inputs, segment_ids, positions, deterministic: bool = True):
+    """inputs, segment_ids, positions: (B, T) int32 -> logits (B, T, V) in the compute dtype."""
+    m = self.m
+    D, V = m.d_model, m.vocab_size
+    # PaLM: N(0, 1) embeddings, since no norm follows the lookup; logits are then scaled by 1/sqrt(D) when tied.
+    embedding = _param(self, 'embedding', ('vocab', 'embed'), (V, D), 1.0, m)
+    # Gather from a replicated view of the table: a gather from a vocab-split table makes XLA rematerialise
+    # the whole result, and FSDP all-gathers every weight before use anyway.
+    table = nn.with_logical_constraint(embedding, (None, None))
+    x = jnp.take(table, inputs, axis=0).astype(m.dtype)  # (B, T, D)
+    x = nn.with_logical_constraint(x, ('act_batch', 'act_seq', 'act_embed'))
+
+    block = Block
+    if m.remat != 'none':
+      block = nn.remat(Block, policy=REMAT_POLICIES[m.remat], prevent_cse=not m.scan_layers)
+    if m.scan_layers:
+      # One compiled layer body applied L times; parameters get a leading `layers` axis.
+      stack = nn.scan(block, variable_axes={'params': 0}, split_rngs={'params': True, 'dropout': True},
+                      in_axes=(nn.broadcast, nn.broadcast), length=m.num_layers,
+                      metadata_params={nn.PARTITION_NAME: 'layers'})
+      x, _ = stack(m, deterministic, name='layers')(x, segment_ids, positions)
+    else:
+      for i in range(m.num_layers):
+        x, _ = block(m, deterministic, name=f'layers_{i}')(x, segment_ids, positions)
+
+    x = Norm(m, rms=not m.parallel_block, name='final_norm')(x)
+    if m.tie_embeddings:
+      logits = jnp.einsum('BTD,VD->BTV', x, embedding.astype(m.dtype)) / math.sqrt(D)
+    else:
+      unembed = _param(self, 'unembed', ('embed', 'vocab'), (D, V), D ** -0.5, m)
+      logits = jnp.einsum('BTD,DV->BTV', x, unembed.astype(m.dtype))
+    return nn.with_logical_constraint(logits, ('act_batch', 'act_seq', 'act_vocab'))
+
+
+def loss_fn(logits, targets, weights, z_loss: float):
+  """Mean next-token cross-entropy over weighted tokens plus PaLM's z-loss, in float32.
+
+  z-loss = z_loss * log(Z)^2 pulls the softmax normaliser towards 1, which keeps bf16 logits from drifting
+  (PaLM section 5). Returns (total loss, {'loss': cross-entropy, 'z_loss': ..., 'max_logit': ...}).
+  """
+  logits = logits.astype(jnp.float32)  # (B, T, V)
+  log_z = jax.nn.logsumexp(logits, axis=-1)  # (B, T)
+  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # (B, T)
+  denom = jnp.maximum(weights.sum(), 1.0)
+  ce = ((log_z - target_logit) * weights).sum() / denom
+  zl = z_loss * (jnp.square(log_z) * weights).sum() / denom
+  return ce + zl, {'loss': ce, 'z_loss': zl, 'max_logit': logits.max()}

@@ -1,0 +1,35 @@
+"""Small shared pieces for the tests: configs and synthetic batches."""
+
+import runpy
+
+import numpy as np
+
+from tests.conftest import ROOT
+
+
+def load_config(name: str = 'palm_tiny'):
+  """A config from configs/<name>.py, unlocked so tests can override fields."""
+  return runpy.run_path(str(ROOT / 'configs' / f'{name}.py'))['get_config']()
+
+
+def odd_config(parallel_block: bool = True):
+  """palm_tiny with distinct, prime-ish sizes so a wrong transpose fails loudly (D must divide by fsdp=8)."""
+  c = load_config('palm_tiny')
+  c.model.update(vocab_size=398, d_model=56, num_heads=4, num_kv_heads=2, head_dim=14, mlp_dim=94,
+                 parallel_block=parallel_block, dtype='float32')
+  c.optim.update(warmup_steps=0, lr=1e-2)
+  return c
+
+
+def random_batch(batch: int, seq: int, vocab: int, seed: int = 0, docs: int = 1) -> dict:
+  """A packed batch of random tokens; `docs` > 1 splits each row into that many documents."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, vocab, (batch, seq + 1)).astype(np.int32)
+  bounds = np.linspace(0, seq, docs + 1).astype(int)
+  segment_ids = np.zeros((batch, seq), np.int32)
+  positions = np.zeros((batch, seq), np.int32)
+  for d in range(docs):
+    segment_ids[:, bounds[d]:bounds[d + 1]] = d + 1
+    positions[:, bounds[d]:bounds[d + 1]] = np.arange(bounds[d + 1] - bounds[d])
+  return dict(inputs=tokens[:, :-1], targets=tokens[:, 1:], segment_ids=segment_ids, positions=positions,
+              weights=np.ones((batch, seq), np.float32))
