@@ -1,0 +1,136 @@
+"""Summary of a run from its metrics.jsonl: a table on stdout and a PNG of the curves.
+
+  python -m jaxlm.report --workdir=runs/base [--out=runs/base/report.png]
+"""
+
+import argparse
+import collections
+import json
+import math
+import os
+import statistics
+import sys
+
+
+def read_metrics(path: str) -> list[dict]:
+  """The records of a metrics.jsonl; a torn last line (a crash mid-write) is skipped, not fatal."""
+  records = []
+  with open(path) as f:
+    for line in f:
+      try:
+        records.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue
+  return records
+
+
+def _by_step(records: list[dict], kind: str) -> list[dict]:
+  """Records of one kind, one per step in step order; a step redone after a resume keeps its later record."""
+  latest = {}
+  for r in records:
+    if r.get('kind') == kind:
+      latest[r['step']] = r
+  return [latest[s] for s in sorted(latest)]
+
+
+def _mean(values: list) -> float | None:
+  values = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+  return statistics.fmean(values) if values else None
+
+
+def summarize(records: list[dict]) -> dict:
+  """Headline numbers of a run: steps, losses, tokens, throughput, MFU, goodput, events by name."""
+  train, evals = _by_step(records, 'train'), _by_step(records, 'eval')
+  s = {'steps': train[-1]['step'] if train else 0,
+       'final_loss': train[-1]['loss'] if train else None,
+       'tokens': train[-1].get('tokens') if train else None,
+       'mean_tokens_per_s': _mean([r['tokens_per_s'] for r in train]),
+       'mean_mfu': _mean([r.get('mfu') for r in train]),
+       'mean_mfu_causal': _mean([r.get('mfu_causal') for r in train])}
+  best = min((r for r in evals if math.isfinite(r['eval_loss'])), key=lambda r: r['eval_loss'], default=None)
+  s['best_eval_loss'], s['best_eval_step'] = (best['eval_loss'], best['step']) if best else (None, None)
+  # Goodput over all restarts: each process's accounting starts at its own start, so a drop in wall_s marks
+  # a new process; sum the last report of each.
+  segments = []
+  for r in records:
+    if 'wall_s' in r and 'step_s' in r:
+      if not segments or r['wall_s'] < segments[-1]['wall_s']:
+        segments.append(r)
+      else:
+        segments[-1] = r
+  wall = sum(r['wall_s'] for r in segments)
+  s['goodput'] = sum(r['step_s'] for r in segments) / wall if wall > 0 else None
+  s['processes'] = len(segments)
+  s['events'] = dict(collections.Counter(r['event'] for r in records if r.get('kind') == 'event'))
+  return s
+
+
+def _fmt(value, spec: str = '.4f', suffix: str = '') -> str:
+  return '-' if value is None else f'{value:{spec}}{suffix}'
+
+
+def summary_table(s: dict) -> str:
+  """The summary as aligned 'name  value' rows."""
+  pct = lambda x: None if x is None else 100 * x  # noqa: E731
+  rows = [
+      ('steps', str(s['steps'])),
+      ('final loss', _fmt(s['final_loss'])),
+      ('best eval loss', _fmt(s['best_eval_loss']) + (f' (step {s["best_eval_step"]})' if s['best_eval_step']
+                                                      is not None else '')),
+      ('tokens', _fmt(s['tokens'], ',')),
+      ('mean tokens/s', _fmt(s['mean_tokens_per_s'], ',.0f')),
+      ('mean MFU', _fmt(pct(s['mean_mfu']), '.1f', '%')),
+      ('mean MFU (causal)', _fmt(pct(s['mean_mfu_causal']), '.1f', '%')),
+      ('goodput', _fmt(pct(s['goodput']), '.1f', '%') + (f' over {s["processes"]} processes'
+                                                         if s['processes'] > 1 else '')),
+      ('events', ', '.join(f'{k} {v}' for k, v in sorted(s['events'].items())) or 'none'),
+  ]
+  width = max(len(name) for name, _ in rows)
+  return '\n'.join(f'{name:<{width}}  {value}' for name, value in rows)
+
+
+def plot(records: list[dict], out: str) -> None:
+  """Writes a PNG of loss (with eval loss), learning rate, gradient norm and tokens/s over steps."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use('Agg')  # no display on a training host
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+  train, evals = _by_step(records, 'train'), _by_step(records, 'eval')
+  steps = [r['step'] for r in train]
+  fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+  panels = (('loss', 'loss'), ('lr', 'learning rate'), ('grad_norm', 'gradient norm'),
+            ('tokens_per_s', 'tokens/s'))
+  for ax, (key, title) in zip(axes.flat, panels):
+    ax.plot(steps, [r[key] for r in train], label='train' if key == 'loss' else None)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+  if evals:
+    axes[0, 0].plot([r['step'] for r in evals], [r['eval_loss'] for r in evals], 'o-', label='eval')
+  axes[0, 0].legend()
+  for ax in axes[1]:
+    ax.set_xlabel('step')
+  fig.tight_layout()
+  fig.savefig(out, dpi=100)
+  plt.close(fig)
+
+
+def main(argv=None) -> int:
+  """Prints the summary table of --workdir's metrics.jsonl and writes the plot."""
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--workdir', required=True, help='the run directory holding metrics.jsonl')
+  parser.add_argument('--out', default='', help='PNG path (default <workdir>/report.png)')
+  args = parser.parse_args(argv)
+  path = os.path.join(args.workdir, 'metrics.jsonl')
+  if not os.path.exists(path):
+    print(f'no metrics.jsonl in {args.workdir}', file=sys.stderr)
+    return 2
+  records = read_metrics(path)
+  print(summary_table(summarize(records)))
+  out = args.out or os.path.join(args.workdir, 'report.png')
+  plot(records, out)
+  print(f'plot: {out}')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
