@@ -46,6 +46,18 @@ RESERVED = ('kind', 'step', 'time', 'event', 'message')  # keys every record set
 _unknown_kinds_reported = set()
 
 
+def read_metrics(path: str) -> list[dict]:
+  """The records of a metrics.jsonl; a torn last line (a crash mid-write) is skipped, not fatal."""
+  records = []
+  with open(path) as f:
+    for line in f:
+      try:
+        records.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue
+  return records
+
+
 def peak_flops(device_kind: str) -> float | None:
   """Dense bf16 peak FLOP/s of one chip of this `device.device_kind`, or None when unknown (cpu included)."""
   kind = ' '.join(device_kind.lower().split())

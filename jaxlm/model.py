@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxlm import attention as attention_lib
 from jaxlm import config as config_lib
 
 
@@ -107,27 +108,6 @@ def rope(x, positions, theta: float):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attention_mask(segment_ids):
-  """(B, 1, 1, T, S) boolean: causal, within one document, and never from padding (segment 0)."""
-  T = segment_ids.shape[1]
-  causal = jnp.tril(jnp.ones((T, T), bool))  # (T, S)
-  same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, S)
-  real = (segment_ids != 0)[:, :, None]  # (B, T, 1)
-  return (causal & same_doc & real)[:, None, None]
-
-
-def xla_attention(q, k, v, segment_ids):
-  """Reference attention: einsum scores, softmax in float32. q: (B,T,H,E); k, v: (B,S,K,E) -> (B,T,H,E)."""
-  B, T, H, E = q.shape
-  K = k.shape[2]
-  q = q.reshape(B, T, K, H // K, E)  # (B, T, K, G, E): each kv head serves G query heads
-  scores = jnp.einsum('BTKGE,BSKE->BKGTS', q, k).astype(jnp.float32) / math.sqrt(E)
-  # Finite fill, not -inf: a fully masked (padding) row then gives a uniform softmax rather than NaN.
-  scores = jnp.where(attention_mask(segment_ids), scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  return jnp.einsum('BKGTS,BSKE->BTKGE', probs, v).reshape(B, T, H, E)
-
-
 class Attention(nn.Module):
   """Multi-query / grouped-query self-attention with rotary positions, no biases."""
   m: ModelConfig
@@ -146,7 +126,7 @@ class Attention(nn.Module):
     v = jnp.einsum('BSD,DKE->BSKE', x, wv.astype(dt))
     q = nn.with_logical_constraint(q, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
     q, k = rope(q, positions, m.rope_theta), rope(k, positions, m.rope_theta)
-    out = xla_attention(q, k, v, segment_ids)  # (B, T, H, E)
+    out = attention_lib.attention(q, k, v, segment_ids, impl=m.attention)  # (B, T, H, E)
     out = nn.with_logical_constraint(out, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
     # Named so the `attn_out` remat policy can keep it instead of recomputing the whole attention.
     out = checkpoint_name(out, 'attn_out')

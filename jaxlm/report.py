@@ -11,17 +11,7 @@ import os
 import statistics
 import sys
 
-
-def read_metrics(path: str) -> list[dict]:
-  """The records of a metrics.jsonl; a torn last line (a crash mid-write) is skipped, not fatal."""
-  records = []
-  with open(path) as f:
-    for line in f:
-      try:
-        records.append(json.loads(line))
-      except json.JSONDecodeError:
-        continue
-  return records
+from jaxlm.metrics import read_metrics
 
 
 def _by_step(records: list[dict], kind: str) -> list[dict]:

@@ -22,3 +22,9 @@ jax.config.update('jax_default_matmul_precision', 'highest')
 def root() -> pathlib.Path:
   """The repository root (configs/ lives there)."""
   return ROOT
+
+
+@pytest.fixture(scope='session')
+def data_cache(tmp_path_factory) -> pathlib.Path:
+  """One prepared copy of the stdlib corpus for every test in the session (`--config.data.cache_dir`)."""
+  return tmp_path_factory.mktemp('data_cache')

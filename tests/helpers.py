@@ -33,3 +33,35 @@ def random_batch(batch: int, seq: int, vocab: int, seed: int = 0, docs: int = 1)
     positions[:, bounds[d]:bounds[d + 1]] = np.arange(bounds[d + 1] - bounds[d])
   return dict(inputs=tokens[:, :-1], targets=tokens[:, 1:], segment_ids=segment_ids, positions=positions,
               weights=np.ones((batch, seq), np.float32))
+
+
+def train_command(workdir, *overrides, config: str = 'palm_tiny') -> list[str]:
+  """The real entry point as a user types it."""
+  import sys
+  return [sys.executable, '-m', 'jaxlm.train', f'--config=configs/{config}.py', f'--workdir={workdir}',
+          *overrides]
+
+
+def train_env(devices: int = 8) -> dict:
+  """Environment for a training subprocess: `devices` fake CPU devices, unbuffered output."""
+  import os
+  return dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
+              PYTHONUNBUFFERED='1')
+
+
+def read_records(workdir, kind: str = 'train') -> list[dict]:
+  """Records of one kind from <workdir>/metrics.jsonl, in file order."""
+  import json
+  import pathlib
+  path = pathlib.Path(workdir, 'metrics.jsonl')
+  if not path.exists():
+    return []
+  records = []
+  for line in path.read_text().splitlines():
+    try:
+      r = json.loads(line)
+    except json.JSONDecodeError:  # a line cut by SIGKILL
+      continue
+    if r.get('kind') == kind:
+      records.append(r)
+  return records

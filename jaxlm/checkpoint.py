@@ -1,0 +1,242 @@
+"""Checkpoints on Orbax's CheckpointManager: async saves, exact resume, and no silent save failure.
+
+One checkpoint step holds three items: `state` (params, optimizer state, step, RNG), `data` (the Grain
+iterator's position) and `env` (a JSON record of how the run was made). Orbax writes each step to a temporary
+directory and renames it only when complete, so a partial save is never listed as a step.
+
+Failures are loud: an error from a save — raised at once, or later by the background writer — is logged as an
+event with the directory and its free space, the save is retried on the next step, and after
+`max_failures` failures in a row training stops (a public run once trained for weeks while every save failed).
+"""
+
+import importlib.metadata
+import os
+import shutil
+import subprocess
+from typing import Any, Callable
+
+import grain
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+
+EventFn = Callable[..., None]  # event(step, name, message, **fields), e.g. MetricsLogger.event
+
+
+class CheckpointError(RuntimeError):
+  """Checkpoints cannot be written or read; the message says what happened and how to fix it."""
+
+
+def environment(cfg, mesh) -> dict:
+  """A JSON record of the training environment, saved with every checkpoint."""
+  versions = {}
+  for package in ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'grain', 'sentencepiece', 'numpy'):
+    try:
+      versions[package] = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+      versions[package] = None
+  try:
+    commit = subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True, timeout=10,
+                            cwd=os.path.dirname(__file__)).stdout.strip() or None
+  except (OSError, subprocess.SubprocessError):
+    commit = None
+  return {'config': cfg.to_dict(), 'versions': versions, 'git_commit': commit, 'mesh': dict(mesh.shape),
+          'device_kind': jax.devices()[0].device_kind, 'device_count': jax.device_count(),
+          'process_count': jax.process_count()}
+
+
+def _dir_bytes(path: str) -> int:
+  total = 0
+  for base, _, files in os.walk(path):
+    for f in files:
+      try:
+        total += os.path.getsize(os.path.join(base, f))
+      except OSError:
+        pass
+  return total
+
+
+def with_shardings(abstract_tree, shardings):
+  """ShapeDtypeStructs that carry shardings: Orbax restores each array straight onto its devices."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_tree, shardings)
+
+
+class Checkpointer:
+  """Saves and restores training state in `<workdir>/checkpoints`, and refuses to fail quietly."""
+
+  def __init__(self, directory: str, ckpt_cfg, event: EventFn):
+    self.directory = os.path.abspath(directory)
+    self.cfg = ckpt_cfg
+    self.event = event
+    self.failures = 0  # consecutive failed saves
+    self.retry = False  # a save failed: try again at the next step
+    self.pending: int | None = None  # step of a save whose success is not confirmed yet
+    self.last_good: int | None = None
+    self.blocked_s = 0.0  # time the training loop spent inside save()/wait()
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=ckpt_cfg.keep, keep_period=ckpt_cfg.keep_every or None,
+        enable_async_checkpointing=ckpt_cfg.async_save, create=False)
+    self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=('state', 'data', 'env'))
+
+  def due(self, step: int, last_step: int) -> bool:
+    """Whether to save after `step`: on the interval, at the end, or to retry a failed save."""
+    every = self.cfg.every
+    return self.retry or step == last_step or (every > 0 and step % every == 0)
+
+  def save(self, step: int, state, data_iter, env: dict) -> None:
+    """Starts an (async) save of `step`; failures are counted and retried, never silent."""
+    self.poll()
+    if step in self.manager.all_steps():
+      return  # already saved (e.g. the final step of a resumed run that had finished)
+    self._warn_if_low_space(step)
+    try:
+      os.makedirs(self.directory, exist_ok=True)
+      self.manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iter),
+          env=ocp.args.JsonSave(env)), force=True)
+      self.pending = step
+      self.retry = False
+    except Exception as e:  # pylint: disable=broad-except  -- every save error must be counted
+      self._failed(step, e)
+      return
+    if not self.cfg.async_save:
+      self.poll(wait=True)
+
+  def poll(self, wait: bool = False) -> None:
+    """Confirms or fails the pending save once the background writer is done (`wait` blocks for it)."""
+    if self.pending is None:
+      return
+    if not wait and self.manager.is_saving_in_progress():
+      return
+    step, self.pending = self.pending, None
+    try:
+      self.manager.wait_until_finished()
+      self.manager.check_for_errors()
+    except Exception as e:  # pylint: disable=broad-except
+      self._failed(step, e)
+      return
+    if step not in self.manager.all_steps():
+      self._failed(step, RuntimeError('the writer reported success but the step is not on disk'))
+      return
+    self.failures, self.last_good = 0, step
+    logging.info('checkpoint %d saved in %s', step, self.directory)
+
+  def wait(self) -> None:
+    """Blocks until the pending save is complete and checked."""
+    self.poll(wait=True)
+
+  def _free_bytes(self) -> int | None:
+    path = self.directory
+    while not os.path.exists(path):
+      path = os.path.dirname(path)
+    try:
+      return shutil.disk_usage(path).free
+    except OSError:
+      return None
+
+  def _warn_if_low_space(self, step: int) -> None:
+    steps = self.manager.all_steps()
+    if not steps:
+      return
+    previous = _dir_bytes(os.path.join(self.directory, str(max(steps))))
+    free = self._free_bytes()
+    if free is not None and free < 2 * previous:
+      self.event(step, 'checkpoint_low_space',
+                 f'{free / 2**20:.1f} MiB free in {self.directory}, the last checkpoint took '
+                 f'{previous / 2**20:.1f} MiB: the next saves may fail. Free space or move --workdir.',
+                 free_bytes=free, checkpoint_bytes=previous)
+
+  def _failed(self, step: int, error: Exception) -> None:
+    self.failures += 1
+    self.retry = True
+    free = self._free_bytes()
+    free_text = 'unknown' if free is None else f'{free / 2**20:.1f} MiB'
+    message = (f'checkpoint save of step {step} failed ({self.failures}/{self.cfg.max_failures} in a row): '
+               f'{type(error).__name__}: {error}. Directory {self.directory}, free space {free_text}.')
+    self.event(step, 'checkpoint_failed', message, directory=self.directory, free_bytes=free,
+               failures=self.failures)
+    self._clean_partial()
+    if self.failures >= self.cfg.max_failures:
+      last = f'step {self.last_good}' if self.last_good is not None else 'none from this run'
+      raise CheckpointError(
+          f'{self.failures} checkpoint saves failed in a row, the last with {type(error).__name__}: {error}. '
+          f'Directory {self.directory} has {free_text} free; the newest good checkpoint is {last}. '
+          f'Fix: free disk space or make the directory writable (or pass a --workdir on another disk), then '
+          f'run the same command again to resume.')
+
+  def _clean_partial(self) -> None:
+    """Removes temporary directories left by failed saves so they cannot fill the disk further."""
+    if not os.path.isdir(self.directory):
+      return
+    for name in os.listdir(self.directory):
+      if '.orbax-checkpoint-tmp' in name:
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+  def restore(self, abstract_state, shardings, data_iter) -> Any | None:
+    """Restores the newest readable checkpoint into `shardings` (None if there is none).
+
+    A newest checkpoint that cannot be read gives a warning event and the one before it is tried; a
+    checkpoint is never deleted or overwritten here.
+    """
+    self.manager.reload()
+    target = with_shardings(abstract_state, shardings)
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      try:
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target), data=grain.checkpoint.CheckpointRestore(data_iter)))
+      except Exception as e:  # pylint: disable=broad-except  -- corrupt: fall back to an older step
+        self.event(step, 'checkpoint_unreadable',
+                   f'checkpoint {step} in {self.directory} cannot be read ({type(e).__name__}: {e}); '
+                   f'trying an older one. It is left on disk for inspection.')
+        continue
+      self.last_good = step
+      return restored['state']
+    if self.manager.all_steps():
+      raise CheckpointError(f'no checkpoint in {self.directory} could be read (see the warnings above). '
+                            f'Fix: move the directory aside to start afresh, or repair it.')
+    return None
+
+  def close(self) -> None:
+    """Waits for the last save and releases Orbax's threads."""
+    try:
+      self.wait()
+    finally:
+      self.manager.close()
+
+
+def load_params(path: str, abstract_params, shardings):
+  """Warm start: parameters only from another run's checkpoint directory (its newest step) or a step directory.
+
+  Arrays are cast to this run's dtypes; a missing parameter or a shape mismatch is a CheckpointError naming it.
+  """
+  path = os.path.abspath(os.path.expanduser(path))
+  if os.path.isdir(os.path.join(path, 'state')):  # a step directory
+    step_dir = path
+  else:
+    steps = [int(n) for n in os.listdir(path) if n.isdigit()] if os.path.isdir(path) else []
+    if not steps:
+      raise CheckpointError(f'checkpoint.init_from={path} holds no checkpoint; give a run\'s checkpoints '
+                            f'directory or one of its step directories.')
+    step_dir = os.path.join(path, str(max(steps)))
+  checkpointer = ocp.StandardCheckpointer()
+  saved = checkpointer.metadata(os.path.join(step_dir, 'state'))
+  saved = getattr(saved, 'item_metadata', saved)
+  saved_params = saved['params'] if isinstance(saved, dict) else saved.tree['params']
+  flat_saved = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(saved_params)[0]}
+  for key, want in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
+    name = jax.tree_util.keystr(key)
+    if name not in flat_saved:
+      raise CheckpointError(f'checkpoint.init_from: parameter {name} is not in {step_dir}.')
+    if tuple(flat_saved[name].shape) != tuple(want.shape):
+      raise CheckpointError(f'checkpoint.init_from: parameter {name} has shape {tuple(flat_saved[name].shape)} in '
+                            f'{step_dir} but {tuple(want.shape)} in this model; change the model config to match.')
+  # Restore with the saved dtypes onto this run's shardings, then cast (e.g. a bf16 export into fp32 masters).
+  target = jax.tree_util.tree_map_with_path(
+      lambda k, w, s: jax.ShapeDtypeStruct(w.shape, np.dtype(flat_saved[jax.tree_util.keystr(k)].dtype),
+                                           sharding=s),
+      abstract_params, shardings)
+  state = checkpointer.restore(os.path.join(step_dir, 'state'),
+                               args=ocp.args.PyTreeRestore(item={'params': target}, partial_restore=True))
+  return jax.tree.map(lambda x, w: x.astype(w.dtype), state['params'], abstract_params)
+

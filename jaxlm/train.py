@@ -1,0 +1,271 @@
+"""Train a model: `python -m jaxlm.train --config=configs/palm_small.py [--workdir=DIR] [--config.a.b=v]`.
+
+Reads top to bottom: validate the config, build the mesh, compute the abstract state and its shardings,
+initialise (or restore), then `for step: batch -> train_step -> log / eval / save`.
+"""
+
+import dataclasses
+import functools
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any, Callable
+
+from absl import app, flags, logging
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from ml_collections import config_flags
+
+from jaxlm import checkpoint as checkpoint_lib
+from jaxlm import config as config_lib
+from jaxlm import data as data_lib
+from jaxlm import metrics as metrics_lib
+from jaxlm import model as model_lib
+from jaxlm import optimizer as optimizer_lib
+from jaxlm import sharding
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file, e.g. configs/palm_small.py.',
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory (checkpoints, metrics). Default: runs/<name>.')
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything a step changes; checkpointed as one unit."""
+  step: jax.Array  # int32 scalar: optimizer steps taken
+  params: Any
+  opt_state: Any
+  rng: jax.Array  # base PRNG key; step s uses fold_in(rng, s), so resume needs no RNG bookkeeping
+
+
+@dataclasses.dataclass
+class Program:
+  """Everything built for one model on one mesh: shapes and shardings first, then the jitted functions."""
+  model: model_lib.Decoder
+  schedule: optax.Schedule
+  abstract_state: TrainState  # ShapeDtypeStructs, no memory
+  state_shardings: TrainState  # NamedShardings, same tree
+  batch_sharding: jax.sharding.NamedSharding
+  init: Callable[[], TrainState]
+  train_step: Callable[[TrainState, dict], tuple[TrainState, dict]]
+  eval_step: Callable[[Any, dict], dict]
+
+
+def build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh) -> Program:
+  """Builds the abstract state, its shardings and the jitted init / train / eval functions for `mesh`."""
+  m = model_lib.ModelConfig.from_config(model_cfg)
+  model = model_lib.Decoder(m)
+  dummy = jnp.zeros((1, 8), jnp.int32)
+
+  def init_params(rng):
+    return model.init({'params': rng}, dummy, dummy + 1, dummy)['params']
+
+  # Shapes before values: logical axis names come with the abstract (boxed) parameters.
+  boxed = jax.eval_shape(init_params, jax.random.PRNGKey(0))
+  param_logical = nn.get_partition_spec(boxed)
+  tx = optimizer_lib.make_optimizer(optim_cfg, steps, optimizer_lib.decay_mask(param_logical))
+  abstract_opt = jax.eval_shape(lambda r: tx.init(nn.unbox(init_params(r))), jax.random.PRNGKey(0))
+  replicated = jax.sharding.PartitionSpec()
+  # Adam's moments mirror the parameters, so they take the parameters' specs; counters are replicated.
+  opt_logical = optax.tree_map_params(tx, lambda _, spec: spec, abstract_opt, param_logical,
+                                      transform_non_params=lambda _: replicated,
+                                      is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  logical = TrainState(step=replicated, params=param_logical, opt_state=opt_logical, rng=replicated)
+  state_shardings = sharding.logical_to_mesh(logical, mesh)
+
+  def init(rng):
+    params = nn.unbox(init_params(jax.random.fold_in(rng, 0)))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng)
+
+  seed_key = jax.random.PRNGKey(seed)
+  abstract_state = jax.eval_shape(init, seed_key)
+  lr = optimizer_lib.schedule(optim_cfg, steps)
+  deterministic = m.dropout_rate == 0.0
+
+  def train_step(state: TrainState, batch: dict):
+    rng = jax.random.fold_in(state.rng, state.step)
+
+    def loss_of(params):
+      logits = model.apply({'params': params}, batch['inputs'], batch['segment_ids'], batch['positions'],
+                           deterministic=deterministic, rngs={'dropout': rng})
+      return model_lib.loss_fn(logits, batch['targets'], batch['weights'], m.z_loss)
+
+    (_, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(aux, grad_norm=optax.global_norm(grads), lr=lr(state.step))
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+  def eval_step(params, batch: dict):
+    logits = model.apply({'params': params}, batch['inputs'], batch['segment_ids'], batch['positions'])
+    loss, aux = model_lib.loss_fn(logits, batch['targets'], batch['weights'], 0.0)
+    n = batch['weights'].sum()
+    return {'loss_sum': aux['loss'] * n, 'tokens': n}
+
+  batch_sharding = sharding.batch_sharding(mesh)
+  return Program(
+      model=model, schedule=lr, abstract_state=abstract_state, state_shardings=state_shardings,
+      batch_sharding=batch_sharding,
+      init=functools.partial(jax.jit(init, out_shardings=state_shardings), seed_key),
+      train_step=jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                         out_shardings=(state_shardings, None), donate_argnums=0),
+      eval_step=jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding)))
+
+
+def global_batch(local: dict, batch_sharding) -> dict:
+  """Assembles each process's rows into one global array per key, laid out as `batch_sharding` says."""
+  return {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v)) for k, v in local.items()}
+
+
+def evaluate(program: Program, params, batches: list[dict]) -> float:
+  """Mean held-out cross-entropy per token over `batches` (the same batches every time)."""
+  totals = [program.eval_step(params, global_batch(b, program.batch_sharding)) for b in batches]
+  loss_sum = sum(float(t['loss_sum']) for t in totals)
+  return loss_sum / max(sum(float(t['tokens']) for t in totals), 1.0)
+
+
+def run(cfg, workdir: str) -> dict:
+  """Trains as `cfg` says, writing to `workdir`; returns the last logged metrics."""
+  acct = metrics_lib.TimeAccounting()  # wall time from process start: start-up counts against goodput
+  t = cfg.train
+  metrics_lib.enable_compilation_cache(cfg.log)
+  mesh = sharding.make_mesh(cfg.mesh)
+  primary = jax.process_index() == 0
+  log = metrics_lib.MetricsLogger(workdir, cfg.log, total_steps=t.steps, is_primary=primary, config=cfg)
+  logging.info('config:\n%s', cfg)
+  logging.info('mesh: %s on %d %s devices', dict(mesh.shape), mesh.size, jax.devices()[0].device_kind)
+
+  with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
+    program = build(cfg.model, cfg.optim, steps=t.steps, seed=t.seed, mesh=mesh)
+    logging.info('parameters (%s):\n%s', f'{model_lib.param_count(program.model.m):,}',
+                 sharding.param_table(program.abstract_state.params, program.state_shardings.params))
+    sharding.check_sharded(program.abstract_state.params, program.state_shardings.params, mesh)
+    with acct.track('compile'):  # ahead of time, so no step time hides a compile
+      train_step = program.train_step.lower(program.abstract_state, abstract_batch(cfg, program)).compile()
+    memory = metrics_lib.compiled_memory(train_step)
+    logging.info('compiled the train step in %.1fs; per device: %s', acct.last_s, metrics_lib.format_memory(memory))
+
+    vocab = cfg.model.vocab_size
+    train_iter = data_lib.make_train_iterator(cfg.data, batch_size=t.batch_size, seed=t.seed, vocab_size=vocab)
+    eval_data = data_lib.eval_batches(cfg.data, batch_size=t.batch_size, num_batches=t.eval_batches,
+                                      vocab_size=vocab)
+
+    # Restore or initialise: the newest readable checkpoint wins; the data iterator is restored with it.
+    ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), cfg.checkpoint, log.event)
+    env = checkpoint_lib.environment(cfg, mesh)
+    with acct.track('checkpoint'):
+      state = ckpt.restore(program.abstract_state, program.state_shardings, train_iter)
+    if state is not None:
+      start = int(state.step)
+      metrics_path = os.path.join(workdir, 'metrics.jsonl')
+      records = metrics_lib.read_metrics(metrics_path) if os.path.exists(metrics_path) else []
+      logged = [r['step'] for r in records if r.get('kind') == 'train']
+      redone = max(logged + [start]) - start  # steps the killed process had done past the checkpoint
+      acct.redo_steps(redone)
+      log.event(start, 'resumed', f'resumed from checkpoint step {start} in {ckpt.directory}; '
+                f'{redone} logged steps after it will be redone', redo_steps=redone)
+    else:
+      state = program.init()
+      if cfg.checkpoint.init_from:
+        params = checkpoint_lib.load_params(cfg.checkpoint.init_from, program.abstract_state.params,
+                                            program.state_shardings.params)
+        state = state.replace(params=params)
+        logging.info('warm start: parameters from %s, fresh optimizer at step 0', cfg.checkpoint.init_from)
+      start = 0
+    log.write(start, {**memory, **metrics_lib.device_memory_stats(), 'compile_s': acct.last_s}, kind='system')
+
+    # Preemption: SIGTERM / SIGINT let the current step finish, then a checkpoint is written before exit.
+    stop = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      signal.signal(sig, lambda signum, _: stop.append(signal.Signals(signum).name))
+
+    tokens_per_step = t.batch_size * cfg.data.seq_len
+    flops = model_lib.flops_per_token(program.model.m, cfg.data.seq_len)
+    flops_causal = model_lib.flops_per_token(program.model.m, cfg.data.seq_len, causal=True)
+    device_kind = jax.devices()[0].device_kind
+    slow = metrics_lib.SlowStepDetector(cfg.log.slow_step_factor, cfg.log.slow_step_count)
+    profiler = metrics_lib.Profiler(cfg.log, workdir, is_primary=primary)
+    last, window_s, window_steps, step_metrics = {}, 0.0, 0, None
+    for step in range(start, t.steps):
+      profiler.step(step, block_on=step_metrics)
+      with acct.track('data'):
+        batch = global_batch(next(train_iter), program.batch_sharding)
+      window_s += acct.last_s
+      with acct.track('step'):
+        state, step_metrics = train_step(state, batch)
+        jax.block_until_ready(step_metrics)  # step time is device time; the next batch is already prefetched
+      window_s += acct.last_s
+      window_steps += 1
+      done = step + 1
+      if message := slow.update(done, acct.last_s):
+        log.event(done, 'slow_step', message)
+      if done % t.log_every == 0 or done == t.steps:
+        tokens_per_s = window_steps * tokens_per_step / window_s
+        values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+        values.update(tokens_per_s=tokens_per_s, step_time_s=window_s / window_steps, tokens=done * tokens_per_step,
+                      mfu=metrics_lib.mfu(tokens_per_s, flops, mesh.size, device_kind),
+                      mfu_causal=metrics_lib.mfu(tokens_per_s, flops_causal, mesh.size, device_kind))
+        log.write(done, values)
+        last = values
+        window_s, window_steps = 0.0, 0
+      if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
+        with acct.track('eval'):
+          last['eval_loss'] = evaluate(program, state.params, eval_data)
+        log.write(done, {'eval_loss': last['eval_loss']}, kind='eval')
+        log.write(done, {**acct.summary(), **metrics_lib.device_memory_stats()}, kind='system')
+      with acct.track('checkpoint'):
+        ckpt.poll()
+        if stop or ckpt.due(done, t.steps):
+          ckpt.save(done, state, train_iter, env)
+        if stop:
+          ckpt.wait()
+      if stop:
+        log.event(done, 'preempted', f'{stop[0]} received: stopped after step {done}, checkpoint '
+                  f'{"saved" if ckpt.last_good == done else "NOT saved"}; run the same command to resume.')
+        break
+    profiler.stop(block_on=step_metrics)
+    with acct.track('checkpoint'):
+      ckpt.close()
+    log.write(int(state.step), acct.summary(), kind='system')
+    if primary:
+      print(acct.table(), flush=True)
+    log.close()
+  return last
+
+
+def abstract_batch(cfg, program: Program) -> dict:
+  """Shapes of one global batch, for compiling the step ahead of time."""
+  shape = (cfg.train.batch_size, cfg.data.seq_len)
+  spec = lambda dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=program.batch_sharding)
+  return dict(inputs=spec(jnp.int32), targets=spec(jnp.int32), segment_ids=spec(jnp.int32),
+              positions=spec(jnp.int32), weights=spec(jnp.float32))
+
+
+def main(argv):
+  del argv
+  cfg = _CONFIG.value
+  try:
+    config_lib.validate(cfg, jax.device_count())
+  except config_lib.ConfigError as e:
+    print(f'jaxlm: {e}', file=sys.stderr)
+    sys.exit(2)
+  workdir = _WORKDIR.value or os.path.join('runs', cfg.name)
+  try:
+    run(cfg, workdir)
+  except data_lib.DataError as e:
+    print(f'jaxlm: data error: {e}', file=sys.stderr)
+    sys.exit(2)
+  except checkpoint_lib.CheckpointError as e:
+    print(f'jaxlm: checkpoint error: {e}', file=sys.stderr)
+    sys.exit(3)
+
+
+if __name__ == '__main__':
+  flags.mark_flag_as_required('config')
+  app.run(main)

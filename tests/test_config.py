@@ -1,0 +1,76 @@
+"""Every config loads, validates and builds its abstract state; every bad config fails with a clear message."""
+
+import pathlib
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import pytest
+
+from jaxlm import config as config_lib
+from jaxlm import model as model_lib
+from jaxlm import sharding, train
+from tests.conftest import ROOT
+from tests.helpers import load_config
+
+CONFIGS = sorted(p.stem for p in (ROOT / 'configs').glob('*.py'))
+
+
+@pytest.mark.parametrize('name', CONFIGS)
+def test_config_builds_abstract_state_without_allocating(name):
+  cfg = load_config(name)
+  config_lib.validate(cfg, jax.device_count())
+  mesh = sharding.make_mesh(cfg.mesh)
+  with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
+    program = train.build(cfg.model, cfg.optim, steps=cfg.train.steps, seed=0, mesh=mesh)
+  params = program.abstract_state.params
+  assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(program.abstract_state))
+  assert sum(x.size for x in jax.tree.leaves(params)) == model_lib.param_count(program.model.m)
+  sharding.check_sharded(params, program.state_shardings.params, mesh)
+
+
+def test_reference_configs_have_palm_sizes():
+  sizes = {name: model_lib.param_count(model_lib.ModelConfig.from_config(load_config(name).model))
+           for name in ('palm_1b', 'palm_8b', 'palm_62b', 'palm_540b')}
+  assert 0.9e9 < sizes['palm_1b'] < 1.2e9
+  assert 8.0e9 < sizes['palm_8b'] < 9.0e9  # PaLM table: 8.63B
+  assert 62e9 < sizes['palm_62b'] < 63e9  # 62.50B
+  assert 540e9 < sizes['palm_540b'] < 541e9  # 540.35B
+
+
+BAD = [
+    ('mesh.fsdp', dict(mesh=dict(data=1, fsdp=3, tensor=1)), 'does not match the 8 devices'),
+    ('train.batch_size', dict(train=dict(batch_size=12), mesh=dict(data=1, fsdp=8, tensor=1)), 'use a multiple of 8'),
+    ('model.num_heads', dict(model=dict(num_heads=3, head_dim=16), mesh=dict(fsdp=-1, tensor=2)),
+     'not divisible by mesh.tensor=2'),
+    ('model.num_kv_heads', dict(model=dict(num_kv_heads=3)), 'does not divide model.num_heads'),
+    ('model.d_model', dict(model=dict(d_model=0)), 'model.d_model is 0'),
+    ('optim.lr', dict(optim=dict(lr=0.0)), 'optim.lr=0.0 must be positive'),
+    ('optim.warmup_steps', dict(optim=dict(warmup_steps=100), train=dict(steps=50)), 'shorter than train.steps'),
+    ('model.remat', dict(model=dict(remat='some')), "model.remat='some' is unknown"),
+    ('model.dtype', dict(model=dict(dtype='float8')), "model.dtype='float8' is unknown"),
+    ('data.source', dict(data=dict(source='web')), "data.source='web' is unknown"),
+    ('data.paths', dict(data=dict(source='prepared')), 'needs data.paths'),
+    ('mesh two -1', dict(mesh=dict(data=-1, fsdp=-1)), 'at most one'),
+]
+
+
+@pytest.mark.parametrize('field,overrides,message', BAD, ids=[b[0] for b in BAD])
+def test_bad_config_names_field_and_fix(field, overrides, message):
+  cfg = load_config('palm_tiny')
+  for section, values in overrides.items():
+    cfg[section].update(values)
+  with pytest.raises(config_lib.ConfigError, match=message.replace('(', r'\(').replace('.', r'\.')):
+    config_lib.validate(cfg, 8)
+
+
+def test_entry_point_reports_bad_config_without_traceback(tmp_path):
+  out = subprocess.run(
+      [sys.executable, '-m', 'jaxlm.train', '--config=configs/palm_tiny.py', f'--workdir={tmp_path}',
+       '--config.model.num_kv_heads=3', '--config.optim.lr=-1'],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert 'Traceback' not in out.stderr
+  assert 'model.num_kv_heads=3 does not divide' in out.stderr and 'optim.lr=-1' in out.stderr
+  assert not pathlib.Path(tmp_path, 'metrics.jsonl').exists()  # failed before any work
