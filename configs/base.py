@@ -75,6 +75,25 @@ def get_config() -> ml_collections.ConfigDict:
   k.max_failures = 3  # consecutive failed saves before training stops
   k.init_from = ''  # warm start: load params only from this checkpoint directory (fresh optimizer, step 0)
 
+  c.stability = y = ml_collections.ConfigDict()
+  y.policy = 'rollback'  # off | skip (log spikes, skip non-finite updates) | rollback (PaLM's remedy, automated)
+  y.window = 100  # logged values the spike detector's rolling mean and std are taken over
+  y.threshold = 6.0  # a spike: loss or grad norm above mean + threshold * std of the window
+  y.min_history = 20  # logged values needed before spikes are judged
+  y.spikes = 3  # rollback after this many spikes ...
+  y.spike_window = 50  # ... within this many steps
+  y.nonfinite_steps = 5  # non-finite loss/grads this many steps in a row: rollback (skip policy: stop)
+  y.skip_batches = 200  # batches skipped after restoring, so the offending data is not seen again
+  y.lr_factor = 1.0  # after a rollback, multiply the learning rate by this ...
+  y.lr_factor_steps = 0  # ... for this many steps (0 = not at all)
+  y.max_rollbacks = 3  # past this, stop with an error: something beyond bad luck is wrong
+
+  c.faults = f = ml_collections.ConfigDict()  # fault injection for tests and drills; empty = none
+  f.poison_batches = ''  # batch numbers (1-based, as drawn from the data) to poison, e.g. '40,41'
+  f.poison = 'random_tokens'  # random_tokens (a loss spike) | nan (non-finite loss and gradients)
+  f.lr_spike_steps = ''  # steps whose update is multiplied by lr_spike_factor, e.g. '60'
+  f.lr_spike_factor = 1000.0  # the multiplier for lr_spike_steps
+
   c.log = g = ml_collections.ConfigDict()
   g.tensorboard = True  # write TensorBoard event files to <workdir>/tb
   g.wandb = False  # also log to Weights & Biases (needs `pip install wandb`; WANDB_MODE=offline works)

@@ -16,4 +16,5 @@ def get_config():
   c.train.update(steps=30, batch_size=8, log_every=5, eval_every=0, eval_batches=2)
   c.optim.update(lr=3e-3, warmup_steps=5)
   c.checkpoint.every = 10
+  c.stability.update(spike_window=20, min_history=10)
   return c

@@ -93,8 +93,8 @@ class Checkpointer:
     try:
       os.makedirs(self.directory, exist_ok=True)
       self.manager.save(step, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iter),
-          env=ocp.args.JsonSave(env)), force=True)
+          state=ocp.args.StandardSave(state), env=ocp.args.JsonSave(env), **self._data_args(data_iter)),
+          force=True)
       self.pending = step
       self.retry = False
     except Exception as e:  # pylint: disable=broad-except  -- every save error must be counted
@@ -173,18 +173,21 @@ class Checkpointer:
       if '.orbax-checkpoint-tmp' in name:
         shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
-  def restore(self, abstract_state, shardings, data_iter) -> Any | None:
-    """Restores the newest readable checkpoint into `shardings` (None if there is none).
+  def restore(self, abstract_state, shardings, data_iter, before: int | None = None) -> Any | None:
+    """Restores the newest readable checkpoint (older than step `before`, if given) into `shardings`.
 
+    Returns None if there is none.
     A newest checkpoint that cannot be read gives a warning event and the one before it is tried; a
     checkpoint is never deleted or overwritten here.
     """
     self.manager.reload()
     target = with_shardings(abstract_state, shardings)
     for step in sorted(self.manager.all_steps(), reverse=True):
+      if before is not None and step >= before:
+        continue
       try:
         restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), data=grain.checkpoint.CheckpointRestore(data_iter)))
+            state=ocp.args.StandardRestore(target), **self._data_args(data_iter, restore=True)))
       except Exception as e:  # pylint: disable=broad-except  -- corrupt: fall back to an older step
         self.event(step, 'checkpoint_unreadable',
                    f'checkpoint {step} in {self.directory} cannot be read ({type(e).__name__}: {e}); '
@@ -192,10 +195,24 @@ class Checkpointer:
         continue
       self.last_good = step
       return restored['state']
-    if self.manager.all_steps():
+    if self.manager.all_steps() and before is None:
       raise CheckpointError(f'no checkpoint in {self.directory} could be read (see the warnings above). '
                             f'Fix: move the directory aside to start afresh, or repair it.')
     return None
+
+  @staticmethod
+  def _data_args(data_iter, restore: bool = False) -> dict:
+    """The data item, when there is an iterator to save (library users may checkpoint state alone)."""
+    if data_iter is None:
+      return {}
+    return {'data': (grain.checkpoint.CheckpointRestore if restore else grain.checkpoint.CheckpointSave)(data_iter)}
+
+  def delete_after(self, step: int) -> list[int]:
+    """Deletes checkpoints newer than `step` (after a rollback they hold the abandoned trajectory)."""
+    newer = [s for s in self.manager.all_steps() if s > step]
+    for s in newer:
+      self.manager.delete(s)
+    return newer
 
   def close(self) -> None:
     """Waits for the last save and releases Orbax's threads."""

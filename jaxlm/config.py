@@ -12,6 +12,7 @@ DTYPES = ('bfloat16', 'float32', 'float16')
 REMAT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch', 'attn_out')
 ATTENTION_IMPLS = ('xla', 'cudnn', 'splash', 'auto')
 DATA_SOURCES = ('stdlib', 'prepared')
+STABILITY_POLICIES = ('off', 'skip', 'rollback')
 
 
 class ConfigError(ValueError):
@@ -153,6 +154,22 @@ def _other_errors(c) -> list[str]:
         raise ValueError
     except ValueError:
       e.append(f'log.profile_steps={c.log.profile_steps!r} must be "first,last" with 0 <= first <= last.')
+  y = c.stability
+  if y.policy not in STABILITY_POLICIES:
+    e.append(f'stability.policy={y.policy!r} is unknown; use one of {", ".join(STABILITY_POLICIES)}.')
+  if y.window < 2 or y.threshold <= 0 or y.min_history < 2 or y.spikes < 1 or y.spike_window < 1:
+    e.append('stability.window and min_history must be >= 2, threshold > 0, spikes and spike_window >= 1.')
+  if y.nonfinite_steps < 1 or y.skip_batches < 0 or y.max_rollbacks < 0 or y.lr_factor <= 0:
+    e.append('stability.nonfinite_steps must be >= 1, skip_batches and max_rollbacks >= 0, lr_factor > 0.')
+  if y.policy == 'rollback' and c.checkpoint.every and c.checkpoint.keep * c.checkpoint.every <= y.spike_window:
+    e.append(f'stability.policy=rollback needs a checkpoint from before the first spike, but checkpoint.keep='
+             f'{c.checkpoint.keep} × checkpoint.every={c.checkpoint.every} steps do not reach back past '
+             f'stability.spike_window={y.spike_window}; raise checkpoint.keep.')
+  for key in ('poison_batches', 'lr_spike_steps'):
+    if c.faults[key] and not all(x.strip().isdigit() for x in c.faults[key].split(',')):
+      e.append(f'faults.{key}={c.faults[key]!r} must be comma-separated step numbers.')
+  if c.faults.poison not in ('random_tokens', 'nan'):
+    e.append(f'faults.poison={c.faults.poison!r} is unknown; use random_tokens or nan.')
   if c.log.slow_step_factor <= 1.0 or c.log.slow_step_count < 1:
     e.append('log.slow_step_factor must be > 1 and log.slow_step_count >= 1.')
   return e

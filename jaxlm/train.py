@@ -29,6 +29,7 @@ from jaxlm import metrics as metrics_lib
 from jaxlm import model as model_lib
 from jaxlm import optimizer as optimizer_lib
 from jaxlm import sharding
+from jaxlm import stability as stability_lib
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file, e.g. configs/palm_small.py.',
                                           lock_config=True)
@@ -42,6 +43,8 @@ class TrainState:
   params: Any
   opt_state: Any
   rng: jax.Array  # base PRNG key; step s uses fold_in(rng, s), so resume needs no RNG bookkeeping
+  lr_scale: jax.Array  # float32 multiplier on updates, set by the host (post-rollback LR, fault drills)
+  batches: jax.Array  # int32 batches drawn from the data, skipped ones included (fault injection keys on it)
 
 
 @dataclasses.dataclass
@@ -57,8 +60,14 @@ class Program:
   eval_step: Callable[[Any, dict], dict]
 
 
-def build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh) -> Program:
-  """Builds the abstract state, its shardings and the jitted init / train / eval functions for `mesh`."""
+def build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, skip_nonfinite: bool = False,
+          scale_updates: bool = False) -> Program:
+  """Builds the abstract state, its shardings and the jitted init / train / eval functions for `mesh`.
+
+  skip_nonfinite: drop updates whose gradients are not finite (optax.apply_if_finite), counting them.
+  scale_updates: multiply updates by state.lr_scale (rollback LR changes, fault drills). With both off the step
+  is exactly the plain AdamW step.
+  """
   m = model_lib.ModelConfig.from_config(model_cfg)
   model = model_lib.Decoder(m)
   dummy = jnp.zeros((1, 8), jnp.int32)
@@ -70,18 +79,23 @@ def build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh) -> Program:
   boxed = jax.eval_shape(init_params, jax.random.PRNGKey(0))
   param_logical = nn.get_partition_spec(boxed)
   tx = optimizer_lib.make_optimizer(optim_cfg, steps, optimizer_lib.decay_mask(param_logical))
+  if skip_nonfinite:
+    # The host decides what persistent NaNs mean (stability.Guard), so never let apply_if_finite give up.
+    tx = optax.apply_if_finite(tx, max_consecutive_errors=2**30)
   abstract_opt = jax.eval_shape(lambda r: tx.init(nn.unbox(init_params(r))), jax.random.PRNGKey(0))
   replicated = jax.sharding.PartitionSpec()
   # Adam's moments mirror the parameters, so they take the parameters' specs; counters are replicated.
   opt_logical = optax.tree_map_params(tx, lambda _, spec: spec, abstract_opt, param_logical,
                                       transform_non_params=lambda _: replicated,
                                       is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-  logical = TrainState(step=replicated, params=param_logical, opt_state=opt_logical, rng=replicated)
+  logical = TrainState(step=replicated, params=param_logical, opt_state=opt_logical, rng=replicated,
+                       lr_scale=replicated, batches=replicated)
   state_shardings = sharding.logical_to_mesh(logical, mesh)
 
   def init(rng):
     params = nn.unbox(init_params(jax.random.fold_in(rng, 0)))
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng,
+                      lr_scale=jnp.ones((), jnp.float32), batches=jnp.zeros((), jnp.int32))
 
   seed_key = jax.random.PRNGKey(seed)
   abstract_state = jax.eval_shape(init, seed_key)
@@ -98,9 +112,18 @@ def build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh) -> Program:
 
     (_, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    step_lr = lr(state.step)
+    if scale_updates:  # AdamW's update is linear in the learning rate, so this is an LR multiplier
+      updates = jax.tree.map(lambda u: u * state.lr_scale.astype(u.dtype), updates)
+      step_lr = step_lr * state.lr_scale
     params = optax.apply_updates(state.params, updates)
-    metrics = dict(aux, grad_norm=optax.global_norm(grads), lr=lr(state.step))
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    metrics = dict(aux, grad_norm=optax.global_norm(grads), lr=step_lr,
+                   update_ratio=optax.global_norm(updates) / optax.global_norm(state.params),
+                   **group_norms(grads))
+    if skip_nonfinite:
+      metrics.update(skipped_steps=opt_state.total_notfinite, nonfinite_run=opt_state.notfinite_count)
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, batches=state.batches + 1)
+    return new_state, metrics
 
   def eval_step(params, batch: dict):
     logits = model.apply({'params': params}, batch['inputs'], batch['segment_ids'], batch['positions'])
@@ -116,6 +139,16 @@ def build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh) -> Program:
       train_step=jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                          out_shardings=(state_shardings, None), donate_argnums=0),
       eval_step=jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding)))
+
+
+def group_norms(grads) -> dict:
+  """Gradient norm per layer group (embedding, attention, mlp, norms, unembed): where a spike starts."""
+  groups = {}
+  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    names = [str(getattr(k, 'key', k)) for k in path]
+    group = next((n for n in ('attention', 'mlp', 'unembed', 'embedding') if n in names), 'norms')
+    groups.setdefault(group, []).append(g)
+  return {f'grad_norm/{k}': optax.global_norm(v) for k, v in sorted(groups.items())}
 
 
 def global_batch(local: dict, batch_sharding) -> dict:
@@ -138,18 +171,22 @@ def run(cfg, workdir: str) -> dict:
   mesh = sharding.make_mesh(cfg.mesh)
   primary = jax.process_index() == 0
   log = metrics_lib.MetricsLogger(workdir, cfg.log, total_steps=t.steps, is_primary=primary, config=cfg)
-  logging.info('config:\n%s', cfg)
-  logging.info('mesh: %s on %d %s devices', dict(mesh.shape), mesh.size, jax.devices()[0].device_kind)
+  say = print if primary else (lambda *a, **k: None)  # the start-up report, from process 0 only
+  say(f'config:\n{cfg}')
+  say(f'mesh: {dict(mesh.shape)} on {mesh.size} {jax.devices()[0].device_kind} devices')
 
   with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
-    program = build(cfg.model, cfg.optim, steps=t.steps, seed=t.seed, mesh=mesh)
-    logging.info('parameters (%s):\n%s', f'{model_lib.param_count(program.model.m):,}',
-                 sharding.param_table(program.abstract_state.params, program.state_shardings.params))
+    faults = cfg.faults
+    program = build(cfg.model, cfg.optim, steps=t.steps, seed=t.seed, mesh=mesh,
+                    skip_nonfinite=cfg.stability.policy != 'off',
+                    scale_updates=cfg.stability.policy == 'rollback' or bool(faults.lr_spike_steps))
+    say(f'parameters ({model_lib.param_count(program.model.m):,}):\n'
+        + sharding.param_table(program.abstract_state.params, program.state_shardings.params))
     sharding.check_sharded(program.abstract_state.params, program.state_shardings.params, mesh)
     with acct.track('compile'):  # ahead of time, so no step time hides a compile
       train_step = program.train_step.lower(program.abstract_state, abstract_batch(cfg, program)).compile()
     memory = metrics_lib.compiled_memory(train_step)
-    logging.info('compiled the train step in %.1fs; per device: %s', acct.last_s, metrics_lib.format_memory(memory))
+    say(f'compiled the train step in {acct.last_s:.1f}s; per device: {metrics_lib.format_memory(memory)}')
 
     vocab = cfg.model.vocab_size
     train_iter = data_lib.make_train_iterator(cfg.data, batch_size=t.batch_size, seed=t.seed, vocab_size=vocab)
@@ -176,7 +213,7 @@ def run(cfg, workdir: str) -> dict:
         params = checkpoint_lib.load_params(cfg.checkpoint.init_from, program.abstract_state.params,
                                             program.state_shardings.params)
         state = state.replace(params=params)
-        logging.info('warm start: parameters from %s, fresh optimizer at step 0', cfg.checkpoint.init_from)
+        say(f'warm start: parameters from {cfg.checkpoint.init_from}, fresh optimizer at step 0')
       start = 0
     log.write(start, {**memory, **metrics_lib.device_memory_stats(), 'compile_s': acct.last_s}, kind='system')
 
@@ -191,18 +228,33 @@ def run(cfg, workdir: str) -> dict:
     device_kind = jax.devices()[0].device_kind
     slow = metrics_lib.SlowStepDetector(cfg.log.slow_step_factor, cfg.log.slow_step_count)
     profiler = metrics_lib.Profiler(cfg.log, workdir, is_primary=primary)
+    guard = stability_lib.Guard(cfg.stability, log.event)
+    poison_batches = stability_lib.steps_set(faults.poison_batches)
+    lr_spike_steps = stability_lib.steps_set(faults.lr_spike_steps)
     last, window_s, window_steps, step_metrics = {}, 0.0, 0, None
-    for step in range(start, t.steps):
+    step = start
+    while step < t.steps:
       profiler.step(step, block_on=step_metrics)
       with acct.track('data'):
-        batch = global_batch(next(train_iter), program.batch_sharding)
+        local = next(train_iter)
+        number = int(state.batches) + 1
+        if number in poison_batches:
+          local = stability_lib.poison(local, faults.poison, cfg.model.vocab_size, number)
+          log.event(step + 1, 'fault_injected', f'batch {number} poisoned with {faults.poison}')
+        batch = global_batch(local, program.batch_sharding)
       window_s += acct.last_s
+      lr_scale = faults.lr_spike_factor if step + 1 in lr_spike_steps else guard.lr_scale(step)
+      if lr_scale != float(state.lr_scale):
+        state = set_scalars(state, program, lr_scale=lr_scale)
+        log.event(step + 1, 'lr_scale', f'learning rate multiplied by {lr_scale:g} from step {step + 1}'
+                  if lr_scale != 1.0 else f'learning rate back on its schedule from step {step + 1}',
+                  lr_scale=lr_scale)
       with acct.track('step'):
         state, step_metrics = train_step(state, batch)
         jax.block_until_ready(step_metrics)  # step time is device time; the next batch is already prefetched
       window_s += acct.last_s
       window_steps += 1
-      done = step + 1
+      step = done = step + 1
       if message := slow.update(done, acct.last_s):
         log.event(done, 'slow_step', message)
       if done % t.log_every == 0 or done == t.steps:
@@ -214,6 +266,12 @@ def run(cfg, workdir: str) -> dict:
         log.write(done, values)
         last = values
         window_s, window_steps = 0.0, 0
+        if rollback := guard.observe(done, values):
+          with acct.track('checkpoint'):
+            state = roll_back(rollback, guard, ckpt, program, train_iter, cfg.stability, log)
+          step = int(state.step)
+          acct.redo_steps(done - step)
+          continue
       if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
         with acct.track('eval'):
           last['eval_loss'] = evaluate(program, state.params, eval_data)
@@ -239,6 +297,36 @@ def run(cfg, workdir: str) -> dict:
   return last
 
 
+def set_scalars(state: TrainState, program: Program, **values) -> TrainState:
+  """Host-side change of scalar state fields, placed as the compiled step expects them."""
+  placed = {k: jax.device_put(np.asarray(v, getattr(program.abstract_state, k).dtype),
+                              getattr(program.state_shardings, k)) for k, v in values.items()}
+  return state.replace(**placed)
+
+
+def roll_back(rollback, guard, ckpt, program: Program, train_iter, stability_cfg, log) -> TrainState:
+  """Restores the newest checkpoint before the first bad step and skips the data that led there."""
+  ckpt.wait()
+  state = ckpt.restore(program.abstract_state, program.state_shardings, train_iter, before=rollback.first_bad_step)
+  if state is None:
+    raise stability_lib.StabilityError(f'{rollback.reason}, but no checkpoint predates step '
+                                       f'{rollback.first_bad_step}. Fix: raise checkpoint.keep or lower '
+                                       f'checkpoint.every.')
+  to_step = int(state.step)
+  guard.rolled_back(to_step)
+  abandoned = ckpt.delete_after(to_step)  # saved on the bad trajectory: must never be resumed from
+  first_skipped = int(state.batches) + 1
+  for _ in range(stability_cfg.skip_batches):
+    next(train_iter)
+  state = set_scalars(state, program, batches=int(state.batches) + stability_cfg.skip_batches)
+  log.event(to_step, 'rollback',
+            f'{rollback.reason}: restored checkpoint step {to_step}, skipped batches {first_skipped}-'
+            f'{first_skipped + stability_cfg.skip_batches - 1}, deleted checkpoints {abandoned} of the abandoned '
+            f'trajectory (rollback {guard.rollbacks}/{stability_cfg.max_rollbacks})',
+            to_step=to_step, first_bad_step=rollback.first_bad_step, skipped_batches=stability_cfg.skip_batches)
+  return state
+
+
 def abstract_batch(cfg, program: Program) -> dict:
   """Shapes of one global batch, for compiling the step ahead of time."""
   shape = (cfg.train.batch_size, cfg.data.seq_len)
@@ -249,6 +337,8 @@ def abstract_batch(cfg, program: Program) -> dict:
 
 def main(argv):
   del argv
+  if not flags.FLAGS['verbosity'].present:
+    logging.set_verbosity(logging.WARNING)  # libraries' INFO chatter drowns the progress lines; -v 0 shows it
   cfg = _CONFIG.value
   try:
     config_lib.validate(cfg, jax.device_count())
@@ -264,6 +354,9 @@ def main(argv):
   except checkpoint_lib.CheckpointError as e:
     print(f'jaxlm: checkpoint error: {e}', file=sys.stderr)
     sys.exit(3)
+  except stability_lib.StabilityError as e:
+    print(f'jaxlm: training is unstable: {e}', file=sys.stderr)
+    sys.exit(4)
 
 
 if __name__ == '__main__':

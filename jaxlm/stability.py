@@ -1,0 +1,126 @@
+"""Loss-spike and NaN defence, host side: detect spikes, decide skip / rollback / stop, inject faults for drills.
+
+The device side lives in the train step: optax.apply_if_finite drops any update whose gradients are not finite
+and counts it, so a NaN never reaches the parameters and no per-step host synchronisation is needed. Here, the
+logged values are watched. Under `rollback` (PaLM section 5.1's remedy, automated): after `spikes` spikes within
+`spike_window` steps, or non-finite values for `nonfinite_steps` steps in a row, the loop restores the newest
+checkpoint from before the first bad step, skips `skip_batches` batches of data, and may lower the learning rate
+for a while.
+"""
+
+import collections
+import dataclasses
+import math
+import statistics
+
+import numpy as np
+
+
+class StabilityError(RuntimeError):
+  """Training cannot continue safely; the message says what was seen and what to try."""
+
+
+@dataclasses.dataclass
+class Rollback:
+  """What the loop must do: restore a checkpoint from before `first_bad_step`."""
+  first_bad_step: int
+  reason: str
+
+
+class SpikeDetector:
+  """A value above the rolling mean + threshold·std of the last `window` normal values is a spike.
+
+  Spikes and non-finite values are kept out of the history, so one spike does not hide the next.
+  """
+
+  def __init__(self, window: int, threshold: float, min_history: int):
+    self.threshold = threshold
+    self.min_history = min_history
+    self.history: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=window))
+
+  def update(self, values: dict[str, float]) -> dict[str, str]:
+    """Returns {name: description} for each of `values` that spiked; adds the others to the history."""
+    spikes = {}
+    for name, value in values.items():
+      if not math.isfinite(value):
+        continue
+      h = self.history[name]
+      if len(h) >= self.min_history:
+        mean, std = statistics.fmean(h), statistics.pstdev(h)
+        limit = mean + self.threshold * max(std, 1e-6 * abs(mean))
+        if value > limit:
+          spikes[name] = f'{name} {value:.4g} > mean {mean:.4g} + {self.threshold:g}·std {std:.3g} = {limit:.4g}'
+          continue
+      h.append(value)
+    return spikes
+
+
+class Guard:
+  """Applies `cfg.stability.policy` to the logged metrics; reports every event through `event`."""
+
+  def __init__(self, stability_cfg, event):
+    self.cfg = stability_cfg
+    self.event = event
+    self.detector = SpikeDetector(stability_cfg.window, stability_cfg.threshold, stability_cfg.min_history)
+    self.spike_steps: list[int] = []
+    self.skipped_total = 0
+    self.rollbacks = 0
+    self.lr_factor_until = -1  # last step of a post-rollback learning-rate change
+
+  def observe(self, step: int, values: dict) -> Rollback | None:
+    """Looks at one logged record; returns a Rollback when the policy calls for one, raises when it must stop."""
+    if self.cfg.policy == 'off':
+      return None
+    skipped = int(values.get('skipped_steps', 0))
+    if skipped > self.skipped_total:
+      self.event(step, 'skipped_step', f'{skipped - self.skipped_total} update(s) with non-finite loss or '
+                 f'gradients skipped up to step {step}; parameters and optimizer state left unchanged',
+                 skipped=skipped - self.skipped_total, total=skipped)
+      self.skipped_total = skipped
+    run = int(values.get('nonfinite_run', 0))
+    if run >= self.cfg.nonfinite_steps:
+      reason = f'loss or gradients non-finite for {run} steps in a row (steps {step - run + 1}-{step})'
+      if self.cfg.policy == 'skip':
+        raise StabilityError(f'{reason}: the model cannot recover by skipping updates. Fix: resume from an '
+                             f'earlier checkpoint with a lower optim.lr, or use stability.policy=rollback.')
+      return Rollback(step - run + 1, reason)
+    spikes = self.detector.update({k: values[k] for k in ('loss', 'grad_norm') if k in values})
+    if spikes:
+      self.spike_steps.append(step)
+      self.event(step, 'spike', '; '.join(spikes.values()), metrics=','.join(sorted(spikes)))
+    recent = [s for s in self.spike_steps if s > step - self.cfg.spike_window]
+    if self.cfg.policy == 'rollback' and len(recent) >= self.cfg.spikes:
+      return Rollback(recent[0], f'{len(recent)} spikes within {self.cfg.spike_window} steps (at {recent})')
+    return None
+
+  def rolled_back(self, to_step: int) -> None:
+    """Counts a rollback to `to_step` (raising past the cap) and forgets the abandoned steps' spikes."""
+    self.rollbacks += 1
+    if self.rollbacks > self.cfg.max_rollbacks:
+      raise StabilityError(f'{self.rollbacks - 1} rollbacks already (stability.max_rollbacks); instability keeps '
+                           f'coming back. Fix: lower optim.lr, raise optim.warmup_steps, or inspect the data '
+                           f'around the logged spikes.')
+    self.spike_steps = []
+    if self.cfg.lr_factor_steps and self.cfg.lr_factor != 1.0:
+      self.lr_factor_until = to_step + self.cfg.lr_factor_steps
+
+  def lr_scale(self, step: int) -> float:
+    """The learning-rate multiplier for the step after `step` (post-rollback factor, else 1)."""
+    return self.cfg.lr_factor if step < self.lr_factor_until else 1.0
+
+
+def steps_set(text: str) -> frozenset[int]:
+  """'3,5' -> {3, 5}."""
+  return frozenset(int(x) for x in text.split(',') if x.strip())
+
+
+def poison(batch: dict, kind: str, vocab_size: int, number: int) -> dict:
+  """Fault injection: random tokens (a loss spike) or NaN loss weights (non-finite loss and gradients)."""
+  batch = dict(batch)
+  if kind == 'random_tokens':
+    rng = np.random.default_rng(number)
+    batch['inputs'] = rng.integers(0, vocab_size, batch['inputs'].shape).astype(np.int32)
+    batch['targets'] = rng.integers(0, vocab_size, batch['targets'].shape).astype(np.int32)
+  else:
+    batch['weights'] = np.full(batch['weights'].shape, np.nan, np.float32)
+  return batch
