@@ -47,12 +47,16 @@ def get_config() -> ml_collections.ConfigDict:
   c.train = t = ml_collections.ConfigDict()
   t.steps = 200  # optimizer steps to train
   t.batch_size = 16  # global batch, in sequences
+  t.microbatches = 1  # gradient accumulation: split each batch into this many sequential microbatches
   t.seed = 0  # seeds init, dropout and the data order
   t.log_every = 10  # steps between metric records
   t.eval_every = 100  # steps between held-out evaluations (0 = only at the end)
   t.eval_batches = 8  # batches per evaluation
 
   c.optim = o = ml_collections.ConfigDict()
+  o.name = 'adamw'  # adamw | adafactor (PaLM's, factored second moments)
+  o.schedule = 'cosine'  # after warmup: cosine | linear | wsd (warmup-stable-decay) | constant
+  o.decay_fraction = 0.2  # wsd: the final fraction of steps spent decaying
   o.lr = 3e-3  # peak learning rate
   o.warmup_steps = 20  # linear warmup from 0 to `lr`
   o.final_lr_fraction = 0.1  # cosine decay ends at lr * this
@@ -61,11 +65,27 @@ def get_config() -> ml_collections.ConfigDict:
   o.eps = 1e-8  # Adam epsilon
   o.weight_decay = 0.1  # decoupled weight decay, applied to matrices only (not norms or other 1-D params)
   o.clip = 1.0  # global gradient-norm clipping threshold (0 = off)
+  o.loss_scale_init = 2.0 ** 15  # float16 compute only: initial dynamic loss scale ...
+  o.loss_scale_period = 1000  # ... doubled after this many finite steps, halved on every overflow
 
   c.mesh = s = ml_collections.ConfigDict()
   s.data = 1  # data-parallel ways (params replicated)
   s.fsdp = -1  # fully-sharded data-parallel ways (ZeRO-3: params and optimizer state sharded); -1 = the rest
   s.tensor = 1  # tensor-parallel ways (Megatron: heads and MLP hidden sharded)
+  # Multi-host: the sizes above are within one host (or TPU slice); these multiply them across hosts (or slices).
+  s.dcn_data = 1  # data-parallel ways across hosts: with fsdp=-1 this is HSDP (sharded in a host, replicated across)
+  s.dcn_fsdp = 1  # fsdp ways across hosts (parameter all-gathers cross the slow network)
+  s.dcn_tensor = 1  # tensor-parallel ways across hosts (rarely wise: every layer talks across the network)
+
+  c.dist = n = ml_collections.ConfigDict()  # multi-process jobs (jaxlm/distributed.py)
+  n.initialize = 'auto'  # join other processes: auto (a cluster is detected) | always (JAX detects) | never
+  n.coordinator = ''  # host:port of process 0 ('' = JAX_COORDINATOR_ADDRESS or the cluster's environment)
+  n.num_processes = 0  # processes in the job (0 = JAX_NUM_PROCESSES or the cluster's environment)
+  n.process_id = -1  # this process's index (-1 = JAX_PROCESS_ID or the cluster's environment)
+  n.init_timeout_s = 600  # how long processes wait for each other to start up
+  n.peer_timeout_s = 120  # a peer without heartbeat this long is dead: every other process exits
+  n.step_timeout_s = 1800  # multi-process: exit if no step finishes this long after the first (a hung peer); 0 = off
+  n.stall = ''  # drill: 'process:step' hangs that process after that step of a fresh run (tests the watchdog)
 
   c.checkpoint = k = ml_collections.ConfigDict()
   k.every = 100  # steps between checkpoints (0 = only at the end)

@@ -217,16 +217,17 @@ class Decoder(nn.Module):
     return nn.with_logical_constraint(logits, ('act_batch', 'act_seq', 'act_vocab'))
 
 
-def loss_fn(logits, targets, weights, z_loss: float):
+def loss_fn(logits, targets, weights, z_loss: float, denominator=None):
   """Mean next-token cross-entropy over weighted tokens plus PaLM's z-loss, in float32.
 
+  `denominator` (default: the sum of `weights`) lets microbatches divide by the whole batch's token count.
   z-loss = z_loss * log(Z)^2 pulls the softmax normaliser towards 1, which keeps bf16 logits from drifting
   (PaLM section 5). Returns (total loss, {'loss': cross-entropy, 'z_loss': ..., 'max_logit': ...}).
   """
   logits = logits.astype(jnp.float32)  # (B, T, V)
   log_z = jax.nn.logsumexp(logits, axis=-1)  # (B, T)
   target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # (B, T)
-  denom = jnp.maximum(weights.sum(), 1.0)
+  denom = jnp.maximum(weights.sum(), 1.0) if denominator is None else denominator
   ce = ((log_z - target_logit) * weights).sum() / denom
   zl = z_loss * (jnp.square(log_z) * weights).sum() / denom
   return ce + zl, {'loss': ce, 'z_loss': zl, 'max_logit': logits.max()}

@@ -25,6 +25,7 @@ from ml_collections import config_flags
 from jaxlm import checkpoint as checkpoint_lib
 from jaxlm import config as config_lib
 from jaxlm import data as data_lib
+from jaxlm import distributed
 from jaxlm import metrics as metrics_lib
 from jaxlm import model as model_lib
 from jaxlm import optimizer as optimizer_lib
@@ -45,6 +46,8 @@ class TrainState:
   rng: jax.Array  # base PRNG key; step s uses fold_in(rng, s), so resume needs no RNG bookkeeping
   lr_scale: jax.Array  # float32 multiplier on updates, set by the host (post-rollback LR, fault drills)
   batches: jax.Array  # int32 batches drawn from the data, skipped ones included (fault injection keys on it)
+  loss_scale: jax.Array  # float32 dynamic loss scale (float16 compute only; stays 1 otherwise)
+  good_steps: jax.Array  # int32 finite steps since the loss scale last changed
 
 
 @dataclasses.dataclass
@@ -60,16 +63,18 @@ class Program:
   eval_step: Callable[[Any, dict], dict]
 
 
-def build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, skip_nonfinite: bool = False,
-          scale_updates: bool = False) -> Program:
+def build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, microbatches: int = 1,
+          skip_nonfinite: bool = False, scale_updates: bool = False) -> Program:
   """Builds the abstract state, its shardings and the jitted init / train / eval functions for `mesh`.
 
   skip_nonfinite: drop updates whose gradients are not finite (optax.apply_if_finite), counting them.
   scale_updates: multiply updates by state.lr_scale (rollback LR changes, fault drills). With both off the step
   is exactly the plain AdamW step.
+  microbatches: gradient accumulation — the batch is split and scanned, gradients summed, same result.
   """
   m = model_lib.ModelConfig.from_config(model_cfg)
   model = model_lib.Decoder(m)
+  fp16 = m.dtype == 'float16'
   dummy = jnp.zeros((1, 8), jnp.int32)
 
   def init_params(rng):
@@ -82,20 +87,25 @@ def build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, skip_nonfinite: 
   if skip_nonfinite:
     # The host decides what persistent NaNs mean (stability.Guard), so never let apply_if_finite give up.
     tx = optax.apply_if_finite(tx, max_consecutive_errors=2**30)
-  abstract_opt = jax.eval_shape(lambda r: tx.init(nn.unbox(init_params(r))), jax.random.PRNGKey(0))
+  abstract_params = jax.eval_shape(lambda r: nn.unbox(init_params(r)), jax.random.PRNGKey(0))
+  abstract_opt = jax.eval_shape(tx.init, abstract_params)
   replicated = jax.sharding.PartitionSpec()
-  # Adam's moments mirror the parameters, so they take the parameters' specs; counters are replicated.
-  opt_logical = optax.tree_map_params(tx, lambda _, spec: spec, abstract_opt, param_logical,
-                                      transform_non_params=lambda _: replicated,
-                                      is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  # Adam's moments mirror the parameters, so they take the parameters' specs; counters, and Adafactor's
+  # factored moments (other shapes than their parameters, and small), are replicated.
+  opt_logical = optax.tree_map_params(
+      tx, lambda x, spec, p: spec if x.shape == p.shape else replicated, abstract_opt, param_logical,
+      abstract_params, transform_non_params=lambda _: replicated,
+      is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
   logical = TrainState(step=replicated, params=param_logical, opt_state=opt_logical, rng=replicated,
-                       lr_scale=replicated, batches=replicated)
+                       lr_scale=replicated, batches=replicated, loss_scale=replicated, good_steps=replicated)
   state_shardings = sharding.logical_to_mesh(logical, mesh)
 
   def init(rng):
     params = nn.unbox(init_params(jax.random.fold_in(rng, 0)))
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng,
-                      lr_scale=jnp.ones((), jnp.float32), batches=jnp.zeros((), jnp.int32))
+                      lr_scale=jnp.ones((), jnp.float32), batches=jnp.zeros((), jnp.int32),
+                      loss_scale=jnp.full((), optim_cfg.loss_scale_init if fp16 else 1.0, jnp.float32),
+                      good_steps=jnp.zeros((), jnp.int32))
 
   seed_key = jax.random.PRNGKey(seed)
   abstract_state = jax.eval_shape(init, seed_key)
@@ -104,25 +114,62 @@ def build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, skip_nonfinite: 
 
   def train_step(state: TrainState, batch: dict):
     rng = jax.random.fold_in(state.rng, state.step)
+    # Every microbatch divides by the whole batch's token count, so summed gradients equal the full batch's.
+    denominator = jnp.maximum(batch['weights'].sum(), 1.0)
+    scale = state.loss_scale if fp16 else 1.0  # float16: scale the loss up so small gradients do not flush
 
-    def loss_of(params):
-      logits = model.apply({'params': params}, batch['inputs'], batch['segment_ids'], batch['positions'],
-                           deterministic=deterministic, rngs={'dropout': rng})
-      return model_lib.loss_fn(logits, batch['targets'], batch['weights'], m.z_loss)
+    def loss_of(params, mb, mb_rng):
+      logits = model.apply({'params': params}, mb['inputs'], mb['segment_ids'], mb['positions'],
+                           deterministic=deterministic, rngs={'dropout': mb_rng})
+      total, aux = model_lib.loss_fn(logits, mb['targets'], mb['weights'], m.z_loss, denominator)
+      return total * scale, aux
 
-    (_, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
+    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+    if microbatches == 1:
+      (_, aux), grads = grad_fn(state.params, batch, rng)
+    else:
+      # (B, T) -> (M, B/M, T), taking every M-th row so each microbatch stays spread over all devices.
+      split = jax.tree.map(lambda x: x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:])
+                           .swapaxes(0, 1), batch)
+
+      def accumulate(carry, mb_and_index):
+        mb, i = mb_and_index
+        mb = {k: nn.with_logical_constraint(v, ('act_batch', 'act_seq')) for k, v in mb.items()}
+        (_, aux_i), g = grad_fn(state.params, mb, jax.random.fold_in(rng, i))
+        acc_g, acc_aux = carry
+        acc_aux = {k: jnp.maximum(acc_aux[k], v) if k == 'max_logit' else acc_aux[k] + v for k, v in aux_i.items()}
+        return (jax.tree.map(jnp.add, acc_g, g), acc_aux), None
+
+      zeros = (jax.tree.map(jnp.zeros_like, state.params),
+               {'loss': 0.0, 'z_loss': 0.0, 'max_logit': jnp.finfo(jnp.float32).min})
+      (grads, aux), _ = jax.lax.scan(accumulate, zeros, (split, jnp.arange(microbatches)))
+    loss_scale, good_steps = state.loss_scale, state.good_steps
+    if fp16:
+      grads = jax.tree.map(lambda g: g / scale, grads)
+      finite = jnp.all(jnp.array([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]))
+      # Dynamic loss scaling: halve on overflow (and drop the step), double after `period` good steps.
+      grown = good_steps + 1 >= optim_cfg.loss_scale_period
+      loss_scale = jnp.where(finite, jnp.where(grown, scale * 2, scale), jnp.maximum(scale / 2, 1.0))
+      good_steps = jnp.where(finite & ~grown, good_steps + 1, 0)
+      grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)  # an overflow is not a NaN: no skip count
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     step_lr = lr(state.step)
     if scale_updates:  # AdamW's update is linear in the learning rate, so this is an LR multiplier
       updates = jax.tree.map(lambda u: u * state.lr_scale.astype(u.dtype), updates)
       step_lr = step_lr * state.lr_scale
     params = optax.apply_updates(state.params, updates)
+    if fp16:  # an overflowed step leaves parameters and optimizer state untouched
+      params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                       (params, opt_state), (state.params, state.opt_state))
     metrics = dict(aux, grad_norm=optax.global_norm(grads), lr=step_lr,
                    update_ratio=optax.global_norm(updates) / optax.global_norm(state.params),
                    **group_norms(grads))
     if skip_nonfinite:
       metrics.update(skipped_steps=opt_state.total_notfinite, nonfinite_run=opt_state.notfinite_count)
-    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, batches=state.batches + 1)
+    if fp16:
+      metrics['loss_scale'] = loss_scale
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, batches=state.batches + 1,
+                              loss_scale=loss_scale, good_steps=good_steps)
     return new_state, metrics
 
   def eval_step(params, batch: dict):
@@ -177,7 +224,7 @@ def run(cfg, workdir: str) -> dict:
 
   with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
     faults = cfg.faults
-    program = build(cfg.model, cfg.optim, steps=t.steps, seed=t.seed, mesh=mesh,
+    program = build(cfg.model, cfg.optim, steps=t.steps, seed=t.seed, mesh=mesh, microbatches=t.microbatches,
                     skip_nonfinite=cfg.stability.policy != 'off',
                     scale_updates=cfg.stability.policy == 'rollback' or bool(faults.lr_spike_steps))
     say(f'parameters ({model_lib.param_count(program.model.m):,}):\n'
@@ -255,6 +302,7 @@ def run(cfg, workdir: str) -> dict:
       window_s += acct.last_s
       window_steps += 1
       step = done = step + 1
+      distributed.beat(done)  # the hung-peer watchdog
       if message := slow.update(done, acct.last_s):
         log.event(done, 'slow_step', message)
       if done % t.log_every == 0 or done == t.steps:
@@ -287,6 +335,7 @@ def run(cfg, workdir: str) -> dict:
         log.event(done, 'preempted', f'{stop[0]} received: stopped after step {done}, checkpoint '
                   f'{"saved" if ckpt.last_good == done else "NOT saved"}; run the same command to resume.')
         break
+    distributed.disarm()
     profiler.stop(block_on=step_metrics)
     with acct.track('checkpoint'):
       ckpt.close()
@@ -341,7 +390,8 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # libraries' INFO chatter drowns the progress lines; -v 0 shows it
   cfg = _CONFIG.value
   try:
-    config_lib.validate(cfg, jax.device_count())
+    distributed.initialize(cfg.dist)  # first of all JAX calls: joins the job's other processes, if any
+    config_lib.validate(cfg, jax.device_count(), sharding.num_processes(), sharding.num_slices())
   except config_lib.ConfigError as e:
     print(f'jaxlm: {e}', file=sys.stderr)
     sys.exit(2)
