@@ -1,0 +1,97 @@
+"""Input-pipeline throughput against what the trainer consumes, and `prepare` throughput.
+
+  python bench/data.py [--config=configs/palm_small.py] [--trainer_tokens_per_s=N] [--workers=0,2]
+
+Prepares the embedded stdlib corpus for the config's vocabulary and cap into a fresh temporary cache (timing the
+first run exactly as a first `python -m jaxlm.train` sees it: tokenizer training + tokenization), re-tokenizes
+it with that tokenizer (tokenization alone), then draws `--batches` training batches of the config's batch and
+sequence length through `jaxlm.data.make_train_iterator` for each worker count and reports tokens/s against
+`--trainer_tokens_per_s` (target: the pipeline at least 20× faster than the trainer, so it never stalls a step).
+"""
+
+import json
+import os
+import pathlib
+import runpy
+import sys
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+
+sys.path.insert(0, str(pathlib.Path(__file__).absolute().parents[1]))
+from jaxlm import data as data_lib  # noqa: E402
+from jaxlm import prepare as prepare_lib  # noqa: E402
+
+_CONFIG = flags.DEFINE_string('config', 'configs/palm_small.py', 'Config file whose data/batch settings to use.')
+# Default: palm_small's training throughput measured on this 2-core CPU (bench/mfu.py, float32 compute).
+_TRAINER = flags.DEFINE_float('trainer_tokens_per_s', 20_000.0, 'Tokens/s the train step consumes.')
+_WORKERS = flags.DEFINE_list('workers', ['0', '2'], 'data.num_workers values to measure.')
+_BATCHES = flags.DEFINE_integer('batches', 300, 'Timed batches per measurement (after 10 untimed ones).')
+_JSON = flags.DEFINE_string('json', '', 'Also write the results as one JSON object to this file.')
+
+
+def _pipeline_tokens_per_s(data_cfg, batch_size: int, vocab: int, batches: int) -> float:
+  it = data_lib.make_train_iterator(data_cfg, batch_size=batch_size, seed=0, vocab_size=vocab, process_index=0,
+                                    process_count=1)
+  for _ in range(10):  # worker start-up and read-ahead fill are not steady-state throughput
+    next(it)
+  start = time.perf_counter()
+  for _ in range(batches):
+    batch = next(it)
+  seconds = time.perf_counter() - start
+  if data_cfg.num_workers:
+    it.close()
+  return batches * batch['inputs'].size / seconds
+
+
+def main(argv) -> None:
+  del argv
+  cfg = runpy.run_path(_CONFIG.value)['get_config']()
+  d, vocab, batch_size = cfg.data, cfg.model.vocab_size, cfg.train.batch_size
+  results = {'config': cfg.name, 'batch_size': batch_size, 'seq_len': d.seq_len, 'vocab_size': vocab,
+             'cpus': os.cpu_count()}
+  with tempfile.TemporaryDirectory() as tmp:
+    d.cache_dir = os.path.join(tmp, 'cache')
+    start = time.perf_counter()
+    path = prepare_lib.stdlib_dataset(d, vocab)
+    first_run = time.perf_counter() - start
+    meta = json.load(open(os.path.join(path, 'metadata.json')))
+    mb = sum(s['bytes'] for s in meta['sources']) / 1e6
+    start = time.perf_counter()
+    prepare_lib.prepare(prepare_lib.stdlib_sources(d.stdlib_max_mb), os.path.join(tmp, 'again'),
+                        tokenizer=os.path.join(path, 'tokenizer.model'), eval_fraction=d.eval_fraction,
+                        shard_docs=64, progress=False)
+    tokenize_only = time.perf_counter() - start
+    results.update(corpus_mb=round(mb, 2), tokens=meta['tokens'], first_run_s=round(first_run, 1),
+                   prepare_mb_per_s=round(mb / first_run, 2), tokenize_only_mb_per_s=round(mb / tokenize_only, 2))
+    for w in _WORKERS.value:
+      d.num_workers = int(w)
+      results[f'pipeline_tokens_per_s_workers{w}'] = round(
+          _pipeline_tokens_per_s(d, batch_size, vocab, _BATCHES.value))
+
+  trainer = _TRAINER.value
+  rows = [('stdlib corpus', f'{results["corpus_mb"]:.1f} MB -> {results["tokens"] / 1e6:.2f}M tokens', ''),
+          ('first-run prepare (train tokenizer + tokenize)', f'{results["first_run_s"]:.1f} s',
+           f'{results["prepare_mb_per_s"]:.2f} MB/s'),
+          ('tokenize only (existing tokenizer)', f'{tokenize_only:.1f} s',
+           f'{results["tokenize_only_mb_per_s"]:.2f} MB/s'),
+          ('trainer consumes (--trainer_tokens_per_s)', f'{trainer:,.0f} tok/s', '1.0x')]
+  for w in _WORKERS.value:
+    rate = results[f'pipeline_tokens_per_s_workers{w}']
+    rows.append((f'input pipeline, num_workers={w} (B={batch_size}, T={d.seq_len})', f'{rate:,.0f} tok/s',
+                 f'{rate / trainer:,.1f}x {"OK" if rate >= 20 * trainer else "BELOW 20x TARGET"}'))
+  width = max(len(r[0]) for r in rows)
+  print(f'{"measure":<{width}}  {"value":>26}  {"rate / ratio":>22}')
+  for name, value, ratio in rows:
+    print(f'{name:<{width}}  {value:>26}  {ratio:>22}')
+  if _JSON.value:
+    with open(_JSON.value, 'w') as f:
+      json.dump(dict(results, trainer_tokens_per_s=trainer), f)
+
+
+if __name__ == '__main__':
+  logging.set_verbosity(logging.WARNING)
+  app.run(main)

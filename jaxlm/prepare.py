@@ -1,0 +1,599 @@
+"""Turns text files into training shards: clean, train or load a SentencePiece model, tokenize, write ArrayRecord.
+
+  python -m jaxlm.prepare --inputs=corpus/,extra/*.jsonl --out=data/mycorpus --vocab_size=8192 --workers=8
+
+Inputs are .txt (one document per file, or per paragraph / line with --txt_docs), .jsonl (one JSON object per
+line, text in --text_field) and .parquet (a string column named --text_field) files, directories of them
+(recursive) and globs; .gz variants of txt/jsonl are read too; any other named file is read as text. The output
+directory holds:
+
+  tokenizer.model                 the SentencePiece model (trained here, or a copy of --tokenizer)
+  train-00000.arrayrecord ...     one record per document: its token ids (uint16, or int32 for vocab > 65536),
+  eval-00000.arrayrecord ...      without BOS/EOS; the training pipeline inserts the separator itself
+  metadata.json                   counts, checksum, sources, split, dropped documents (see `_metadata`)
+
+Each shard is written to a temporary name and renamed when complete, so a run that is interrupted and started
+again with the same command skips the shards that exist. The held-out split is decided per document by a hash
+of its source name, so it never changes between runs or machines.
+
+The embedded default corpus (`stdlib_dataset`) goes through the same `prepare` function.
+"""
+
+import collections
+import contextlib
+import dataclasses
+import fcntl
+import glob
+import gzip
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import sysconfig
+import time
+from collections.abc import Iterator, Sequence
+from concurrent import futures
+
+import numpy as np
+from absl import app
+from absl import flags
+from absl import logging
+
+from jaxlm import tokenizer as tokenizer_lib
+
+FORMAT = 'jaxlm-prepared-1'  # bump when the shard layout changes; part of the stdlib cache key
+SHARD_SUFFIX = '.arrayrecord'
+SPLITS = ('train', 'eval')
+TXT_DOCS = ('file', 'paragraphs', 'lines')
+# group_size:1 puts every record in its own chunk: random access (global shuffle) reads one document, not 64k.
+ARRAY_RECORD_OPTIONS = 'group_size:1'
+
+
+class PrepareError(ValueError):
+  """Input or settings that prepare cannot use; the message says what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """One input file. `key` is its stable name (path relative to the input root): hashed for the split."""
+  path: str
+  key: str
+  size: int
+
+
+def _kind(path: str) -> str:
+  name = path.lower().removesuffix('.gz')
+  if name.endswith('.jsonl'):
+    return 'jsonl'
+  if name.endswith('.parquet'):
+    return 'parquet'
+  return 'txt'
+
+
+def _is_data_file(path: str) -> bool:
+  name = path.lower().removesuffix('.gz')
+  return name.endswith(('.txt', '.jsonl')) or path.lower().endswith('.parquet')
+
+
+def expand_inputs(specs: Sequence[str]) -> list[Source]:
+  """Files named by `specs` (files, directories searched recursively for txt/jsonl/parquet, globs), in order."""
+  sources, seen = [], set()
+  for spec in specs:
+    spec = os.path.expanduser(spec.strip())
+    if not spec:
+      continue
+    if os.path.isdir(spec):
+      found = [(p, os.path.relpath(p, spec)) for p in glob.glob(os.path.join(spec, '**', '*'), recursive=True)
+               if os.path.isfile(p) and _is_data_file(p)]
+    elif glob.has_magic(spec):
+      found = [(p, p) for p in glob.glob(spec, recursive=True) if os.path.isfile(p)]
+    elif os.path.isfile(spec):
+      found = [(spec, os.path.basename(spec))]
+    else:
+      raise PrepareError(f'input {spec!r} is neither a file, a directory nor a glob that matches anything.')
+    if not found:
+      raise PrepareError(f'input {spec!r} contains no .txt, .jsonl or .parquet files.')
+    for path, key in sorted(found, key=lambda x: x[1]):
+      real = os.path.realpath(path)
+      if real not in seen:  # the same file named twice (a dir and a glob) is read once
+        seen.add(real)
+        sources.append(Source(path=path, key=key.replace(os.sep, '/'), size=os.path.getsize(path)))
+  if not sources:
+    raise PrepareError('no input files: pass --inputs=FILE_DIR_OR_GLOB[,...]')
+  return sources
+
+
+def _open(path: str):
+  return gzip.open(path, 'rb') if path.lower().endswith('.gz') else open(path, 'rb')
+
+
+def _normalise_newlines(text: str, counts: dict) -> str:
+  if '\r' in text:  # Windows and old-Mac line endings; the tokenizer then sees one kind of newline
+    counts['repaired_line_endings'] += 1
+    text = text.replace('\r\n', '\n').replace('\r', '\n')
+  return text
+
+
+def _clean(text: str, counts: dict) -> str | None:
+  """Normalises line endings and a leading byte-order mark; None (counted) for empty documents."""
+  text = _normalise_newlines(text, counts).removeprefix('\ufeff')
+  if not text.strip():
+    counts['dropped_empty'] += 1
+    return None
+  return text
+
+
+def _decode(raw: bytes, counts: dict) -> str:
+  try:
+    return raw.decode('utf-8')
+  except UnicodeDecodeError:
+    # Keep the document: invalid byte sequences become U+FFFD, and the count says how many documents had them.
+    counts['repaired_invalid_utf8'] += 1
+    return raw.decode('utf-8', errors='replace')
+
+
+def _warn_skip(counts: dict, what: str, where: str) -> None:
+  counts[what] += 1
+  if counts[what] <= 5:  # log the first few of each kind, count all of them
+    logging.warning('prepare: skipping %s (%s)%s', where, what, '; further ones are only counted'
+                    if counts[what] == 5 else '')
+
+
+def read_documents(source: Source, counts: dict, *, text_field: str = 'text',
+                   txt_docs: str = 'file') -> Iterator[tuple[str, str]]:
+  """Yields (key, cleaned text) for each document of one file; bad records are skipped and counted."""
+  kind = _kind(source.path)
+  try:
+    if kind == 'parquet':
+      yield from _read_parquet(source, counts, text_field)
+      return
+    with _open(source.path) as f:
+      if kind == 'jsonl':
+        for line_no, raw in enumerate(f, 1):
+          if not raw.strip():
+            continue
+          try:
+            obj = json.loads(_decode(raw, counts))
+          except json.JSONDecodeError:
+            _warn_skip(counts, 'dropped_bad_json', f'{source.path}:{line_no}')
+            continue
+          value = obj.get(text_field) if isinstance(obj, dict) else None
+          if not isinstance(value, str):
+            _warn_skip(counts, 'dropped_missing_field', f'{source.path}:{line_no} has no string {text_field!r}')
+            continue
+          if (text := _clean(value, counts)) is not None:
+            yield f'{source.key}:{line_no}', text
+        return
+      raw = f.read()
+  except (OSError, EOFError, gzip.BadGzipFile) as e:
+    _warn_skip(counts, 'dropped_unreadable_files', f'{source.path}: {e}')
+    return
+  if not raw.strip():
+    _warn_skip(counts, 'dropped_empty_files', source.path)
+    return
+  text = _decode(raw, counts)
+  if txt_docs == 'file':
+    if (text := _clean(text, counts)) is not None:
+      yield source.key, text
+    return
+  text = _normalise_newlines(text, counts)
+  parts = text.split('\n') if txt_docs == 'lines' else text.split('\n\n')
+  for i, part in enumerate(parts):
+    if part.strip():  # blank separators between paragraphs/lines are layout, not dropped documents
+      yield f'{source.key}:{i}', _clean(part, counts)
+
+
+def _read_parquet(source: Source, counts: dict, text_field: str) -> Iterator[tuple[str, str]]:
+  try:
+    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top  # optional: only parquet inputs need it
+  except ImportError as e:
+    raise PrepareError(f'{source.path}: reading parquet needs pyarrow (pip install pyarrow).') from e
+  try:
+    pf = pq.ParquetFile(source.path)
+  except Exception as e:  # pyarrow raises its own ArrowInvalid/OSError family for corrupt files
+    _warn_skip(counts, 'dropped_unreadable_files', f'{source.path}: {e}')
+    return
+  names = pf.schema_arrow.names
+  if text_field not in names:
+    raise PrepareError(f'{source.path} has no column {text_field!r} (columns: {", ".join(names)}); '
+                       f'pass --text_field=NAME.')
+  row = 0
+  for batch in pf.iter_batches(columns=[text_field], batch_size=4096):
+    for value in batch.column(0).to_pylist():
+      row += 1
+      if isinstance(value, bytes):
+        value = _decode(value, counts)
+      if not isinstance(value, str):
+        _warn_skip(counts, 'dropped_missing_field', f'{source.path} row {row - 1} has no string {text_field!r}')
+        continue
+      if (text := _clean(value, counts)) is not None:
+        yield f'{source.key}:{row - 1}', text
+
+
+def is_eval(key: str, eval_fraction: float) -> bool:
+  """Whether the document named `key` is held out: a hash of the name, so stable across runs and machines."""
+  h = int.from_bytes(hashlib.sha256(key.encode('utf-8')).digest()[:8], 'big')
+  return h < eval_fraction * 2.0**64
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+  """Storage dtype of token ids: 2 bytes while they fit."""
+  return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.int32)
+
+
+def _sample_lines(sources, counts, *, text_field, txt_docs, eval_fraction, sample_bytes) -> Iterator[str]:
+  """An evenly spread sample of training-split lines, about `sample_bytes` long, for the tokenizer trainer."""
+  train_bytes = sum(s.size for s in sources) * (1.0 - eval_fraction)  # held-out documents are not sampled
+  fraction, acc, taken = min(1.0, sample_bytes / max(train_bytes, 1.0)), 0.0, 0
+  for source in sources:
+    for key, text in read_documents(source, counts, text_field=text_field, txt_docs=txt_docs):
+      if is_eval(key, eval_fraction):
+        continue
+      for line in text.split('\n'):
+        acc += fraction  # every (1/fraction)-th line, spread over the whole corpus rather than its head
+        if acc >= 1.0 and line.strip():
+          acc -= 1.0
+          taken += len(line) + 1
+          yield line
+        if taken >= sample_bytes:
+          return
+
+
+# Tokenizer worker. A module-level global so each pool process loads the model once.
+_WORKER_TOKENIZER = None
+
+
+def _init_worker(model_path: str) -> None:
+  global _WORKER_TOKENIZER
+  _WORKER_TOKENIZER = tokenizer_lib.Tokenizer(model_path)
+
+
+def _shard_name(split: str, index: int) -> str:
+  return f'{split}-{index:05d}{SHARD_SUFFIX}'
+
+
+def _write_shard(out: str, split: str, index: int, texts: list[str], dtype: str) -> dict:
+  """Tokenizes one shard's documents and writes it (temp file, then rename); returns its counts."""
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+
+  name = _shard_name(split, index)
+  final, tmp = os.path.join(out, name), os.path.join(out, f'{name}.tmp-{os.getpid()}')
+  ids = _WORKER_TOKENIZER.encode_documents(texts)
+  writer = array_record_module.ArrayRecordWriter(tmp, ARRAY_RECORD_OPTIONS)
+  tokens = 0
+  for doc in ids:
+    writer.write(np.asarray(doc, dtype=dtype).tobytes())
+    tokens += len(doc)
+  writer.close()
+  stats = {'file': name, 'documents': len(ids), 'tokens': tokens, 'bytes': sum(len(t.encode()) for t in texts)}
+  # Stats first, shard last: a shard's final name existing means its stats exist too.
+  _write_json(os.path.join(out, name.removesuffix(SHARD_SUFFIX) + '.json'), stats)
+  os.replace(tmp, final)
+  return stats
+
+
+def _shard_done(out: str, split: str, index: int) -> dict | None:
+  name = _shard_name(split, index)
+  try:
+    if os.path.exists(os.path.join(out, name)):
+      with open(os.path.join(out, name.removesuffix(SHARD_SUFFIX) + '.json')) as f:
+        return json.load(f)
+  except (OSError, json.JSONDecodeError):
+    pass
+  return None
+
+
+def _write_json(path: str, obj) -> None:
+  tmp = f'{path}.tmp-{os.getpid()}'
+  with open(tmp, 'w') as f:
+    json.dump(obj, f, indent=1)
+  os.replace(tmp, path)
+
+
+class _Progress:
+  """A one-line progress bar on stderr, redrawn at most a few times a second."""
+
+  def __init__(self, total_bytes: int, enabled: bool):
+    self.total, self.enabled, self.start, self.last = max(total_bytes, 1), enabled, time.time(), 0.0
+    self.done = self.shards = self.skipped = self.tokens = 0
+
+  def draw(self, force: bool = False) -> None:
+    now = time.time()
+    if not self.enabled or (not force and now - self.last < 0.25):
+      return
+    self.last = now
+    mb, elapsed, done = self.done / 1e6, max(now - self.start, 1e-9), min(self.done / self.total, 1.0)
+    sys.stderr.write(f'\rprepare {done:4.0%} |{"#" * int(20 * done):<20}| '
+                     f'{mb:.1f}/{self.total / 1e6:.1f} MB tokenized, {self.shards} shards written, '
+                     f'{self.skipped} kept, '
+                     f'{self.tokens / 1e6:.2f}M tokens, {mb / elapsed:.2f} MB/s ')
+    if force:
+      sys.stderr.write('\n')
+    sys.stderr.flush()
+
+
+def _plan(sources, *, vocab_size, model_type, tokenizer_sha, text_field, txt_docs, eval_fraction,
+          shard_docs, sample_mb, max_sentences, seed) -> dict:
+  """Every setting that decides the output; a re-run into the same directory must match it."""
+  return {'format': FORMAT, 'sources': [[s.key, s.size] for s in sources], 'vocab_size': vocab_size,
+          'model_type': model_type, 'tokenizer_sha256': tokenizer_sha, 'text_field': text_field,
+          'txt_docs': txt_docs, 'eval_fraction': eval_fraction, 'shard_docs': shard_docs,
+          'sample_mb': sample_mb, 'max_sentences': max_sentences, 'seed': seed}
+
+
+def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, model_type: str = 'bpe',
+            tokenizer: str = '', text_field: str = 'text', txt_docs: str = 'file', eval_fraction: float = 0.02,
+            shard_docs: int = 10_000, workers: int = 0, sample_mb: float = 100.0,
+            max_sentences: int = 1_000_000, seed: int = 0, progress: bool = True) -> dict:
+  """Prepares `sources` into `out` (resuming a previous run there); returns the metadata it wrote."""
+  if txt_docs not in TXT_DOCS:
+    raise PrepareError(f'txt_docs={txt_docs!r} is unknown; use one of {", ".join(TXT_DOCS)}.')
+  if model_type not in tokenizer_lib.MODEL_TYPES:
+    raise PrepareError(f'model_type={model_type!r} is unknown; use one of {", ".join(tokenizer_lib.MODEL_TYPES)}.')
+  if not 0.0 <= eval_fraction < 1.0:
+    raise PrepareError(f'eval_fraction={eval_fraction} must be in [0, 1).')
+  if shard_docs < 1:
+    raise PrepareError(f'shard_docs={shard_docs} must be >= 1.')
+  if tokenizer and not os.path.isfile(tokenizer):
+    raise PrepareError(f'--tokenizer={tokenizer} does not exist.')
+  start = time.time()
+  workers = workers or os.cpu_count() or 1
+  os.makedirs(out, exist_ok=True)
+  plan = _plan(sources, vocab_size=vocab_size, model_type=model_type,
+               tokenizer_sha=tokenizer_lib.file_sha256(tokenizer) if tokenizer else None, text_field=text_field,
+               txt_docs=txt_docs, eval_fraction=eval_fraction, shard_docs=shard_docs, sample_mb=sample_mb,
+               max_sentences=max_sentences, seed=seed)
+  plan_path = os.path.join(out, 'plan.json')
+  if os.path.exists(plan_path):
+    with open(plan_path) as f:
+      old = json.load(f)
+    if old != plan:
+      changed = sorted(k for k in plan if old.get(k) != plan[k])
+      raise PrepareError(f'{out} holds a preparation with different settings ({", ".join(changed)} changed); '
+                         f'use a new --out directory, or delete {out} to start over.')
+    logging.info('prepare: resuming in %s (completed shards are kept)', out)
+  else:
+    _write_json(plan_path, plan)
+  for name in os.listdir(out):  # temp files of an interrupted run; never complete, so never read
+    if '.tmp-' in name:
+      os.remove(os.path.join(out, name))
+
+  counts = _new_counts()
+  model_path = os.path.join(out, 'tokenizer.model')
+  if tokenizer:
+    if not os.path.exists(model_path):
+      shutil.copyfile(tokenizer, model_path + '.tmp-copy')
+      os.replace(model_path + '.tmp-copy', model_path)
+  elif not os.path.exists(model_path):
+    t0 = time.time()
+    lines = _sample_lines(sources, _new_counts(), text_field=text_field, txt_docs=txt_docs,
+                          eval_fraction=eval_fraction, sample_bytes=int(sample_mb * 1e6))
+    try:
+      tokenizer_lib.train(lines, model_path, vocab_size=vocab_size, model_type=model_type,
+                          max_sentences=max_sentences, num_threads=workers, seed=seed)
+    except ValueError as e:
+      raise PrepareError(str(e)) from e
+    logging.info('prepare: trained a %s SentencePiece model (vocab %d) in %.1fs', model_type, vocab_size,
+                 time.time() - t0)
+  tok = tokenizer_lib.Tokenizer(model_path)
+  if tok.eos_id < 0:
+    raise PrepareError(f'tokenizer {tokenizer or model_path} has no end-of-sequence piece (eos_id=-1); the '
+                       f'data pipeline needs one to separate documents. Train it with eos_id set.')
+  dtype = token_dtype(tok.vocab_size).name
+
+  shards = {split: [] for split in SPLITS}
+  per_source = []
+  bar = _Progress(sum(s.size for s in sources), progress)
+  pool = None
+  if workers > 1:
+    # spawn, not fork: the caller may be a training process with JAX's threads running. An executor, not a
+    # multiprocessing.Pool: a worker that dies (e.g. an unguarded calling script) raises instead of hanging.
+    pool = futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context('spawn'),
+                                       initializer=_init_worker, initargs=(model_path,))
+  else:
+    _init_worker(model_path)
+  pending = []  # (split, future), bounded so reading stays just ahead of tokenizing
+
+  def record(split: str, stats: dict, written: bool):
+    shards[split].append(stats)
+    bar.tokens += stats['tokens']
+    bar.done += stats['bytes']
+    bar.shards += written
+    bar.skipped += not written
+    bar.draw()
+
+  def submit(split: str, index: int, texts: list[str]):
+    if (done := _shard_done(out, split, index)) is not None:
+      record(split, done, written=False)
+    elif pool is None:
+      record(split, _write_shard(out, split, index, texts, dtype), written=True)
+    else:
+      pending.append((split, pool.submit(_write_shard, out, split, index, texts, dtype)))
+      while len(pending) > 2 * workers or (pending and pending[0][1].done()):
+        done_split, future = pending.pop(0)
+        record(done_split, future.result(), written=True)
+
+  try:
+    buffers = {split: [] for split in SPLITS}
+    next_index = {split: 0 for split in SPLITS}
+    for source in sources:
+      n_docs = 0
+      for key, text in read_documents(source, counts, text_field=text_field, txt_docs=txt_docs):
+        n_docs += 1
+        split = 'eval' if is_eval(key, eval_fraction) else 'train'
+        buffers[split].append(text)
+        if len(buffers[split]) == shard_docs:
+          submit(split, next_index[split], buffers[split])
+          buffers[split], next_index[split] = [], next_index[split] + 1
+      per_source.append({'key': source.key, 'path': os.path.abspath(source.path), 'bytes': source.size,
+                         'documents': n_docs})
+    for split in SPLITS:
+      if buffers[split]:
+        submit(split, next_index[split], buffers[split])
+    for split, future in pending:
+      record(split, future.result(), written=True)
+  except futures.process.BrokenProcessPool as e:
+    raise PrepareError('a tokenizer worker process died. If you call prepare from a script, guard the script '
+                       'with `if __name__ == "__main__":` (workers are spawned and re-import it), or pass '
+                       'workers=1.') from e
+  finally:
+    if pool is not None:
+      pool.shutdown(cancel_futures=True)
+  bar.done = bar.total  # cleaning removed a few bytes; the bar still ends at 100%
+  bar.draw(force=True)
+
+  meta = _metadata(out, tok, shards, per_source, counts, plan, time.time() - start)
+  if meta['splits']['train']['documents'] == 0:
+    raise PrepareError(f'no training documents were found in the inputs (skipped: {meta["dropped"]}); check '
+                       f'--inputs, --text_field and --eval_fraction.')
+  if eval_fraction > 0 and meta['splits']['eval']['documents'] == 0:
+    logging.warning('prepare: no document fell into the held-out split (eval_fraction=%g of %d documents); '
+                    'evaluation will fail on this data. Use more documents (e.g. --txt_docs=paragraphs).',
+                    eval_fraction, meta['documents'])
+  _write_json(os.path.join(out, 'metadata.json'), meta)
+  logging.info('prepare: %s: %d documents, %d tokens (%d held out), dropped %s, in %.1fs', out,
+               meta['documents'], meta['tokens'], meta['splits']['eval']['documents'], meta['dropped'],
+               meta['seconds'])
+  return meta
+
+
+def _new_counts() -> collections.Counter:
+  return collections.Counter()
+
+
+def _metadata(out, tok, shards, per_source, counts, plan, seconds) -> dict:
+  splits = {}
+  for split in SPLITS:
+    listed = sorted(shards[split], key=lambda s: s['file'])
+    splits[split] = {'documents': sum(s['documents'] for s in listed), 'tokens': sum(s['tokens'] for s in listed),
+                     'shards': listed}
+  return {
+      'format': FORMAT,
+      'documents': splits['train']['documents'] + splits['eval']['documents'],
+      'tokens': splits['train']['tokens'] + splits['eval']['tokens'],  # without the separators data.py adds
+      'vocab_size': tok.vocab_size,
+      'eos_id': tok.eos_id,
+      'bos_id': tok.bos_id,
+      'dtype': token_dtype(tok.vocab_size).name,
+      'tokenizer': 'tokenizer.model',
+      'tokenizer_sha256': tok.sha256,
+      'model_type': plan['model_type'] if plan['tokenizer_sha256'] is None else 'given',
+      'eval_fraction': plan['eval_fraction'],
+      'split_rule': 'eval if sha256(document key)[:8] as big-endian uint64 < eval_fraction * 2**64',
+      'splits': splits,
+      'dropped': {k.removeprefix('dropped_'): v for k, v in sorted(counts.items()) if k.startswith('dropped_')},
+      'repaired': {k.removeprefix('repaired_'): v for k, v in sorted(counts.items()) if k.startswith('repaired_')},
+      'sources': per_source,
+      'settings': {k: v for k, v in plan.items() if k != 'sources'},
+      'seconds': round(seconds, 2),
+  }
+
+
+def stdlib_sources(max_mb: float) -> list[Source]:
+  """This interpreter's standard-library .py files, sorted, without site-packages, up to `max_mb` MB."""
+  root = sysconfig.get_paths()['stdlib']
+  found = []
+  for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = [d for d in dirnames if d not in ('site-packages', 'dist-packages', '__pycache__')]
+    found.extend(os.path.join(dirpath, f) for f in filenames if f.endswith('.py'))
+  sources, total, cap = [], 0, int(max_mb * 1e6)
+  for path in sorted(found):
+    size = os.path.getsize(path)
+    if total + size > cap:
+      break
+    total += size
+    sources.append(Source(path=path, key=os.path.relpath(path, root).replace(os.sep, '/'), size=size))
+  return sources
+
+
+@contextlib.contextmanager
+def _file_lock(path: str):
+  with open(path, 'a') as f:
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      logging.info('prepare: another process is preparing %s; waiting for it', path.removesuffix('.lock'))
+      fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def stdlib_dataset(data_cfg, vocab_size: int, *, workers: int = 0) -> str:
+  """Directory of the prepared stdlib corpus for this Python, vocab and cap; prepares it on first use."""
+  v = sys.version_info
+  root = os.path.expanduser(data_cfg.cache_dir)
+  key = (f'stdlib-py{v.major}.{v.minor}.{v.micro}-vocab{vocab_size}-{data_cfg.stdlib_max_mb:g}mb'
+         f'-eval{data_cfg.eval_fraction:g}-{FORMAT}')
+  final = os.path.join(root, key)
+  if os.path.exists(os.path.join(final, 'metadata.json')):
+    return final
+  os.makedirs(root, exist_ok=True)
+  # Two processes (hosts of a multi-process test on one machine) may start together: the lock makes one of
+  # them prepare while the other waits; the rename publishes a complete directory or nothing.
+  with _file_lock(os.path.join(root, key + '.lock')):
+    if os.path.exists(os.path.join(final, 'metadata.json')):
+      return final
+    start = time.time()
+    sources = stdlib_sources(data_cfg.stdlib_max_mb)
+    logging.info('data: preparing the stdlib corpus (%d files, %.1f MB, vocab %d) into %s', len(sources),
+                 sum(s.size for s in sources) / 1e6, vocab_size, final)
+    partial = final + '.partial'  # fixed name: an interrupted first run resumes here
+    prepare(sources, partial, vocab_size=vocab_size, model_type='bpe', eval_fraction=data_cfg.eval_fraction,
+            shard_docs=64, workers=workers, sample_mb=100.0)
+    os.rename(partial, final)
+    logging.info('data: stdlib corpus ready in %.1fs', time.time() - start)
+  return final
+
+
+FLAGS = flags.FLAGS
+
+
+def _define_flags() -> None:
+  # Defined only when run as a program: data.py imports this module into the trainer, whose flags they would
+  # otherwise collide with.
+  flags.DEFINE_list('inputs', [], 'Files, directories and globs of .txt / .jsonl / .parquet, comma-separated.')
+  flags.DEFINE_string('out', '', 'Output directory (created; an interrupted run there is resumed).')
+  flags.DEFINE_integer('vocab_size', 8192, 'SentencePiece vocabulary size to train (<= the model vocab_size).')
+  flags.DEFINE_enum('model_type', 'bpe', tokenizer_lib.MODEL_TYPES, 'SentencePiece algorithm to train.')
+  flags.DEFINE_string('tokenizer', '', 'Use this existing SentencePiece .model instead of training one.')
+  flags.DEFINE_string('text_field', 'text', 'Field (jsonl) or column (parquet) holding the document text.')
+  flags.DEFINE_enum('txt_docs', 'file', TXT_DOCS, 'What one document is in a .txt file.')
+  flags.DEFINE_float('eval_fraction', 0.02, 'Fraction of documents held out for evaluation (by a hash of their name).')
+  flags.DEFINE_integer('shard_docs', 10_000, 'Documents per ArrayRecord shard.')
+  flags.DEFINE_integer('workers', 0, 'Tokenizer processes (0 = one per CPU core).')
+  flags.DEFINE_float('sample_mb', 100.0, 'MB of training text sampled (evenly across the corpus) for the tokenizer.')
+  flags.DEFINE_integer('max_sentences', 1_000_000, 'Most lines the SentencePiece trainer keeps from that sample.')
+  flags.DEFINE_integer('seed', 0, 'Seed of the tokenizer trainer.')
+
+
+def main(argv: Sequence[str]) -> None:
+  """`python -m jaxlm.prepare`: exit 0 when done, 2 on input or settings it cannot use."""
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if not FLAGS.inputs or not FLAGS.out:
+    print('prepare: --inputs and --out are required, e.g. --inputs=corpus/,more/*.jsonl --out=data/mine',
+          file=sys.stderr)
+    sys.exit(2)
+  try:
+    meta = prepare(expand_inputs(FLAGS.inputs), FLAGS.out, vocab_size=FLAGS.vocab_size,
+                   model_type=FLAGS.model_type, tokenizer=FLAGS.tokenizer, text_field=FLAGS.text_field,
+                   txt_docs=FLAGS.txt_docs, eval_fraction=FLAGS.eval_fraction, shard_docs=FLAGS.shard_docs,
+                   workers=FLAGS.workers, sample_mb=FLAGS.sample_mb, max_sentences=FLAGS.max_sentences,
+                   seed=FLAGS.seed)
+  except PrepareError as e:
+    print(f'prepare: {e}', file=sys.stderr)
+    sys.exit(2)
+  except KeyboardInterrupt:
+    print(f'\nprepare: interrupted; run the same command again to resume (completed shards are kept).',
+          file=sys.stderr)
+    sys.exit(130)
+  print(json.dumps({k: meta[k] for k in ('documents', 'tokens', 'vocab_size', 'dropped', 'seconds')}))
+
+
+if __name__ == '__main__':
+  _define_flags()
+  app.run(main)
