@@ -137,8 +137,9 @@ def _decode(raw: bytes, counts: dict) -> str:
 def _warn_skip(counts: dict, what: str, where: str) -> None:
   counts[what] += 1
   if counts[what] <= 5:  # log the first few of each kind, count all of them
-    logging.warning('prepare: skipping %s (%s)%s', where, what, '; further ones are only counted'
-                    if counts[what] == 5 else '')
+    # INFO, not WARNING: an empty __init__.py in the stdlib corpus is routine; the totals are in metadata.json.
+    logging.info('prepare: skipping %s (%s)%s', where, what, '; further ones are only counted'
+                 if counts[what] == 5 else '')
 
 
 def read_documents(source: Source, counts: dict, *, text_field: str = 'text',
@@ -539,13 +540,15 @@ def stdlib_dataset(data_cfg, vocab_size: int, *, workers: int = 0) -> str:
       return final
     start = time.time()
     sources = stdlib_sources(data_cfg.stdlib_max_mb)
-    logging.info('data: preparing the stdlib corpus (%d files, %.1f MB, vocab %d) into %s', len(sources),
-                 sum(s.size for s in sources) / 1e6, vocab_size, final)
+    # Printed, not logged: the trainer shows only warnings, and a first run should say why it pauses.
+    print(f'data: preparing the stdlib corpus ({len(sources)} files, {sum(s.size for s in sources) / 1e6:.1f} MB, '
+          f'vocab {vocab_size}) into {final}', file=sys.stderr, flush=True)
     partial = final + '.partial'  # fixed name: an interrupted first run resumes here
     prepare(sources, partial, vocab_size=vocab_size, model_type='bpe', eval_fraction=data_cfg.eval_fraction,
             shard_docs=64, workers=workers, sample_mb=100.0)
     os.rename(partial, final)
-    logging.info('data: stdlib corpus ready in %.1fs', time.time() - start)
+    print(f'data: stdlib corpus ready in {time.time() - start:.1f}s (reused from now on)', file=sys.stderr,
+          flush=True)
   return final
 
 
