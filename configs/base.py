@@ -48,6 +48,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.steps = 200  # optimizer steps to train
   t.batch_size = 16  # global batch, in sequences
   t.microbatches = 1  # gradient accumulation: split each batch into this many sequential microbatches
+  t.batch_ramp = ''  # smaller batches first (GPT-3, PaLM): 'size:until_tokens,...', e.g. '4:20000,8:60000'
   t.seed = 0  # seeds init, dropout and the data order
   t.log_every = 10  # steps between metric records
   t.eval_every = 100  # steps between held-out evaluations (0 = only at the end)
@@ -85,7 +86,7 @@ def get_config() -> ml_collections.ConfigDict:
   n.init_timeout_s = 600  # how long processes wait for each other to start up
   n.peer_timeout_s = 120  # a peer without heartbeat this long is dead: every other process exits
   n.step_timeout_s = 1800  # multi-process: exit if no step finishes this long after the first (a hung peer); 0 = off
-  n.stall = ''  # drill: 'process:step' hangs that process after that step of a fresh run (tests the watchdog)
+  n.stall = ''  # drill: 'process:step,...' hangs that process after that step, the i-th on the i-th attempt
 
   c.checkpoint = k = ml_collections.ConfigDict()
   k.every = 100  # steps between checkpoints (0 = only at the end)

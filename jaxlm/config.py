@@ -134,8 +134,26 @@ def _data_errors(d) -> list[str]:
   return e
 
 
+def batch_stages(train_cfg, seq_len: int) -> list[tuple[int, float]]:
+  """[(batch size, tokens before which it applies), ...] ending with (train.batch_size, inf)."""
+  stages = []
+  for item in filter(None, (x.strip() for x in train_cfg.batch_ramp.split(','))):
+    size, until = item.split(':')
+    stages.append((int(size), float(until)))
+  return stages + [(train_cfg.batch_size, math.inf)]
+
+
 def _train_errors(t, o) -> list[str]:
   e = []
+  if t.batch_ramp:
+    try:
+      stages = batch_stages(t, 1)
+    except ValueError:
+      return [f'train.batch_ramp={t.batch_ramp!r} must read "size:until_tokens,...", e.g. "4:20000,8:60000".']
+    sizes, untils = [s for s, _ in stages], [u for _, u in stages]
+    if any(b % sizes[0] for b in sizes) or untils != sorted(untils) or sizes != sorted(sizes):
+      e.append(f'train.batch_ramp={t.batch_ramp!r}: sizes must grow, each a multiple of the first, up to '
+               f'train.batch_size={t.batch_size}, at growing token counts.')
   for key in ('steps', 'batch_size', 'microbatches', 'log_every', 'eval_batches'):
     if t[key] <= 0:
       e.append(f'train.{key}={t[key]} must be a positive integer.')
@@ -173,9 +191,15 @@ def _mesh_errors(c, num_devices: int, num_processes: int, num_slices: int) -> li
              f'reads batch_size / processes rows, so use a multiple of {num_processes}.')
   m = c.model
   micro = max(c.train.microbatches, 1)
-  if c.train.batch_size % (data * fsdp * micro):
-    e.append(f'train.batch_size={c.train.batch_size} is not divisible by mesh data×fsdp × train.microbatches = '
-             f'{data}×{fsdp}×{micro}; use a multiple of {data * fsdp * micro}.')
+  try:
+    sizes = [size for size, _ in batch_stages(c.train, 1)]
+  except ValueError:
+    sizes = [c.train.batch_size]
+  for size in sizes:
+    if size % (data * fsdp * micro):
+      field = 'train.batch_size' if size == c.train.batch_size else 'train.batch_ramp size'
+      e.append(f'{field}={size} is not divisible by mesh data×fsdp × train.microbatches = '
+               f'{data}×{fsdp}×{micro}; use a multiple of {data * fsdp * micro}.')
   if m.num_heads > 0 and m.num_heads % tensor:
     e.append(f'model.num_heads={m.num_heads} is not divisible by mesh.tensor={tensor}; heads are split over '
              f'the tensor axis, so pick a tensor size that divides the head count.')
@@ -237,8 +261,8 @@ def dist_errors(n) -> list[str]:
     e.append(f'dist.coordinator={n.coordinator!r} must be host:port (process 0\'s address, a free port).')
   if n.init_timeout_s < 1 or n.peer_timeout_s < 1 or n.step_timeout_s < 0:
     e.append('dist.init_timeout_s and dist.peer_timeout_s must be >= 1; dist.step_timeout_s >= 0 (0 = off).')
-  if n.stall and not re.fullmatch(r'\d+:\d+', n.stall):
-    e.append(f'dist.stall={n.stall!r} must be "process:step", e.g. "1:12".')
+  if not re.fullmatch(r'(\d+:\d+)?(,(\d+:\d+)?)*', n.stall):
+    e.append(f'dist.stall={n.stall!r} must be comma-separated "process:step" (one per attempt), e.g. "1:12,,0:5".')
   return e
 
 

@@ -230,15 +230,27 @@ def run(cfg, workdir: str) -> dict:
     say(f'parameters ({model_lib.param_count(program.model.m):,}):\n'
         + sharding.param_table(program.abstract_state.params, program.state_shardings.params))
     sharding.check_sharded(program.abstract_state.params, program.state_shardings.params, mesh)
-    with acct.track('compile'):  # ahead of time, so no step time hides a compile
-      train_step = program.train_step.lower(program.abstract_state, abstract_batch(cfg, program)).compile()
-    memory = metrics_lib.compiled_memory(train_step)
-    say(f'compiled the train step in {acct.last_s:.1f}s; per device: {metrics_lib.format_memory(memory)}')
-
+    ramp = BatchRamp(t, cfg.data.seq_len)
+    # Data before compiling: a bad dataset fails in seconds, not after a long compile.
     vocab = cfg.model.vocab_size
-    train_iter = data_lib.make_train_iterator(cfg.data, batch_size=t.batch_size, seed=t.seed, vocab_size=vocab)
+    # The iterator yields ramp units (the first stage's size); a step draws size // unit of them, so the
+    # iterator's position stays exact across stages and across resume.
+    train_iter = data_lib.make_train_iterator(cfg.data, batch_size=ramp.unit, seed=t.seed, vocab_size=vocab)
     eval_data = data_lib.eval_batches(cfg.data, batch_size=t.batch_size, num_batches=t.eval_batches,
                                       vocab_size=vocab)
+
+    compiled = {}
+
+    def step_for(size: int):
+      """The train step compiled ahead of time for this batch size (one per ramp stage)."""
+      if size not in compiled:
+        with acct.track('compile'):  # ahead of time, so no step time hides a compile
+          compiled[size] = program.train_step.lower(
+              program.abstract_state, abstract_batch(size, cfg.data.seq_len, program.batch_sharding)).compile()
+      return compiled[size]
+
+    memory = metrics_lib.compiled_memory(step_for(t.batch_size))
+    say(f'compiled the train step in {acct.last_s:.1f}s; per device: {metrics_lib.format_memory(memory)}')
 
     # Restore or initialise: the newest readable checkpoint wins; the data iterator is restored with it.
     ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), cfg.checkpoint, log.event)
@@ -269,7 +281,6 @@ def run(cfg, workdir: str) -> dict:
     for sig in (signal.SIGTERM, signal.SIGINT):
       signal.signal(sig, lambda signum, _: stop.append(signal.Signals(signum).name))
 
-    tokens_per_step = t.batch_size * cfg.data.seq_len
     flops = model_lib.flops_per_token(program.model.m, cfg.data.seq_len)
     flops_causal = model_lib.flops_per_token(program.model.m, cfg.data.seq_len, causal=True)
     device_kind = jax.devices()[0].device_kind
@@ -278,12 +289,13 @@ def run(cfg, workdir: str) -> dict:
     guard = stability_lib.Guard(cfg.stability, log.event)
     poison_batches = stability_lib.steps_set(faults.poison_batches)
     lr_spike_steps = stability_lib.steps_set(faults.lr_spike_steps)
-    last, window_s, window_steps, step_metrics = {}, 0.0, 0, None
+    last, window_s, window_steps, window_tokens, step_metrics = {}, 0.0, 0, 0, None
     step = start
     while step < t.steps:
       profiler.step(step, block_on=step_metrics)
+      size = ramp.size(step)
       with acct.track('data'):
-        local = next(train_iter)
+        local = ramp.draw(train_iter, size)
         number = int(state.batches) + 1
         if number in poison_batches:
           local = stability_lib.poison(local, faults.poison, cfg.model.vocab_size, number)
@@ -297,26 +309,28 @@ def run(cfg, workdir: str) -> dict:
                   if lr_scale != 1.0 else f'learning rate back on its schedule from step {step + 1}',
                   lr_scale=lr_scale)
       with acct.track('step'):
-        state, step_metrics = train_step(state, batch)
+        state, step_metrics = step_for(size)(state, batch)
         jax.block_until_ready(step_metrics)  # step time is device time; the next batch is already prefetched
       window_s += acct.last_s
       window_steps += 1
+      window_tokens += size * cfg.data.seq_len
       step = done = step + 1
       distributed.beat(done)  # the hung-peer watchdog
       if message := slow.update(done, acct.last_s):
         log.event(done, 'slow_step', message)
       if done % t.log_every == 0 or done == t.steps:
-        tokens_per_s = window_steps * tokens_per_step / window_s
+        tokens_per_s = window_tokens / window_s
         values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
-        values.update(tokens_per_s=tokens_per_s, step_time_s=window_s / window_steps, tokens=done * tokens_per_step,
+        values.update(tokens_per_s=tokens_per_s, step_time_s=window_s / window_steps, tokens=ramp.tokens(done),
+                      batch_size=size,
                       mfu=metrics_lib.mfu(tokens_per_s, flops, mesh.size, device_kind),
                       mfu_causal=metrics_lib.mfu(tokens_per_s, flops_causal, mesh.size, device_kind))
         log.write(done, values)
         last = values
-        window_s, window_steps = 0.0, 0
+        window_s, window_steps, window_tokens = 0.0, 0, 0
         if rollback := guard.observe(done, values):
           with acct.track('checkpoint'):
-            state = roll_back(rollback, guard, ckpt, program, train_iter, cfg.stability, log)
+            state = roll_back(rollback, guard, ckpt, program, train_iter, cfg.stability, log, ramp)
           step = int(state.step)
           acct.redo_steps(done - step)
           continue
@@ -337,6 +351,8 @@ def run(cfg, workdir: str) -> dict:
         break
     distributed.disarm()
     profiler.stop(block_on=step_metrics)
+    if hasattr(train_iter, 'close'):
+      train_iter.close()  # stops Grain's worker processes (data.num_workers > 0)
     with acct.track('checkpoint'):
       ckpt.close()
     log.write(int(state.step), acct.summary(), kind='system')
@@ -353,7 +369,7 @@ def set_scalars(state: TrainState, program: Program, **values) -> TrainState:
   return state.replace(**placed)
 
 
-def roll_back(rollback, guard, ckpt, program: Program, train_iter, stability_cfg, log) -> TrainState:
+def roll_back(rollback, guard, ckpt, program: Program, train_iter, stability_cfg, log, ramp) -> TrainState:
   """Restores the newest checkpoint before the first bad step and skips the data that led there."""
   ckpt.wait()
   state = ckpt.restore(program.abstract_state, program.state_shardings, train_iter, before=rollback.first_bad_step)
@@ -365,8 +381,8 @@ def roll_back(rollback, guard, ckpt, program: Program, train_iter, stability_cfg
   guard.rolled_back(to_step)
   abandoned = ckpt.delete_after(to_step)  # saved on the bad trajectory: must never be resumed from
   first_skipped = int(state.batches) + 1
-  for _ in range(stability_cfg.skip_batches):
-    next(train_iter)
+  for i in range(stability_cfg.skip_batches):
+    ramp.draw(train_iter, ramp.size(to_step + i))
   state = set_scalars(state, program, batches=int(state.batches) + stability_cfg.skip_batches)
   log.event(to_step, 'rollback',
             f'{rollback.reason}: restored checkpoint step {to_step}, skipped batches {first_skipped}-'
@@ -376,12 +392,44 @@ def roll_back(rollback, guard, ckpt, program: Program, train_iter, stability_cfg
   return state
 
 
-def abstract_batch(cfg, program: Program) -> dict:
+def abstract_batch(batch_size: int, seq_len: int, batch_sharding) -> dict:
   """Shapes of one global batch, for compiling the step ahead of time."""
-  shape = (cfg.train.batch_size, cfg.data.seq_len)
-  spec = lambda dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=program.batch_sharding)
+  spec = lambda dtype: jax.ShapeDtypeStruct((batch_size, seq_len), dtype, sharding=batch_sharding)
   return dict(inputs=spec(jnp.int32), targets=spec(jnp.int32), segment_ids=spec(jnp.int32),
               positions=spec(jnp.int32), weights=spec(jnp.float32))
+
+
+class BatchRamp:
+  """Batch size per step under `train.batch_ramp` (a single stage when there is no ramp)."""
+
+  def __init__(self, train_cfg, seq_len: int):
+    stages = config_lib.batch_stages(train_cfg, seq_len)
+    self.unit = stages[0][0]
+    self.starts = []  # (first step, batch size, tokens before that step)
+    step, tokens = 0, 0
+    for size, until in stages:
+      self.starts.append((step, size, tokens))
+      if until != float('inf'):
+        n = max(0, -(-(int(until) - tokens) // (size * seq_len)))  # steps until `until` tokens are reached
+        step, tokens = step + n, tokens + n * size * seq_len
+    self.seq_len = seq_len
+
+  def _stage(self, step: int):
+    return [s for s in self.starts if s[0] <= step][-1]
+
+  def size(self, step: int) -> int:
+    """Global batch size of the step after `step` steps are done."""
+    return self._stage(step)[1]
+
+  def tokens(self, steps: int) -> int:
+    """Tokens trained on after `steps` steps."""
+    first, size, tokens = self._stage(steps)
+    return tokens + (steps - first) * size * self.seq_len
+
+  def draw(self, it, size: int) -> dict:
+    """One local batch of `size` (global) rows: size // unit consecutive draws from the iterator."""
+    parts = [next(it) for _ in range(size // self.unit)]
+    return parts[0] if len(parts) == 1 else {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
 def main(argv):

@@ -83,3 +83,25 @@ def test_schedules(name, expected):
   lr = optimizer.schedule(o, total_steps=100)
   for step, value in expected.items():
     np.testing.assert_allclose(float(lr(step)), value, atol=1e-6, err_msg=f'{name} at {step}')
+
+
+def test_batch_ramp_one_compile_per_stage_and_exact_resume_across_stages(tmp_path, data_cache):
+  import shutil
+  from tests.helpers import read_records
+  cfg = load_config('palm_tiny')
+  cfg.data.cache_dir = str(data_cache)
+  cfg.mesh.update(fsdp=2, tensor=4)
+  cfg.train.update(steps=20, log_every=1, batch_ramp='2:2000,4:5000', batch_size=8)
+  cfg.checkpoint.update(every=5, keep=5)
+  train.run(cfg, str(tmp_path / 'full'))
+  records = read_records(tmp_path / 'full')
+  # 64-token rows: 2 rows per step until 2,048 tokens (16 steps), then 4 until 5,120, then 8.
+  assert [r['batch_size'] for r in records] == [2] * 16 + [4] * 4
+  assert records[-1]['tokens'] == 16 * 2 * 64 + 4 * 4 * 64
+  # Resume from step 10 (before the stage change): the same losses, so the iterator's position was exact.
+  (tmp_path / 'resumed' / 'checkpoints').mkdir(parents=True)
+  shutil.copytree(tmp_path / 'full' / 'checkpoints' / '10', tmp_path / 'resumed' / 'checkpoints' / '10')
+  train.run(cfg, str(tmp_path / 'resumed'))
+  resumed = read_records(tmp_path / 'resumed')
+  assert [r['step'] for r in resumed] == list(range(11, 21))
+  assert [r['loss'] for r in resumed] == [r['loss'] for r in records[10:]]
