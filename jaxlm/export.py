@@ -1,0 +1,368 @@
+"""Export a checkpoint as a Hugging Face model directory that `transformers` loads with no jaxlm code.
+
+  python -m jaxlm.export --workdir=runs/palm_small [--step=N] --out=hf/palm_small [--dtype=bfloat16]
+
+The sequential block (`parallel_block=False`: RMSNorm, attention then SwiGLU) is Llama and is written as
+`LlamaForCausalLM`. PaLM's parallel block (one bias-free LayerNorm feeding attention and SwiGLU side by side) is
+Cohere's block and is written as `CohereForCausalLM`. The output directory holds model.safetensors, config.json,
+generation_config.json and the run's tokenizer (tokenizer.model plus an equivalent tokenizer.json, so AutoTokenizer
+needs neither network nor the sentencepiece package).
+
+Mappings that need care, each exact up to float rounding (the tests check logits to 1e-4 and greedy decoding):
+  * RoPE: jaxlm pairs dims (i, i + E/2) (half-split, as Llama); Cohere pairs (2i, 2i + 1) (interleaved), so
+    query and key output columns are permuted within each head for Cohere. q·k is unchanged by permuting both.
+  * Tied logits are scaled by 1/sqrt(D) in jaxlm. Cohere has exactly that knob (`logit_scale`) and stays tied;
+    Llama has none, so a tied sequential model is written untied with lm_head = embedding / sqrt(D): the same
+    function (x·e/sqrt(D) == x·(e/sqrt(D))), at the cost of a second V x D table.
+  * Cohere's LayerNorm is (x - mean) * rsqrt(var + eps) * weight with no bias, in float32: jaxlm's `Norm`.
+A model that none of these covers is refused (ExportError), never exported approximately.
+"""
+
+import json
+import math
+import os
+import shutil
+import sys
+
+import jax
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import app, flags, logging
+
+from jaxlm import model as model_lib
+
+DTYPES = ('float32', 'bfloat16', 'float16')
+
+
+class ExportError(ValueError):
+  """A checkpoint or model that cannot be exported faithfully; the message says why and what to do."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading a run: its step directory, saved config and parameters (numpy on the host, no optimizer shapes needed).
+
+
+def step_dir(workdir: str, step: int | None = None) -> str:
+  """<workdir>/checkpoints/<step>, the newest step when `step` is None."""
+  root = os.path.join(os.path.abspath(os.path.expanduser(workdir)), 'checkpoints')
+  steps = sorted(int(n) for n in os.listdir(root) if n.isdigit()) if os.path.isdir(root) else []
+  if not steps:
+    raise ExportError(f'{root} holds no checkpoint; give the --workdir of a run that saved one.')
+  if step is None:
+    step = steps[-1]
+  elif step not in steps:
+    raise ExportError(f'step {step} is not in {root}; saved steps: {", ".join(map(str, steps))}.')
+  return os.path.join(root, str(step))
+
+
+def read_config(path: str) -> ml_collections.ConfigDict:
+  """The resolved config a run saved in a step directory's `env` item."""
+  try:
+    env = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(os.path.join(path, 'env'))
+    return ml_collections.ConfigDict(env['config'])
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise ExportError(f'{path} has no readable env item with the run\'s config ({type(e).__name__}: {e}); was it '
+                      f'written by jaxlm.train or jaxlm.import_hf?') from e
+
+
+def read_params(path: str) -> dict:
+  """The `params` subtree of a step directory's `state` item as numpy arrays; the rest is never read."""
+  state_path = os.path.join(path, 'state')
+  checkpointer = ocp.PyTreeCheckpointer()
+  meta = checkpointer.metadata(state_path)
+  tree = getattr(getattr(meta, 'item_metadata', meta), 'tree', meta)
+  if 'params' not in tree:
+    raise ExportError(f'{state_path} has no params (keys: {", ".join(tree)}).')
+  as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree['params'])
+  restored = checkpointer.restore(state_path, args=ocp.args.PyTreeRestore(
+      item={'params': tree['params']}, restore_args={'params': as_numpy}, partial_restore=True))
+  return restored['params']
+
+
+def layer_params(params: dict, num_layers: int) -> list[dict]:
+  """Per-layer parameter dicts, whether the layers were scanned (stacked on axis 0) or unrolled."""
+  if 'layers' in params:
+    return [jax.tree.map(lambda x, i=i: x[i], params['layers']) for i in range(num_layers)]
+  return [params[f'layers_{i}'] for i in range(num_layers)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# jaxlm <-> Hugging Face layouts. Torch's Linear stores (out, in), so every jaxlm (in, out) matrix is transposed.
+
+
+def interleave_permutation(head_dim: int) -> np.ndarray:
+  """Column order that turns half-split RoPE pairs (i, i+E/2) into interleaved pairs (2i, 2i+1)."""
+  half = head_dim // 2
+  return np.stack([np.arange(half), np.arange(half) + half], axis=-1).reshape(-1)
+
+
+def architecture(m: model_lib.ModelConfig) -> str:
+  """The Hugging Face class that computes exactly this model, or an ExportError saying why there is none."""
+  if m.d_model % m.num_heads:
+    # transformers validates hidden_size % num_attention_heads == 0 even when head_dim is given explicitly.
+    raise ExportError(f'd_model={m.d_model} is not a multiple of num_heads={m.num_heads}: transformers refuses '
+                      f'such a config, so there is no faithful Hugging Face equivalent.')
+  if m.parallel_block and m.head_dim != m.d_model // m.num_heads:
+    raise ExportError(f'head_dim={m.head_dim} differs from d_model/num_heads={m.d_model // m.num_heads}: '
+                      f'Cohere (the parallel block) derives head_dim from the widths, so this model has no '
+                      f'faithful Hugging Face equivalent.')
+  return 'CohereForCausalLM' if m.parallel_block else 'LlamaForCausalLM'
+
+
+def to_hf(params: dict, m: model_lib.ModelConfig) -> dict[str, np.ndarray]:
+  """Hugging Face state dict (name -> float32 numpy) of jaxlm `params`."""
+  cohere = architecture(m) == 'CohereForCausalLM'
+  D, H, K, E = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim
+  f32 = lambda x: np.asarray(x, np.float32)
+  rope_order = interleave_permutation(E) if cohere else np.arange(E)
+  out = {'model.embed_tokens.weight': f32(params['embedding'])}  # (V, D)
+  for i, p in enumerate(layer_params(params, m.num_layers)):
+    pre = f'model.layers.{i}.'
+    a, mlp = p['attention'], p['mlp']
+    out[pre + 'self_attn.q_proj.weight'] = f32(a['query'])[:, :, rope_order].reshape(D, H * E).T
+    out[pre + 'self_attn.k_proj.weight'] = f32(a['key'])[:, :, rope_order].reshape(D, K * E).T
+    out[pre + 'self_attn.v_proj.weight'] = f32(a['value']).reshape(D, K * E).T
+    out[pre + 'self_attn.o_proj.weight'] = f32(a['out']).reshape(H * E, D).T
+    out[pre + 'mlp.gate_proj.weight'] = f32(mlp['gate']).T  # (F, D)
+    out[pre + 'mlp.up_proj.weight'] = f32(mlp['up']).T
+    out[pre + 'mlp.down_proj.weight'] = f32(mlp['down']).T  # (D, F)
+    if cohere:
+      out[pre + 'input_layernorm.weight'] = f32(p['norm']['scale'])
+    else:
+      out[pre + 'input_layernorm.weight'] = f32(p['attn_norm']['scale'])
+      out[pre + 'post_attention_layernorm.weight'] = f32(p['mlp_norm']['scale'])
+  out['model.norm.weight'] = f32(params['final_norm']['scale'])
+  if not m.tie_embeddings:
+    out['lm_head.weight'] = f32(params['unembed']).T  # (V, D)
+  elif not cohere:
+    out['lm_head.weight'] = out['model.embed_tokens.weight'] / np.float32(math.sqrt(D))
+  return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def hf_config(m: model_lib.ModelConfig, *, max_positions: int, dtype: str, bos_id: int, eos_id: int) -> dict:
+  """config.json for `m`, readable by transformers 4.4x (rope_theta) and 5.x (rope_parameters) alike."""
+  cohere = architecture(m) == 'CohereForCausalLM'
+  c = {
+      'architectures': [architecture(m)], 'model_type': 'cohere' if cohere else 'llama',
+      'vocab_size': m.vocab_size, 'hidden_size': m.d_model, 'intermediate_size': m.mlp_dim,
+      'num_hidden_layers': m.num_layers, 'num_attention_heads': m.num_heads, 'num_key_value_heads': m.num_kv_heads,
+      'hidden_act': 'silu', 'max_position_embeddings': max_positions,  # lm-eval truncates contexts to this
+      'rope_theta': m.rope_theta, 'rope_parameters': {'rope_type': 'default', 'rope_theta': m.rope_theta},
+      'rope_scaling': None, 'attention_bias': False, 'attention_dropout': 0.0, 'initializer_range': 0.02,
+      'bos_token_id': bos_id, 'eos_token_id': eos_id, 'pad_token_id': None, 'use_cache': True,
+      'torch_dtype': dtype, 'dtype': dtype,
+  }
+  if cohere:
+    c.update(layer_norm_eps=m.norm_eps, use_qk_norm=False, tie_word_embeddings=m.tie_embeddings,
+             logit_scale=1.0 / math.sqrt(m.d_model) if m.tie_embeddings else 1.0)
+  else:
+    c.update(rms_norm_eps=m.norm_eps, mlp_bias=False, head_dim=m.head_dim, pretraining_tp=1,
+             tie_word_embeddings=False)
+  return c
+
+
+def save_safetensors(tensors: dict[str, np.ndarray], path: str, dtype: str = 'float32') -> None:
+  """Writes `tensors` cast to `dtype` as one safetensors file (format 'pt', which transformers requires)."""
+  try:
+    import ml_dtypes  # a JAX dependency: numpy's bfloat16
+    from safetensors.numpy import save_file
+  except ImportError as e:
+    raise ExportError(f'export needs the safetensors package: pip install safetensors ({e}).') from e
+  np_dtype = {'float32': np.float32, 'float16': np.float16, 'bfloat16': ml_dtypes.bfloat16}[dtype]
+  tmp = f'{path}.tmp-{os.getpid()}'
+  save_file({k: np.ascontiguousarray(v.astype(np_dtype)) for k, v in tensors.items()}, tmp,
+            metadata={'format': 'pt'})
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(tmp, 0o666 & ~umask)  # the writer creates the file owner-only; give it the usual permissions
+  os.replace(tmp, path)
+
+
+def _write_json(path: str, obj) -> None:
+  with open(path, 'w') as f:
+    json.dump(obj, f, indent=2, sort_keys=True)
+    f.write('\n')
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The tokenizer: the run's SentencePiece model, also as an equivalent `tokenizers` tokenizer.json.
+
+
+def find_tokenizer(data_cfg, vocab_size: int) -> str | None:
+  """The SentencePiece .model the run's data was tokenized with, or None (with the reason logged)."""
+  from jaxlm import data as data_lib  # the data pipeline knows where prepared data keeps its tokenizer
+  try:
+    return data_lib.tokenizer_path(data_cfg, vocab_size)
+  except Exception as e:  # pylint: disable=broad-except  -- a missing tokenizer only skips the tokenizer files
+    logging.warning('the run\'s tokenizer was not found: %s', e)
+    return None
+
+
+def sentencepiece_to_tokenizers(model_path: str):
+  """A `tokenizers.Tokenizer` that encodes and decodes exactly as the SentencePiece model at `model_path`.
+
+  Built from the model's own pieces and scores: BPE merges are the pairs whose concatenation is a piece, ranked
+  by the merged piece's score (SentencePiece merges the best-scoring adjacent pair first); Unigram keeps the
+  scores. The normaliser repeats SentencePiece's: optional charsmap, whitespace collapsing, dummy prefix, and
+  spaces as '▁'. No pre-tokenizer: every piece lies inside one SentencePiece "word" (a whitespace run then
+  non-whitespace), so segmenting the whole string gives the same result as segmenting word by word.
+  """
+  from sentencepiece import sentencepiece_model_pb2
+  from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
+
+  proto = sentencepiece_model_pb2.ModelProto()
+  with open(model_path, 'rb') as f:
+    proto.ParseFromString(f.read())
+  trainer, norm = proto.trainer_spec, proto.normalizer_spec
+  if trainer.treat_whitespace_as_suffix:
+    raise ExportError('the SentencePiece model treats whitespace as a suffix; tokenizers cannot mirror that.')
+  pieces = [(p.piece, p.score) for p in proto.pieces]
+  normal, unknown, control, user, byte = 1, 2, 3, 4, 6  # ModelProto.SentencePiece.Type
+  if trainer.model_type == trainer.UNIGRAM:
+    model = models.Unigram(pieces, unk_id=trainer.unk_id, byte_fallback=trainer.byte_fallback)
+  elif trainer.model_type == trainer.BPE:
+    vocab = {piece: i for i, (piece, _) in enumerate(pieces)}
+    mergeable = {p.piece: p.score for p in proto.pieces if p.type in (normal, user)}
+    merges = []
+    for piece, score in mergeable.items():
+      for cut in range(1, len(piece)):
+        left, right = piece[:cut], piece[cut:]
+        if left in mergeable and right in mergeable:
+          merges.append((-score, vocab[piece], vocab[left], vocab[right], left, right))
+    merges = [(left, right) for *_, left, right in sorted(merges)]
+    model = models.BPE(vocab, merges, unk_token=trainer.unk_piece, fuse_unk=True,
+                       byte_fallback=trainer.byte_fallback)
+  else:
+    raise ExportError(f'SentencePiece model type {trainer.model_type} is neither BPE nor Unigram.')
+  tok = Tokenizer(model)
+  steps = [normalizers.Precompiled(norm.precompiled_charsmap)] if norm.precompiled_charsmap else []
+  if norm.remove_extra_whitespaces:
+    steps += [normalizers.Strip(left=True, right=True), normalizers.Replace(Regex(' {2,}'), ' ')]
+  if norm.add_dummy_prefix:
+    steps.append(normalizers.Prepend('▁'))
+  steps.append(normalizers.Replace(' ', '▁'))
+  tok.normalizer = normalizers.Sequence(steps)
+  dec = [decoders.Replace('▁', ' '), decoders.ByteFallback(), decoders.Fuse()]
+  if norm.add_dummy_prefix:
+    dec.append(decoders.Strip(' ', 1, 0))  # SentencePiece drops the dummy prefix's space when decoding
+  tok.decoder = decoders.Sequence(dec)
+  tok.add_special_tokens([AddedToken(p.piece, special=True, normalized=False)
+                          for p in proto.pieces if p.type in (control, unknown)])
+  tok.add_tokens([AddedToken(p.piece, special=False, normalized=False) for p in proto.pieces if p.type == user])
+  del byte  # byte pieces (<0x0A>) stay ordinary vocabulary: ByteFallback decodes them
+  return tok
+
+
+def write_tokenizer(model_path: str, out: str, *, model_max_length: int) -> list[str]:
+  """Writes tokenizer.model, tokenizer.json, tokenizer_config.json and special_tokens_map.json; returns names.
+
+  jaxlm feeds every document as [EOS, d1, ..., dn] (data.py): EOS is the document-start token the model was
+  trained with, and SentencePiece's own <s> is never seen. So the exported tokenizer's BOS *is* the EOS piece,
+  and encoding with special tokens (the transformers default; lm-eval's `add_bos_token=True`) prepends it.
+  tokenizer.json is skipped (with a warning) if the `tokenizers` package is missing.
+  """
+  import sentencepiece as spm
+  sp = spm.SentencePieceProcessor(model_file=model_path)
+  if sp.eos_id() < 0:
+    raise ExportError(f'{model_path} has no EOS piece; jaxlm data always has one (prepare refuses otherwise).')
+  shutil.copyfile(model_path, os.path.join(out, 'tokenizer.model'))
+  written = ['tokenizer.model']
+  eos = sp.id_to_piece(sp.eos_id())
+  special = {'bos_token': eos, 'eos_token': eos}
+  for key, i in (('unk_token', sp.unk_id()), ('pad_token', sp.pad_id())):
+    if i >= 0:
+      special[key] = sp.id_to_piece(i)
+  try:
+    from tokenizers import processors
+    tok = sentencepiece_to_tokenizers(model_path)
+  except ImportError as e:
+    logging.warning('tokenizer.json not written (%s); AutoTokenizer will convert tokenizer.model itself.', e)
+    tok = None
+  if tok is not None:
+    tok.post_processor = processors.TemplateProcessing(single=f'{eos} $A', pair=f'{eos} $A {eos} $B:1',
+                                                       special_tokens=[(eos, sp.eos_id())])
+    tok.save(os.path.join(out, 'tokenizer.json'))
+    written.append('tokenizer.json')
+  # With tokenizer.json, the generic fast class uses it as is (LlamaTokenizer in transformers 5 rebuilds its own
+  # pre-tokenizer, which differs from SentencePiece on leading spaces); without it, LlamaTokenizer converts the
+  # .model (BPE only).
+  config = dict(special, tokenizer_class='PreTrainedTokenizerFast' if tok else 'LlamaTokenizer',
+                add_bos_token=True, add_eos_token=False, clean_up_tokenization_spaces=False, legacy=True,
+                model_max_length=model_max_length)
+  _write_json(os.path.join(out, 'tokenizer_config.json'), config)
+  _write_json(os.path.join(out, 'special_tokens_map.json'), special)
+  return written + ['tokenizer_config.json', 'special_tokens_map.json']
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def export(workdir: str, out: str, *, step: int | None = None, dtype: str = 'float32',
+           tokenizer: str | None = None) -> dict:
+  """Writes the Hugging Face directory `out` for a run's checkpoint; returns a summary of what was written."""
+  if dtype not in DTYPES:
+    raise ExportError(f'--dtype={dtype} is unknown; use one of {", ".join(DTYPES)}.')
+  path = step_dir(workdir, step)
+  cfg = read_config(path)
+  m = model_lib.ModelConfig.from_config(cfg.model)
+  arch = architecture(m)  # refuse before reading any weights
+  tensors = to_hf(read_params(path), m)
+  beside = os.path.join(workdir, 'tokenizer.model')  # put there by jaxlm.import_hf
+  tokenizer = tokenizer or (beside if os.path.isfile(beside) else find_tokenizer(cfg.data, m.vocab_size))
+  eos_id = 2  # SentencePiece's default, used when the tokenizer is not found
+  if tokenizer:
+    import sentencepiece as spm
+    eos_id = spm.SentencePieceProcessor(model_file=tokenizer).eos_id()
+  bos_id = eos_id  # documents start with EOS in training (see write_tokenizer)
+  os.makedirs(out, exist_ok=True)
+  save_safetensors(tensors, os.path.join(out, 'model.safetensors'), dtype)
+  seq_len = int(cfg.data.seq_len)
+  _write_json(os.path.join(out, 'config.json'),
+              hf_config(m, max_positions=seq_len, dtype=dtype, bos_id=bos_id, eos_id=eos_id))
+  _write_json(os.path.join(out, 'generation_config.json'),
+              {'bos_token_id': bos_id, 'eos_token_id': eos_id, 'do_sample': False})
+  files = ['model.safetensors', 'config.json', 'generation_config.json']
+  if tokenizer:
+    files += write_tokenizer(tokenizer, out, model_max_length=seq_len)
+  notes = []
+  if not tokenizer:
+    notes.append('the run\'s tokenizer was not found (see the warning above): weights only; pass '
+                 '--tokenizer=PATH.model to ship one')
+  if m.tie_embeddings and arch == 'LlamaForCausalLM':
+    notes.append('tied embeddings written untied for Llama: lm_head = embedding / sqrt(d_model)')
+  return {'out': os.path.abspath(out), 'step': int(os.path.basename(path)), 'architecture': arch,
+          'dtype': dtype, 'files': files, 'tokenizer': tokenizer, 'notes': notes}
+
+
+FLAGS = flags.FLAGS
+
+
+def _define_flags() -> None:
+  # Defined only when run as a program: tests import this module beside the trainer, whose flags would
+  # otherwise collide.
+  flags.DEFINE_string('workdir', None, 'Run directory (holds checkpoints/).')
+  flags.DEFINE_integer('step', None, 'Checkpoint step to export (default: the newest).')
+  flags.DEFINE_string('out', None, 'Output directory for the Hugging Face model.')
+  flags.DEFINE_enum('dtype', 'float32', DTYPES, 'dtype of the written weights.')
+  flags.DEFINE_string('tokenizer', None, 'SentencePiece .model to ship (default: <workdir>/tokenizer.model if '
+                      'present, else the one the run\'s data was prepared with).')
+
+
+def main(argv):
+  del argv
+  try:
+    summary = export(FLAGS.workdir, FLAGS.out, step=FLAGS.step, dtype=FLAGS.dtype, tokenizer=FLAGS.tokenizer)
+  except ExportError as e:
+    print(f'jaxlm.export: {e}', file=sys.stderr)
+    sys.exit(2)
+  print(f'exported step {summary["step"]} as {summary["architecture"]} ({summary["dtype"]}) to {summary["out"]}: '
+        f'{", ".join(summary["files"])}')
+  for note in summary['notes']:
+    print(f'note: {note}')
+
+
+if __name__ == '__main__':
+  _define_flags()
+  flags.mark_flags_as_required(['workdir', 'out'])
+  app.run(main)

@@ -1,0 +1,217 @@
+"""Import a local Hugging Face Llama checkpoint as a jaxlm warm start, for continued pre-training or fine-tuning.
+
+  python -m jaxlm.import_hf --hf_dir=path/to/llama --out=runs/llama_import [--config=configs/base.py]
+
+Writes <out>/checkpoints/0/ with a `state` item holding {step: 0, params} in the TrainState layout and an `env`
+item with the resolved config, copies a SentencePiece tokenizer.model if the directory has one, and prints the
+config overrides that build the same model and point `checkpoint.init_from` at it; train with those in a new
+--workdir (fresh optimizer, step 0).
+
+Only safetensors files are read: pickled PyTorch files (*.bin, *.pt) are refused, because unpickling one can run
+arbitrary code. Only what jaxlm's sequential block computes exactly is accepted: a config with RoPE scaling,
+attention or MLP biases, another activation, sliding-window attention or quantisation is refused by name.
+Tied Hugging Face embeddings become untied jaxlm ones (jaxlm ties with a 1/sqrt(D) logit scale Llama lacks).
+"""
+
+import glob
+import json
+import os
+import runpy
+import shutil
+import sys
+
+import jax
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import app, flags
+
+from jaxlm import model as model_lib
+
+PICKLE_SUFFIXES = ('.bin', '.pt', '.pth', '.ckpt', '.pkl')
+# Keys that change what a Llama-family config computes; any of them set to something jaxlm cannot do is refused.
+_UNSUPPORTED = {
+    'attention_bias': (False, None), 'mlp_bias': (False, None), 'sliding_window': (None,),
+    'use_sliding_window': (False, None), 'partial_rotary_factor': (1.0, None), 'quantization_config': (None,),
+    'attn_logit_softcapping': (None,), 'final_logit_softcapping': (None,), 'logit_scale': (1.0, None),
+}
+
+
+class HFImportError(ValueError):
+  """A Hugging Face directory jaxlm cannot import exactly; the message says why."""
+
+
+def _rope_theta(hf: dict) -> float:
+  """RoPE base from either config style; refuses any scaled RoPE (linear, dynamic, yarn, llama3, ...)."""
+  scaling = hf.get('rope_scaling')
+  params = hf.get('rope_parameters') or {}
+  kind = (scaling or {}).get('rope_type') or (scaling or {}).get('type') or params.get('rope_type', 'default')
+  if kind != 'default':
+    raise HFImportError(f'rope scaling {scaling or params} is not supported: jaxlm implements plain RoPE only.')
+  return float(params.get('rope_theta') or hf.get('rope_theta') or 10_000.0)
+
+
+def model_overrides(hf: dict) -> dict:
+  """cfg.model values that compute what the Hugging Face `config.json` dict `hf` describes."""
+  if hf.get('model_type') != 'llama':
+    raise HFImportError(f'model_type={hf.get("model_type")!r}: only Llama-architecture checkpoints '
+                        f'(model_type "llama") can be imported.')
+  if hf.get('hidden_act', 'silu') != 'silu':
+    raise HFImportError(f'hidden_act={hf["hidden_act"]!r}: jaxlm\'s MLP is SwiGLU (silu) only.')
+  for key, allowed in _UNSUPPORTED.items():
+    if key in hf and hf[key] not in allowed:
+      raise HFImportError(f'{key}={hf[key]!r} is not supported by jaxlm (it needs {allowed[0]!r}).')
+  D, H = hf['hidden_size'], hf['num_attention_heads']
+  K = hf.get('num_key_value_heads') or H
+  E = hf.get('head_dim') or D // H
+  if H % K or E % 2:
+    raise HFImportError(f'num_key_value_heads={K} must divide num_attention_heads={H}, and head_dim={E} be even.')
+  return dict(vocab_size=hf['vocab_size'], d_model=D, num_layers=hf['num_hidden_layers'], num_heads=H,
+              num_kv_heads=K, head_dim=E, mlp_dim=hf['intermediate_size'], parallel_block=False,
+              tie_embeddings=False, rope_theta=_rope_theta(hf), norm_eps=float(hf.get('rms_norm_eps', 1e-6)))
+
+
+def read_safetensors(hf_dir: str) -> dict[str, np.ndarray]:
+  """All tensors of a directory's *.safetensors files as numpy; refuses pickled weights."""
+  files = sorted(glob.glob(os.path.join(hf_dir, '*.safetensors')))
+  if not files:
+    pickled = [f for f in os.listdir(hf_dir) if f.endswith(PICKLE_SUFFIXES)]
+    if pickled:
+      raise HFImportError(f'{hf_dir} has only pickled weights ({", ".join(sorted(pickled)[:3])}): loading a '
+                          f'pickle can run arbitrary code, so jaxlm reads safetensors only. Convert them in a '
+                          f'sandbox you trust (load with transformers, then save_pretrained(..., '
+                          f'safe_serialization=True)).')
+    raise HFImportError(f'{hf_dir} has no *.safetensors files.')
+  try:
+    from safetensors.numpy import load_file
+  except ImportError as e:
+    raise HFImportError(f'importing needs the safetensors package: pip install safetensors ({e}).') from e
+  tensors = {}
+  for f in files:
+    tensors.update(load_file(f))
+  return tensors
+
+
+def from_hf(tensors: dict[str, np.ndarray], m: model_lib.ModelConfig, *, scan_layers: bool) -> dict:
+  """jaxlm params (float32 numpy) of a Hugging Face Llama state dict: the inverse of export.to_hf."""
+  D, H, K, E, L = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.num_layers
+  tensors = {k.removeprefix('model.'): v for k, v in tensors.items()}
+
+  def get(name, shape=None):
+    if name not in tensors:
+      raise HFImportError(f'tensor {name!r} is missing from the checkpoint.')
+    x = np.asarray(tensors[name], np.float32)
+    if shape is not None and x.shape != shape:
+      raise HFImportError(f'tensor {name!r} has shape {x.shape}, config.json implies {shape}.')
+    return x
+
+  layers = []
+  for i in range(L):
+    pre = f'layers.{i}.'
+    layers.append({
+        'attention': {
+            'query': get(pre + 'self_attn.q_proj.weight', (H * E, D)).T.reshape(D, H, E),
+            'key': get(pre + 'self_attn.k_proj.weight', (K * E, D)).T.reshape(D, K, E),
+            'value': get(pre + 'self_attn.v_proj.weight', (K * E, D)).T.reshape(D, K, E),
+            'out': get(pre + 'self_attn.o_proj.weight', (D, H * E)).T.reshape(H, E, D)},
+        'mlp': {'gate': get(pre + 'mlp.gate_proj.weight').T, 'up': get(pre + 'mlp.up_proj.weight').T,
+                'down': get(pre + 'mlp.down_proj.weight').T},
+        'attn_norm': {'scale': get(pre + 'input_layernorm.weight', (D,))},
+        'mlp_norm': {'scale': get(pre + 'post_attention_layernorm.weight', (D,))}})
+  embedding = get('embed_tokens.weight', (m.vocab_size, D))
+  lm_head = tensors.get('lm_head.weight', embedding)  # absent when tied: the head is the embedding
+  params = {'embedding': embedding, 'final_norm': {'scale': get('norm.weight', (D,))},
+            'unembed': np.ascontiguousarray(np.asarray(lm_head, np.float32).T)}
+  if scan_layers:
+    params['layers'] = jax.tree.map(lambda *xs: np.stack(xs), *layers)
+  else:
+    params.update({f'layers_{i}': p for i, p in enumerate(layers)})
+  return jax.tree.map(np.ascontiguousarray, params)
+
+
+def write_checkpoint(workdir: str, state, config: dict, step: int = 0) -> str:
+  """Writes `state` and {'config': config} as <workdir>/checkpoints/<step> in the trainer's layout; returns it."""
+  directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+  manager = ocp.CheckpointManager(directory, item_names=('state', 'env'))
+  try:
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                               env=ocp.args.JsonSave({'config': config})), force=True)
+    manager.wait_until_finished()
+  finally:
+    manager.close()
+  return os.path.join(directory, str(step))
+
+
+def _default_config() -> ml_collections.ConfigDict:
+  """configs/base.py of this checkout."""
+  base = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, 'configs', 'base.py')
+  if not os.path.isfile(base):
+    raise HFImportError('configs/base.py not found beside the jaxlm package; pass --config=FILE.')
+  return runpy.run_path(base)['get_config']()
+
+
+def import_hf(hf_dir: str, out: str, cfg: ml_collections.ConfigDict | None = None) -> dict:
+  """Converts `hf_dir` into a jaxlm checkpoint under `out`; returns the overrides and paths."""
+  config_path = os.path.join(hf_dir, 'config.json')
+  if not os.path.isfile(config_path):
+    raise HFImportError(f'{hf_dir} has no config.json; give a Hugging Face model directory.')
+  with open(config_path) as f:
+    hf = json.load(f)
+  overrides = model_overrides(hf)
+  cfg = (cfg or _default_config()).copy_and_resolve_references()
+  cfg.model.update(**overrides)
+  m = model_lib.ModelConfig.from_config(cfg.model)
+  params = from_hf(read_safetensors(hf_dir), m, scan_layers=cfg.model.scan_layers)
+  params = jax.tree.map(lambda x: x.astype(np.dtype(m.param_dtype)), params)
+  path = write_checkpoint(out, {'step': np.zeros((), np.int32), 'params': params}, cfg.to_dict(), step=0)
+  flags_line = ' '.join(f'--config.model.{k}={v}' for k, v in overrides.items())
+  flags_line += f' --config.checkpoint.init_from={os.path.dirname(path)}'
+  spm_model = os.path.join(hf_dir, 'tokenizer.model')
+  if os.path.isfile(spm_model):  # beside the checkpoints, where `jaxlm.export` looks first
+    shutil.copyfile(spm_model, os.path.join(out, 'tokenizer.model'))
+    spm_model = os.path.join(os.path.abspath(out), 'tokenizer.model')
+  return {'checkpoint': path, 'overrides': overrides, 'flags': flags_line,
+          'tokenizer': spm_model if os.path.isfile(spm_model) else None,
+          'tied': bool(hf.get('tie_word_embeddings', False)),
+          'max_position_embeddings': hf.get('max_position_embeddings')}
+
+
+FLAGS = flags.FLAGS
+
+
+def _define_flags() -> None:
+  # Defined only when run as a program: tests import this module beside the trainer, whose flags would
+  # otherwise collide.
+  flags.DEFINE_string('hf_dir', None, 'Local Hugging Face model directory (config.json + *.safetensors).')
+  flags.DEFINE_string('out', None, 'Directory to write the jaxlm checkpoint into (<out>/checkpoints/0).')
+  flags.DEFINE_string('config', None, 'jaxlm config file for everything but the model (default: '
+                      'configs/base.py).')
+
+
+def main(argv):
+  del argv
+  try:
+    cfg = runpy.run_path(FLAGS.config)['get_config']() if FLAGS.config else None
+    r = import_hf(FLAGS.hf_dir, FLAGS.out, cfg)
+  except HFImportError as e:
+    print(f'jaxlm.import_hf: {e}', file=sys.stderr)
+    sys.exit(2)
+  print(f'wrote {r["checkpoint"]} (params at step 0).')
+  if r['tied']:
+    print('note: tied embeddings imported untied (lm_head = embed_tokens); jaxlm ties with a 1/sqrt(D) scale.')
+  if r['tokenizer']:
+    print(f'tokenizer: prepare data with the model\'s own SentencePiece model so token ids match:\n'
+          f'  python -m jaxlm.prepare --tokenizer={r["tokenizer"]} ...')
+  else:
+    print('tokenizer: no tokenizer.model in the directory; jaxlm needs the SentencePiece model the weights were '
+          'trained with, or the token ids will not match.')
+  if r['max_position_embeddings']:
+    print(f'the model was trained on up to {r["max_position_embeddings"]} positions: keep data.seq_len at most that.')
+  print('train with (in a new --workdir):')
+  print(f'  {r["flags"]}')
+
+
+if __name__ == '__main__':
+  _define_flags()
+  flags.mark_flags_as_required(['hf_dir', 'out'])
+  app.run(main)
