@@ -253,7 +253,9 @@ def load_params(path: str, abstract_params, shardings):
       lambda k, w, s: jax.ShapeDtypeStruct(w.shape, np.dtype(flat_saved[jax.tree_util.keystr(k)].dtype),
                                            sharding=s),
       abstract_params, shardings)
-  state = checkpointer.restore(os.path.join(step_dir, 'state'),
-                               args=ocp.args.PyTreeRestore(item={'params': target}, partial_restore=True))
+  # StandardCheckpointer.restore takes no `args`; the PyTree checkpointer does the partial (params-only) restore.
+  state = ocp.PyTreeCheckpointer().restore(os.path.join(step_dir, 'state'), args=ocp.args.PyTreeRestore(
+      item={'params': target}, restore_args=ocp.checkpoint_utils.construct_restore_args({'params': target}),
+      partial_restore=True))
   return jax.tree.map(lambda x, w: x.astype(w.dtype), state['params'], abstract_params)
 
