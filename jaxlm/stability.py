@@ -65,6 +65,7 @@ class Guard:
     self.spike_steps: list[int] = []
     self.skipped_total = 0
     self.rollbacks = 0
+    self.restores: dict[int, int] = {}  # checkpoint step -> times restored
     self.lr_factor_until = -1  # last step of a post-rollback learning-rate change
 
   def observe(self, step: int, values: dict) -> Rollback | None:
@@ -93,9 +94,14 @@ class Guard:
       return Rollback(recent[0], f'{len(recent)} spikes within {self.cfg.spike_window} steps (at {recent})')
     return None
 
-  def rolled_back(self, to_step: int) -> None:
-    """Counts a rollback to `to_step` (raising past the cap) and forgets the abandoned steps' spikes."""
+  def rolled_back(self, to_step: int) -> int:
+    """Counts a rollback to `to_step` (raising past the cap); returns how many batches to skip.
+
+    The n-th restore of the same checkpoint skips n × skip_batches: replaying the data of a failed attempt
+    would retrace it exactly.
+    """
     self.rollbacks += 1
+    self.restores[to_step] = self.restores.get(to_step, 0) + 1
     if self.rollbacks > self.cfg.max_rollbacks:
       raise StabilityError(f'{self.rollbacks - 1} rollbacks already (stability.max_rollbacks); instability keeps '
                            f'coming back. Fix: lower optim.lr, raise optim.warmup_steps, or inspect the data '
@@ -103,6 +109,7 @@ class Guard:
     self.spike_steps = []
     if self.cfg.lr_factor_steps and self.cfg.lr_factor != 1.0:
       self.lr_factor_until = to_step + self.cfg.lr_factor_steps
+    return self.restores[to_step] * self.cfg.skip_batches
 
   def lr_scale(self, step: int) -> float:
     """The learning-rate multiplier for the step after `step` (post-rollback factor, else 1)."""

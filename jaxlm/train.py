@@ -339,14 +339,16 @@ def run(cfg, workdir: str) -> dict:
           last['eval_loss'] = evaluate(program, state.params, eval_data)
         log.write(done, {'eval_loss': last['eval_loss']}, kind='eval')
         log.write(done, {**acct.summary(), **metrics_lib.device_memory_stats()}, kind='system')
+      stopping = distributed.any_process(bool(stop))  # a signal to any process stops all after the same step
       with acct.track('checkpoint'):
         ckpt.poll()
-        if stop or ckpt.due(done, t.steps):
+        if stopping or ckpt.due(done, t.steps):
           ckpt.save(done, state, train_iter, env)
-        if stop:
+        if stopping:
           ckpt.wait()
-      if stop:
-        log.event(done, 'preempted', f'{stop[0]} received: stopped after step {done}, checkpoint '
+      if stopping:
+        log.event(done, 'preempted', f'{stop[0] if stop else "a stop signal to another process"} received: '
+                  f'stopped after step {done}, checkpoint '
                   f'{"saved" if ckpt.last_good == done else "NOT saved"}; run the same command to resume.')
         break
     distributed.disarm()
@@ -378,17 +380,17 @@ def roll_back(rollback, guard, ckpt, program: Program, train_iter, stability_cfg
                                        f'{rollback.first_bad_step}. Fix: raise checkpoint.keep or lower '
                                        f'checkpoint.every.')
   to_step = int(state.step)
-  guard.rolled_back(to_step)
+  skip = guard.rolled_back(to_step)
   abandoned = ckpt.delete_after(to_step)  # saved on the bad trajectory: must never be resumed from
   first_skipped = int(state.batches) + 1
-  for i in range(stability_cfg.skip_batches):
+  for i in range(skip):
     ramp.draw(train_iter, ramp.size(to_step + i))
-  state = set_scalars(state, program, batches=int(state.batches) + stability_cfg.skip_batches)
+  state = set_scalars(state, program, batches=int(state.batches) + skip)
   log.event(to_step, 'rollback',
             f'{rollback.reason}: restored checkpoint step {to_step}, skipped batches {first_skipped}-'
-            f'{first_skipped + stability_cfg.skip_batches - 1}, deleted checkpoints {abandoned} of the abandoned '
-            f'trajectory (rollback {guard.rollbacks}/{stability_cfg.max_rollbacks})',
-            to_step=to_step, first_bad_step=rollback.first_bad_step, skipped_batches=stability_cfg.skip_batches)
+            f'{first_skipped + skip - 1}, deleted checkpoints {abandoned} of the abandoned trajectory '
+            f'(rollback {guard.rollbacks}/{stability_cfg.max_rollbacks})',
+            to_step=to_step, first_bad_step=rollback.first_bad_step, skipped_batches=skip)
   return state
 
 

