@@ -84,10 +84,7 @@ def memory(cfg, devices=None) -> dict:
     mesh = sharding.make_mesh(cfg.mesh, devices)
   t = cfg.train
   with nn.logical_axis_rules(sharding.RULES):
-    # The same build as train.run's, so the sizes are those of the step that would run.
-    program = train_lib.build(cfg.model, cfg.optim, steps=t.steps, seed=t.seed, mesh=mesh,
-                              microbatches=t.microbatches, skip_nonfinite=cfg.stability.policy != 'off',
-                              scale_updates=cfg.stability.policy == 'rollback' or bool(cfg.faults.lr_spike_steps))
+    program = train_lib.program_for(cfg, mesh)  # what train.run would compile
     state, shardings = program.abstract_state, program.state_shardings
     out = {'param_bytes': sharding.bytes_per_device(state.params, shardings.params),
            'opt_state_bytes': sharding.bytes_per_device(state.opt_state, shardings.opt_state)}

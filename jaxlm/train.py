@@ -188,6 +188,14 @@ def build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, microbatches: in
       eval_step=jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding)))
 
 
+def program_for(cfg, mesh) -> Program:
+  """`build` with the options a whole config implies (what `run` trains, `jaxlm.size` measures)."""
+  t = cfg.train
+  return build(cfg.model, cfg.optim, steps=t.steps, seed=t.seed, mesh=mesh, microbatches=t.microbatches,
+               skip_nonfinite=cfg.stability.policy != 'off',
+               scale_updates=cfg.stability.policy == 'rollback' or bool(cfg.faults.lr_spike_steps))
+
+
 def group_norms(grads) -> dict:
   """Gradient norm per layer group (embedding, attention, mlp, norms, unembed): where a spike starts."""
   groups = {}
@@ -224,9 +232,7 @@ def run(cfg, workdir: str) -> dict:
 
   with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
     faults = cfg.faults
-    program = build(cfg.model, cfg.optim, steps=t.steps, seed=t.seed, mesh=mesh, microbatches=t.microbatches,
-                    skip_nonfinite=cfg.stability.policy != 'off',
-                    scale_updates=cfg.stability.policy == 'rollback' or bool(faults.lr_spike_steps))
+    program = program_for(cfg, mesh)
     say(f'parameters ({model_lib.param_count(program.model.m):,}):\n'
         + sharding.param_table(program.abstract_state.params, program.state_shardings.params))
     sharding.check_sharded(program.abstract_state.params, program.state_shardings.params, mesh)
