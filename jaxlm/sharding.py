@@ -5,6 +5,7 @@ Mesh axes:
   fsdp    fully-sharded data parallelism (ZeRO-3): batch split, and parameters + optimizer state split along
           `embed`, gathered layer by layer inside the step.
   tensor  Megatron tensor parallelism: attention heads, MLP hidden and vocabulary split.
+With mesh.dcn_* > 1 each axis also spans hosts (or TPU slices); see make_mesh.
 Storage names (parameters) and activation names (`act_*`) are kept apart, as in Levanter: they are sharded
 differently (parameters over fsdp, activations over the batch).
 """
@@ -14,6 +15,7 @@ import math
 import flax.linen as nn
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxlm import config as config_lib
@@ -41,12 +43,37 @@ RULES = (
 
 
 def make_mesh(mesh_cfg, devices=None) -> Mesh:
-  """A (data, fsdp, tensor) mesh over `devices` (default: all), one axis possibly given as -1."""
+  """A (data, fsdp, tensor) mesh over `devices` (default: all), one axis possibly given as -1.
+
+  With mesh.dcn_* > 1 the mesh is hybrid: each axis is dcn_* × its per-host size, the dcn factor outermost, so
+  one host's (or TPU slice's) devices form a contiguous block and only the dcn axes cross the slow network.
+  HSDP, for example, is fsdp=-1 with dcn_data=<hosts>: parameters sharded inside a host, replicated across.
+  """
   devices = jax.devices() if devices is None else devices
-  shape = config_lib.mesh_shape(mesh_cfg, len(devices))
+  processes, slices = num_processes(devices), num_slices(devices)
+  if errors := config_lib.mesh_layout_errors(mesh_cfg, len(devices), processes, slices):
+    raise config_lib.ConfigError('invalid config:\n  - ' + '\n  - '.join(errors))
+  ici, dcn = config_lib.mesh_shapes(mesh_cfg, len(devices))
   # Auto axis types: shardings come from jit in/out shardings and with_sharding_constraint (JAX >= 0.7 would
   # otherwise default to explicit-sharding mode).
-  return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES), devices=devices)
+  axis_types = (jax.sharding.AxisType.Auto,) * len(AXES)
+  if math.prod(dcn) == 1:
+    return jax.make_mesh(ici, AXES, axis_types=axis_types, devices=devices)
+  # TPU multi-slice: slices are the units of the slow network. Elsewhere (GPU hosts, CPU processes) processes
+  # are, and each host's devices keep their local, topology-aware order inside its block.
+  by_slice = slices == math.prod(dcn) and slices > 1
+  grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=not by_slice)
+  return Mesh(grid, AXES, axis_types=axis_types)
+
+
+def num_processes(devices=None) -> int:
+  """How many processes hold `devices` (default: all devices)."""
+  return len({d.process_index for d in (jax.devices() if devices is None else devices)})
+
+
+def num_slices(devices=None) -> int:
+  """How many TPU slices hold `devices` (1 where devices carry no slice_index: GPUs, CPUs, one TPU slice)."""
+  return len({getattr(d, 'slice_index', 0) for d in (jax.devices() if devices is None else devices)})
 
 
 def logical_to_mesh(logical_tree, mesh: Mesh):

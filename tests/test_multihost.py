@@ -1,0 +1,235 @@
+"""Multi-host training with real processes on localhost (launch/local.sh: CPU devices, collectives over gloo).
+
+The reference is computed in this process on 8 devices from the very same global batches: every process reads
+only its own documents (data.py shards by process), so a 1-process run sees other batches than a 2-process one,
+and "the same losses" means the same numbers for the same data on another device layout.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import numpy as np
+import psutil
+import pytest
+
+from jaxlm import config as config_lib
+from jaxlm import data as data_lib
+from jaxlm import distributed
+from jaxlm import sharding
+from jaxlm import train
+from tests.conftest import ROOT
+from tests.helpers import load_config, read_records, train_env
+
+PROCESSES, DEVICES = 2, 4
+
+
+def overrides(data_cache, *extra) -> list[str]:
+  """palm_tiny as every run here uses it: the plain AdamW step (no stability machinery), fast peer detection."""
+  return [f'--config.data.cache_dir={data_cache}', '--config.stability.policy=off', '--config.log.tensorboard=False',
+          '--config.dist.peer_timeout_s=15', *extra]
+
+
+def local_command(workdir, *args) -> list[str]:
+  return ['launch/local.sh', '-n', str(PROCESSES), '-d', str(DEVICES), '--', sys.executable, '-m', 'jaxlm.train',
+          '--config=configs/palm_tiny.py', f'--workdir={workdir}', *args]
+
+
+@pytest.fixture(scope='module')
+def reference(data_cache):
+  """Per-step losses and the final eval loss of palm_tiny on 8 local devices, fed the 2-process global batches."""
+  cfg = load_config('palm_tiny')
+  cfg.data.cache_dir = str(data_cache)
+  cfg.stability.policy = 'off'  # as overrides() says
+  t, vocab = cfg.train, cfg.model.vocab_size
+  mesh = sharding.make_mesh(cfg.mesh)
+  iterators = [data_lib.make_train_iterator(cfg.data, batch_size=t.batch_size, seed=t.seed, vocab_size=vocab,
+                                            process_index=i, process_count=PROCESSES) for i in range(PROCESSES)]
+  losses = {}
+  with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
+    program = train.program_for(cfg, mesh)
+    state = program.init()
+    for step in range(1, t.steps + 1):
+      parts = [next(it) for it in iterators]  # process 0's rows, then process 1's: the global batch
+      local = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+      state, metrics = program.train_step(state, train.global_batch(local, program.batch_sharding))
+      losses[step] = float(metrics['loss'])
+    eval_data = data_lib.eval_batches(cfg.data, batch_size=t.batch_size, num_batches=t.eval_batches,
+                                      vocab_size=vocab, process_index=0, process_count=1)
+    eval_loss = train.evaluate(program, state.params, eval_data)
+  return losses, eval_loss
+
+
+def assert_matches(workdir, reference, steps):
+  losses, eval_loss = reference
+  records = read_records(workdir)
+  assert [r['step'] for r in records] == steps
+  np.testing.assert_allclose([r['loss'] for r in records], [losses[s] for s in steps], rtol=2e-5)
+  np.testing.assert_allclose(read_records(workdir, 'eval')[-1]['eval_loss'], eval_loss, rtol=2e-5)
+
+
+def process_of(root: psutil.Process, index: int) -> psutil.Process:
+  """The jaxlm.train process with JAX_PROCESS_ID=index among root's descendants."""
+  for p in root.children(recursive=True):
+    try:
+      if 'jaxlm.train' in p.cmdline() and p.environ().get('JAX_PROCESS_ID') == str(index):
+        return p
+    except psutil.NoSuchProcess:
+      continue
+  raise LookupError(f'no training process {index}')
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+  deadline = time.monotonic() + timeout_s
+  while not predicate():
+    if time.monotonic() > deadline:
+      raise TimeoutError(f'gave up waiting for {what}')
+    time.sleep(0.2)
+
+
+# --- Fast checks: no second process. ---------------------------------------------------------------------------
+
+def dist(**kw):
+  cfg = load_config('palm_tiny').dist
+  cfg.update(kw)
+  return cfg
+
+
+def test_plan_single_process_is_untouched():
+  assert distributed.plan(dist(), {}).kwargs is None
+  assert distributed.plan(dist(), {'SLURM_JOB_ID': '7', 'SLURM_NTASKS': '1'}).kwargs is None
+  assert distributed.plan(dist(initialize='never'), {'JAX_COORDINATOR_ADDRESS': 'h:1', 'JAX_NUM_PROCESSES': '2',
+                                                     'JAX_PROCESS_ID': '0'}).kwargs is None
+
+
+def test_plan_explicit_settings_and_env():
+  kwargs = distributed.plan(dist(peer_timeout_s=30), {'JAX_COORDINATOR_ADDRESS': 'h:1234', 'JAX_NUM_PROCESSES': '4',
+                                                      'JAX_PROCESS_ID': '3'}).kwargs
+  assert kwargs['coordinator_address'] == 'h:1234' and (kwargs['num_processes'], kwargs['process_id']) == (4, 3)
+  assert kwargs['cluster_detection_method'] == 'deactivate'  # so JAX does not narrow a host's GPUs to one
+  assert kwargs['heartbeat_timeout_seconds'] == 30
+  kwargs = distributed.plan(dist(coordinator='c:9', num_processes=2, process_id=1), {}).kwargs
+  assert (kwargs['coordinator_address'], kwargs['num_processes'], kwargs['process_id']) == ('c:9', 2, 1)
+  with pytest.raises(config_lib.ConfigError, match='missing: num_processes, process_id'):
+    distributed.plan(dist(), {'JAX_COORDINATOR_ADDRESS': 'h:1'})
+
+
+def test_plan_detects_clusters():
+  slurm = {'SLURM_JOB_ID': '7', 'SLURM_STEP_NODELIST': 'n[1-2]', 'SLURM_NTASKS': '2', 'SLURM_PROCID': '1',
+           'SLURM_LOCALID': '0', 'SLURM_STEP_NUM_NODES': '2', 'SLURM_GPUS_ON_NODE': '8'}
+  kwargs = distributed.plan(dist(), slurm).kwargs
+  assert kwargs['local_device_ids'] == list(range(8))  # one process per node drives all its GPUs
+  assert kwargs['coordinator_address'] is None  # JAX derives it from the node list
+  kwargs = distributed.plan(dist(), dict(slurm, SLURM_NTASKS='16')).kwargs  # one process per GPU
+  assert kwargs['local_device_ids'] is None
+  assert distributed.plan(dist(), {'TPU_WORKER_HOSTNAMES': 'w0,w1,w2,w3'}).kwargs is not None
+  ompi = {'OMPI_COMM_WORLD_SIZE': '2', 'OMPI_COMM_WORLD_RANK': '1', 'OMPI_COMM_WORLD_LOCAL_SIZE': '2'}
+  with pytest.raises(config_lib.ConfigError, match='JAX_COORDINATOR_ADDRESS'):
+    distributed.plan(dist(), ompi)
+  kwargs = distributed.plan(dist(), dict(ompi, JAX_COORDINATOR_ADDRESS='h:5')).kwargs
+  assert (kwargs['num_processes'], kwargs['process_id']) == (2, 1)
+  assert distributed.plan(dist(initialize='always'), {}).kwargs is not None
+  with pytest.raises(config_lib.ConfigError, match='dist.initialize'):
+    distributed.plan(dist(initialize='sometimes'), {})
+
+
+def test_dcn_mesh_sizes_are_validated():
+  cfg = load_config('palm_tiny')
+  cfg.mesh.update(dcn_data=2, fsdp=-1)
+  assert config_lib.mesh_shape(cfg.mesh, 8) == (2, 4, 1)  # the dcn factor times the per-host size
+  config_lib.validate(cfg, 8, num_processes=2)
+  with pytest.raises(config_lib.ConfigError, match=r'dcn_data×dcn_fsdp×dcn_tensor = 2×1×1 = 2 must equal the '
+                                                   r'number of processes \(1\)'):
+    config_lib.validate(cfg, 8)
+  with pytest.raises(config_lib.ConfigError, match='dcn_data'):
+    sharding.make_mesh(cfg.mesh)  # one process here: nothing to span
+  cfg.mesh.update(fsdp=8)
+  with pytest.raises(config_lib.ConfigError, match=r'each of the 2 hosts/slices has 4 devices'):
+    config_lib.validate(cfg, 8, num_processes=2)
+
+
+def test_watchdog_fires_without_beats():
+  fired = []
+  watchdog = distributed.Watchdog(0.3, 'no training step finished', exit_fn=fired.append)
+  time.sleep(0.5)
+  assert not fired  # not armed before the first beat (compiles and restores may take long)
+  watchdog.beat('step 1')
+  wait_for(lambda: fired, 5, 'the watchdog')
+  assert fired == [distributed.HUNG_EXIT]
+
+
+# --- Real processes. --------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_supervised_job_survives_a_hung_and_a_lost_peer_and_matches_one_process(tmp_path, data_cache, reference):
+  """One job, three attempts under the supervisor (one test: each attempt starts and compiles two processes).
+
+  1. Process 1 hangs in Python after step 12 (heartbeats go on, so JAX sees nothing): the step watchdogs end
+     the processes (exit 75).
+  2. Resumed from checkpoint 10; process 1 hangs after step 22 and is SIGKILLed there: the survivor is ended by
+     JAX's heartbeat check, well within 60 s.
+  3. Resumed from checkpoint 20; runs to the end.
+  The mesh is HSDP (parameters sharded over each process's 4 devices, replicated across the 2 processes), and the
+  logged losses (steps 5-10 from attempt 1, 15-20 from 2, 25-30 from 3) equal the 1-process reference.
+  """
+  workdir, log = tmp_path / 'run', tmp_path / 'out.log'
+  train_args = overrides(data_cache, '--config.mesh.dcn_data=2', '--config.dist.stall=1:12,1:22',
+                         '--config.dist.step_timeout_s=20')
+  command = [sys.executable, '-m', 'jaxlm.supervise', '--backoff=1', '--max-restarts=2', '--',
+             *local_command(workdir, *train_args)]
+  with open(log, 'w') as out:
+    supervisor = subprocess.Popen(command, cwd=ROOT, env=train_env(DEVICES), stdout=out, stderr=subprocess.STDOUT)
+  try:
+    root = psutil.Process(supervisor.pid)
+    wait_for(lambda: 'drill: process 1 hangs after step 22' in log.read_text(), 400, 'the second stall')
+    wait_for(lambda: (workdir / 'checkpoints' / '20').is_dir(), 60, 'checkpoint 20')
+    survivor, victim = process_of(root, 0), process_of(root, 1)
+    victim.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    survivor.wait(timeout=60)
+    lost_s = time.monotonic() - killed
+    assert supervisor.wait(timeout=300) == 0, log.read_text()[-5000:]
+  finally:
+    if supervisor.poll() is None:
+      os.killpg(supervisor.pid, signal.SIGKILL)  # never leave training processes behind
+  text = log.read_text()
+  attempts = text.split('jaxlm.supervise: attempt ')
+  # Attempt 1, the hang: the first process to exit is ended by its watchdog (the other's may fire too, unless
+  # JAX ends it first for losing its peer).
+  assert 'of 2: no training step finished for 20s (the last was step 12)' in attempts[1], attempts[1][-5000:]
+  assert 'attempt 1 failed with exit code 75 (no step finished in time)' in text
+  # Attempt 2: the lost peer, noticed by JAX in bounded time with a message that says so.
+  assert lost_s < 60, f'the surviving process took {lost_s:.0f}s to notice its lost peer'
+  assert 'detected fatal errors' in text and 'another task died' in text, text[-5000:]
+  assert 'attempt 3 finished (exit code 0)' in text, attempts[-1][-3000:]
+  assert "mesh: {'data': 2, 'fsdp': 4, 'tensor': 1}" in text
+  resumed = [r['step'] for r in read_records(workdir, 'event') if r['event'] == 'resumed']
+  assert resumed == [10, 20]
+  assert_matches(workdir, reference, [5, 10, 15, 20, 25, 30])
+  saved = workdir / 'checkpoints' / '30'  # written by both processes together
+  assert sorted(p.name for p in (saved / 'data').glob('process_*')) == ['process_0-of-2.json', 'process_1-of-2.json']
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_every_process_after_the_same_step(tmp_path, data_cache):
+  # A preemption notice that reaches one process only: both must checkpoint the same step and exit 0.
+  workdir = tmp_path / 'run'
+  proc = subprocess.Popen(local_command(workdir, *overrides(data_cache, '--config.train.steps=500')), cwd=ROOT,
+                          env=train_env(DEVICES), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True)
+  try:
+    wait_for(lambda: (workdir / 'checkpoints' / '10').is_dir(), 300, 'checkpoint 10')
+    process_of(psutil.Process(proc.pid), 1).send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+  assert proc.returncode == 0, out[-5000:]
+  [event] = [r for r in read_records(workdir, 'event') if r['event'] == 'preempted']
+  assert 'a stop signal to another process received' in event['message'] and 'checkpoint saved' in event['message']
+  saved = workdir / 'checkpoints' / str(event['step'])
+  assert sorted(p.name for p in (saved / 'data').glob('process_*')) == ['process_0-of-2.json', 'process_1-of-2.json']
