@@ -1,12 +1,35 @@
-"""Attention kernels behind one function: `xla` is the reference; others are selected by `cfg.model.attention`.
+"""Attention kernels behind one function, chosen by `cfg.model.attention`.
 
-Shapes: q (B, T, H, E); k, v (B, S, K, E) with H a multiple of K; segment_ids (B, T), 0 = padding.
+  xla     the reference: einsum scores, float32 softmax, an explicit (B, 1, 1, T, S) mask. Runs everywhere.
+  cudnn   cuDNN flash attention through jax.nn.dot_product_attention(implementation='cudnn'): NVIDIA GPUs,
+          bfloat16/float16, head dim a multiple of 8 (<= 128; <= 256 on Hopper and later). Causal masking is
+          the kernel's own (it skips the upper triangle); documents are a boolean mask, which JAX turns into
+          an additive (B, 1, T, S) bias.
+  splash  Pallas splash attention (jax.experimental.pallas.ops.tpu.splash_attention): TPU only; causal mask
+          plus segment ids, so documents cost no mask tensor at all. Sequence length a multiple of 128.
+  auto    gpu -> cudnn, tpu -> splash, anything else -> xla.
+
+A kernel that cannot run here (cudnn on a CPU, float32 for cudnn, splash off a TPU, an unsupported head size)
+falls back to `xla` and says so in the log, once per distinct reason: never silently.
+
+Shapes: q (B, T, H, E); k, v (B, S, K, E) with H a multiple of K; segment_ids (B, T), 0 = padding. Every kernel
+attends causally within one nonzero segment. Outputs at padding positions are unspecified (but finite): they
+carry zero loss weight, so no kernel has to agree there.
 """
 
+import functools
+import logging
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+log = logging.getLogger(__name__)
+
+IMPLS = ('xla', 'cudnn', 'splash', 'auto')
+_AUTO = {'gpu': 'cudnn', 'tpu': 'splash'}
+_logged = set()
 
 
 def attention_mask(segment_ids):
@@ -21,17 +44,184 @@ def attention_mask(segment_ids):
 def xla_attention(q, k, v, segment_ids):
   """Reference attention: einsum scores, softmax in float32. q: (B,T,H,E); k, v: (B,S,K,E) -> (B,T,H,E)."""
   B, T, H, E = q.shape
-  K = k.shape[2]
-  q = q.reshape(B, T, K, H // K, E)  # (B, T, K, G, E): each kv head serves G query heads
-  scores = jnp.einsum('BTKGE,BSKE->BKGTS', q, k).astype(jnp.float32) / math.sqrt(E)
+  S, K = k.shape[1], k.shape[2]
+  G = H // K  # query heads per kv head
+  # The G query heads that share a kv head become more query rows, M = T·G: both products are then plain
+  # batched matmuls over (B, K), and the (M, S) scores and their gradients are never transposed (XLA:CPU
+  # would copy them for a layout like (B, K, G, T, S)). For multi-query attention (K = 1) q moves for free.
+  q = q.reshape(B, T, K, G, E).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, E)  # (B, K, M, E)
+  k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, K, S, E)
+  scores = jnp.einsum('BKME,BKSE->BKMS', q, k).astype(jnp.float32) / math.sqrt(E)
   # Finite fill, not -inf: a fully masked (padding) row then gives a uniform softmax rather than NaN.
-  scores = jnp.where(attention_mask(segment_ids), scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  return jnp.einsum('BKGTS,BSKE->BTKGE', probs, v).reshape(B, T, H, E)
+  mask = attention_mask(segment_ids).reshape(B, 1, T, 1, S)
+  scores = jnp.where(mask, scores.reshape(B, K, T, G, S), jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(B, K, T * G, S)
+  out = jnp.einsum('BKMS,BKSE->BKME', probs, v)  # (B, K, M, E)
+  return out.reshape(B, K, T, G, E).transpose(0, 2, 1, 3, 4).reshape(B, T, H, E)
 
+
+def document_mask(segment_ids):
+  """(B, 1, T, S) boolean, True where query and key are in the same segment; causality is the kernel's.
+
+  Padding (segment 0) attends to earlier padding, so no row is ever fully masked: a fully masked row is NaN in
+  a flash kernel, and NaN times a zero loss weight is still NaN.
+  """
+  return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+
+
+def cudnn_attention(q, k, v, segment_ids, implementation: str = 'cudnn'):
+  """jax.nn.dot_product_attention with is_causal and a document mask; `implementation='xla'` runs it on a CPU.
+
+  jax.nn's layout is ours, (B, T, N, E), and it takes K < H key/value heads natively (GQA/MQA), so nothing
+  is transposed or repeated. The scale defaults to 1/sqrt(E).
+  """
+  return jax.nn.dot_product_attention(q, k, v, mask=document_mask(segment_ids), is_causal=True,
+                                      implementation=implementation)
+
+
+def _splash_block(seq_len: int) -> int | None:
+  """The largest kernel block (512, 256 or 128) that tiles `seq_len`, or None."""
+  return next((b for b in (512, 256, 128) if seq_len % b == 0), None)
+
+
+@functools.lru_cache(maxsize=None)
+def _splash_kernel(heads: int, seq_len: int, mqa: bool, interpret: bool):
+  """A splash kernel for one example: causal over (T, T) for `heads` query heads; built once per shape."""
+  # Imported here: Pallas TPU is a heavy import and a GPU/CPU run never needs it.
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
+  mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((seq_len, seq_len)) for _ in range(heads)])
+  b = _splash_block(seq_len)
+  blocks = kernel_lib.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+                                 block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+  make = kernel_lib.make_splash_mqa if mqa else kernel_lib.make_splash_mha
+  # Built while a model is being traced, but cached across traces: its mask tables must be concrete arrays,
+  # not tracers of whichever trace happened to build it first.
+  with jax.ensure_compile_time_eval():
+    kernel = make(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret)
+  return kernel, kernel_lib.SegmentIds
+
+
+def _splash_local(q, k, v, segment_ids, interpret: bool):
+  """Splash attention on one device's shard: q (B, T, H, E), k/v (B, S, K, E) with K = 1, H, or dividing H."""
+  B, T, H, E = q.shape
+  K = k.shape[2]
+  # The kernel takes unscaled logits: scale q (exact for E a power of 4, one bf16 rounding otherwise).
+  q = (q * (1.0 / math.sqrt(E))).astype(q.dtype).transpose(0, 2, 1, 3)  # (B, H, T, E)
+  k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, K, S, E)
+  if K == H:
+    kernel, SegmentIds = _splash_kernel(H, T, False, interpret)
+    run = lambda q, k, v, s: kernel(q, k, v, segment_ids=SegmentIds(q=s, kv=s))
+  else:
+    # MQA kernel per kv head: its G = H // K query heads share one (S, E) key and value.
+    G = H // K
+    kernel, SegmentIds = _splash_kernel(G, T, True, interpret)
+    one = lambda q, k, v, s: kernel(q, k, v, segment_ids=SegmentIds(q=s, kv=s))  # q (G,T,E), k/v (S,E)
+
+    def run(q, k, v, s):  # q (H, T, E), k/v (K, S, E)
+      out = jax.vmap(one, in_axes=(0, 0, 0, None))(q.reshape(K, G, T, E), k, v, s)  # (K, G, T, E)
+      return out.reshape(H, T, E)
+  out = jax.vmap(run)(q, k, v, segment_ids)  # (B, H, T, E)
+  return out.transpose(0, 2, 1, 3).astype(q.dtype)  # (B, T, H, E)
+
+
+def splash_attention(q, k, v, segment_ids, interpret: bool = False):
+  """Pallas splash attention with segment ids; under a mesh it runs per shard (batch and heads split).
+
+  A Pallas kernel cannot be split by the SPMD partitioner, so it goes inside shard_map with the batch and head
+  axes the sharding rules give `act_batch` and `act_heads`. `interpret=True` runs the kernel's Python
+  semantics on any backend (slow; for tests on a CPU).
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  local = functools.partial(_splash_local, interpret=interpret)
+  if mesh.empty or mesh.size == 1:
+    return local(q, k, v, segment_ids)
+  batch_axes, heads_axis = nn.logical_to_mesh_axes(('act_batch', 'act_heads'))
+  H, K = q.shape[2], k.shape[2]
+  heads_ways = mesh.shape[heads_axis] if isinstance(heads_axis, str) else 1
+  if K % heads_ways == 0:
+    kv_heads_axis = heads_axis  # each shard of query heads gets exactly its own key/value heads
+  elif K == 1:
+    kv_heads_axis = None  # multi-query: every shard needs the one key/value head
+  else:
+    # The kv heads do not split evenly over the head shards: give every query head its own copy.
+    _log_once('splash: %d kv heads do not split over %d head shards; repeating them to %d heads', K,
+              heads_ways, H)
+    k, v = jnp.repeat(k, H // K, axis=2), jnp.repeat(v, H // K, axis=2)
+    kv_heads_axis = heads_axis
+  P = jax.sharding.PartitionSpec
+  qo = P(batch_axes, None, heads_axis, None)
+  kv = P(batch_axes, None, kv_heads_axis, None)
+  return jax.shard_map(local, in_specs=(qo, kv, kv, P(batch_axes, None)), out_specs=qo,
+                       check_vma=False)(q, k, v, segment_ids)
+
+
+def _log_once(message: str, *args, level: int = logging.INFO) -> None:
+  """Logs a message the first time these exact words come up (traces repeat; the log should not)."""
+  text = message % args if args else message
+  if text not in _logged:
+    _logged.add(text)
+    log.log(level, text)
+
+
+def _cudnn_problem(platform: str, dtype, head_dim: int, seq_len: int, device) -> str | None:
+  if platform != 'gpu':
+    return f'cuDNN runs only on NVIDIA GPUs and this backend is {platform}'
+  version = getattr(getattr(device, 'client', None), 'platform_version', '') or ''
+  if 'rocm' in version.lower():
+    return f'this GPU runs ROCm ({version}), which has no cuDNN'
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f'cuDNN flash attention needs bfloat16 or float16 compute, and model.dtype is {jnp.dtype(dtype)}'
+  capability = getattr(device, 'compute_capability', None)
+  hopper = capability is not None and float(capability) >= 9.0
+  limit = 256 if hopper else 128
+  if head_dim % 8 or head_dim > limit:
+    return f'cuDNN needs a head dim that is a multiple of 8 and <= {limit} on this GPU, and it is {head_dim}'
+  if seq_len % 2:
+    return f'cuDNN needs an even sequence length when it trains with a mask, and it is {seq_len}'
+  return None
+
+
+def _splash_problem(platform: str, seq_len: int) -> str | None:
+  if platform != 'tpu':
+    return f'Pallas splash attention runs only on TPU and this backend is {platform}'
+  if _splash_block(seq_len) is None:
+    return f'splash attention needs a sequence length that is a multiple of 128, and it is {seq_len}'
+  return None
+
+
+def select(impl: str, *, dtype, head_dim: int, seq_len: int, platform: str | None = None,
+           device=None) -> tuple[str, str]:
+  """(kernel that will run, why) for the configured `impl` on `platform` (default: JAX's default backend)."""
+  if impl not in IMPLS:
+    raise ValueError(f'unknown attention implementation {impl!r}; use one of {", ".join(IMPLS)}')
+  platform = platform or jax.default_backend()
+  if device is None and platform == jax.default_backend():
+    device = jax.devices()[0]
+  if impl == 'xla':
+    return 'xla', 'xla attention, as configured'
+  if impl == 'auto':
+    if platform not in _AUTO:
+      return 'xla', f'attention=auto on {platform}: no fused kernel for this platform, using xla'
+    kernel, why = select(_AUTO[platform], dtype=dtype, head_dim=head_dim, seq_len=seq_len, platform=platform,
+                         device=device)
+    return kernel, f'attention=auto on {platform}: {why}'
+  problem = (_cudnn_problem(platform, dtype, head_dim, seq_len, device) if impl == 'cudnn'
+             else _splash_problem(platform, seq_len))
+  if problem:
+    return 'xla', f'attention={impl} cannot run here: {problem}; falling back to xla'
+  return impl, f'{impl} attention'
 
 
 def attention(q, k, v, segment_ids, impl: str = 'xla'):
-  """Causal, document-masked attention with the chosen kernel."""
-  del impl  # only the reference kernel so far
+  """Causal, document-masked attention with the kernel `impl` selects here (see `select`)."""
+  kernel, why = select(impl, dtype=q.dtype, head_dim=q.shape[-1], seq_len=q.shape[1])
+  # A requested kernel that cannot run is worth a warning; auto's choice and plain xla are information.
+  _log_once(why, level=logging.WARNING if impl not in ('auto', 'xla') and kernel != impl else logging.INFO)
+  if kernel != 'xla':
+    try:
+      return cudnn_attention(q, k, v, segment_ids) if kernel == 'cudnn' else splash_attention(q, k, v, segment_ids)
+    except (NotImplementedError, ValueError, RuntimeError) as e:  # raised while tracing: shape/version limits
+      _log_once('%s attention refused these inputs (%s: %s); falling back to xla', kernel, type(e).__name__, e,
+                level=logging.WARNING)
   return xla_attention(q, k, v, segment_ids)

@@ -1,7 +1,7 @@
 """A PaLM-style decoder in Flax Linen: parallel attention + SwiGLU block, multi-query attention, RoPE, no biases.
 
 Shape letters used in every einsum and comment:
-  B batch, T query sequence, S key sequence, D model width, H query heads, K key/value heads,
+  B batch, T query sequence, S key sequence, N = B·T tokens, D model width, H query heads, K key/value heads,
   G = H // K query heads per key/value head, E head dim, F MLP hidden, V vocabulary, L layers.
 
 The model knows only logical axis names (`embed`, `heads`, `act_batch`, ...); `sharding.py` maps them to the
@@ -108,6 +108,16 @@ def rope(x, positions, theta: float):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def tokens(x):
+  """(B, T, ...) -> (N, ...) with N = B·T, a free reshape: every weight matmul then has one token axis.
+
+  Why: a weight gradient contracts over the tokens; with two token axes (B, T) XLA:CPU canonicalises the dot
+  by physically transposing the (B, T, F) activation gradient first (one copy per matmul, per step). With one
+  axis the dot takes its operands as they lie. GPUs and TPUs are indifferent; the math is the same.
+  """
+  return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
 class Attention(nn.Module):
   """Multi-query / grouped-query self-attention with rotary positions, no biases."""
   m: ModelConfig
@@ -121,16 +131,19 @@ class Attention(nn.Module):
     wv = _param(self, 'value', ('embed', 'kv_heads', 'kv'), (D, K, E), D ** -0.5, m)
     wo = _param(self, 'out', ('heads', 'kv', 'embed'), (H, E, D), (H * E) ** -0.5, m)
     dt = jnp.dtype(m.dtype)
-    q = jnp.einsum('BTD,DHE->BTHE', x, wq.astype(dt))
-    k = jnp.einsum('BSD,DKE->BSKE', x, wk.astype(dt))
-    v = jnp.einsum('BSD,DKE->BSKE', x, wv.astype(dt))
+    B, T, _ = x.shape
+    x = tokens(x)  # (N, D)
+    # Heads folded into the weights' columns, (D, H·E): a plain matrix product, for the reason in `tokens`.
+    q = jnp.dot(x, wq.astype(dt).reshape(D, H * E)).reshape(B, T, H, E)
+    k = jnp.dot(x, wk.astype(dt).reshape(D, K * E)).reshape(B, T, K, E)
+    v = jnp.dot(x, wv.astype(dt).reshape(D, K * E)).reshape(B, T, K, E)
     q = nn.with_logical_constraint(q, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
     q, k = rope(q, positions, m.rope_theta), rope(k, positions, m.rope_theta)
     out = attention_lib.attention(q, k, v, segment_ids, impl=m.attention)  # (B, T, H, E)
     out = nn.with_logical_constraint(out, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
     # Named so the `attn_out` remat policy can keep it instead of recomputing the whole attention.
     out = checkpoint_name(out, 'attn_out')
-    return jnp.einsum('BTHE,HED->BTD', out, wo.astype(dt))
+    return jnp.dot(out.reshape(B * T, H * E), wo.astype(dt).reshape(H * E, D)).reshape(B, T, D)
 
 
 class SwiGLU(nn.Module):
@@ -145,9 +158,11 @@ class SwiGLU(nn.Module):
     w_gate = _param(self, 'gate', ('embed', 'mlp'), (D, F), D ** -0.5, m)
     w_up = _param(self, 'up', ('embed', 'mlp'), (D, F), D ** -0.5, m)
     w_down = _param(self, 'down', ('mlp', 'embed'), (F, D), F ** -0.5, m)
-    h = jax.nn.silu(jnp.einsum('BTD,DF->BTF', x, w_gate.astype(dt))) * jnp.einsum('BTD,DF->BTF', x, w_up.astype(dt))
-    h = nn.with_logical_constraint(h, ('act_batch', 'act_seq', 'act_mlp'))
-    return jnp.einsum('BTF,FD->BTD', h, w_down.astype(dt))
+    B, T, _ = x.shape
+    x = tokens(x)  # (N, D)
+    h = jax.nn.silu(jnp.einsum('ND,DF->NF', x, w_gate.astype(dt))) * jnp.einsum('ND,DF->NF', x, w_up.astype(dt))
+    h = nn.with_logical_constraint(h.reshape(B, T, F), ('act_batch', 'act_seq', 'act_mlp'))
+    return jnp.einsum('NF,FD->ND', tokens(h), w_down.astype(dt)).reshape(B, T, D)
 
 
 class Block(nn.Module):
@@ -209,12 +224,15 @@ class Decoder(nn.Module):
         x, _ = block(m, deterministic, name=f'layers_{i}')(x, segment_ids, positions)
 
     x = Norm(m, rms=not m.parallel_block, name='final_norm')(x)
+    B, T, _ = x.shape
     if m.tie_embeddings:
-      logits = jnp.einsum('BTD,VD->BTV', x, embedding.astype(m.dtype)) / math.sqrt(D)
+      # The 1/sqrt(D) goes on the (N, D) input, not the (N, V) logits: the same product, one pass fewer over
+      # the largest activation (forward and backward).
+      logits = jnp.einsum('ND,VD->NV', tokens(x) * (1 / math.sqrt(D)), embedding.astype(m.dtype))
     else:
       unembed = _param(self, 'unembed', ('embed', 'vocab'), (D, V), D ** -0.5, m)
-      logits = jnp.einsum('BTD,DV->BTV', x, unembed.astype(m.dtype))
-    return nn.with_logical_constraint(logits, ('act_batch', 'act_seq', 'act_vocab'))
+      logits = jnp.einsum('ND,DV->NV', tokens(x), unembed.astype(m.dtype))
+    return nn.with_logical_constraint(logits.reshape(B, T, V), ('act_batch', 'act_seq', 'act_vocab'))
 
 
 def loss_fn(logits, targets, weights, z_loss: float, denominator=None):

@@ -1,0 +1,79 @@
+"""jaxlm against the PyTorch baseline on the same device, in the same run: tokens/s, model FLOP/s, the ratio.
+
+  python bench/cpu_step.py --config=configs/palm_small.py [--config.model.x=y ...] --steps=20 --warmup=3
+
+Builds both in one process: the real jaxlm train step (bench/mfu.py: train.build, compiled ahead of time) and
+the same model in PyTorch (bench/torch_gpt.py, torch.compile), then times them step for step in alternation:
+jaxlm, torch, torch, jaxlm, ... Each pair of steps runs within a second or two of each other, so other work on a
+shared machine slows both alike, and the median of the per-pair ratios is the figure to quote. Only one
+framework computes at a time; the other's threads sleep. Both count model FLOPs with
+jaxlm.model.flops_per_token. XLA_FLAGS from the environment apply to jaxlm as usual.
+"""
+
+import json
+import os
+import pathlib
+import statistics
+import sys
+
+if '--device=gpu' not in sys.argv:
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # before JAX starts: both frameworks on the host CPU
+
+from absl import app, flags  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).absolute().parent))
+import mfu  # noqa: E402  (defines --config, through jaxlm.train)
+import torch_gpt  # noqa: E402
+
+_STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps of each framework, alternating.')
+_WARMUP = flags.DEFINE_integer('warmup', 3, 'Untimed steps of each first (after compilation).')
+_DEVICE = flags.DEFINE_string('device', 'cpu', 'cpu, or gpu (torch on cuda, JAX on its GPU backend).')
+_COMPILE = flags.DEFINE_bool('compile', True, 'torch.compile the PyTorch model (eager on failure).')
+_JSON = flags.DEFINE_string('json', '', 'Also write both results and the paired ratios to this file.')
+
+
+def _row(name: str, r: dict) -> tuple:
+  best = r['tokens_per_s'] * r['step_s'] / r['step_s_min']
+  flops = r['flops_per_token']
+  return (name, f'{r["step_s_min"] * 1e3:.0f} / {r["step_s"] * 1e3:.0f}', f'{best:,.0f} / {r["tokens_per_s"]:,.0f}',
+          f'{best * flops / 1e9:.1f} / {r["model_flops_per_s"] / 1e9:.1f}')
+
+
+def main(argv):
+  del argv
+  cfg = mfu._CONFIG.value  # pylint: disable=protected-access
+  load_before = os.getloadavg()[0]
+  jaxlm = mfu.Bench(cfg)
+  torch = torch_gpt.Bench(cfg, _COMPILE.value, 'cuda' if _DEVICE.value == 'gpu' else 'cpu')
+  for _ in range(_WARMUP.value):
+    jaxlm.step()
+    torch.step()
+  times = {'jaxlm': [], 'torch': []}
+  for i in range(_STEPS.value):
+    order = ('jaxlm', 'torch') if i % 2 == 0 else ('torch', 'jaxlm')  # neither always goes first
+    for name in order:
+      times[name].append((jaxlm if name == 'jaxlm' else torch).step())
+  j, t = jaxlm.result(times['jaxlm']), torch.result(times['torch'])
+  pairs = [tt / tj for tj, tt in zip(times['jaxlm'], times['torch'])]  # jaxlm/torch throughput, pair by pair
+
+  print(f'\n{cfg.name}: {cfg.train.batch_size} × {cfg.data.seq_len} tokens, {cfg.model.dtype}, {j["params"]:,} '
+        f'parameters, {j["flops_per_token"] / 1e6:.1f} MFLOP/token (PaLM formula), device {j["device_kind"]}, '
+        f'{_STEPS.value} alternating steps each, load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}')
+  rows = [('framework', 'step ms min / median', 'tokens/s best / median', 'model GFLOP/s best / median'),
+          _row(f'jaxlm (jax {j["jax"]}, {j["attention_used"]} attention, remat={j["remat"]}, '
+               f'scan_layers={j["scan_layers"]})', j),
+          _row(f'torch ({t["torch"]}, {t["mode"]}, {t["threads"]} threads)', t)]
+  widths = [max(len(r[i]) for r in rows) for i in range(4)]
+  for row in rows:
+    print('  '.join(f'{c:<{w}}' for c, w in zip(row, widths)))
+  ratio = statistics.median(pairs)
+  print(f'ratio jaxlm/torch in tokens/s (= in model FLOP/s): {ratio:.2f} (median of {len(pairs)} step pairs; '
+        f'quartiles {statistics.quantiles(pairs, n=4)[0]:.2f}-{statistics.quantiles(pairs, n=4)[2]:.2f}); '
+        f'fastest steps {t["step_s_min"] / j["step_s_min"]:.2f}; medians {t["step_s"] / j["step_s"]:.2f}')
+  if _JSON.value:
+    pathlib.Path(_JSON.value).write_text(json.dumps(dict(jaxlm=j, torch=t, times=times, pair_ratios=pairs)))
+
+
+if __name__ == '__main__':
+  flags.mark_flag_as_required('config')
+  app.run(main)

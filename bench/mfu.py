@@ -1,0 +1,177 @@
+"""Throughput of the real jaxlm train step: tokens/s, step time, model FLOP/s, MFU and memory.
+
+  python bench/mfu.py --config=configs/palm_1b.py --steps=20 --warmup=3 [--config.model.remat=full ...]
+
+Builds the step exactly as `python -m jaxlm.train` does (train.program_for on the configured mesh, compiled
+ahead of time), feeds random batches already on the device (so data loading is not what is measured), runs
+`--warmup` untimed steps and then `--steps` timed ones, each waited for. MFU follows PaLM appendix B (model
+FLOPs, not hardware FLOPs: remat does not count) against the dense bf16 peak in jaxlm.metrics.PEAK_FLOPS; it
+is 'n/a' on a device whose peak is unknown, a CPU included.
+"""
+
+import contextlib
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+from absl import app, flags
+import flax.linen as nn
+import jax
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).absolute().parents[1]))
+from jaxlm import attention as attention_lib  # noqa: E402
+from jaxlm import config as config_lib  # noqa: E402
+from jaxlm import metrics as metrics_lib  # noqa: E402
+from jaxlm import model as model_lib  # noqa: E402
+from jaxlm import sharding  # noqa: E402
+from jaxlm import train  # noqa: E402
+
+# jaxlm.train defines --config (with --config.a.b=v overrides) when imported: the same flag serves here.
+_CONFIG = train._CONFIG  # pylint: disable=protected-access
+FLAGS = flags.FLAGS
+
+
+def random_batches(n: int, batch: int, seq: int, vocab: int, docs: int = 1, seed: int = 0) -> list[dict]:
+  """`n` host batches of random tokens in jaxlm's batch format, each row split into `docs` documents."""
+  rng = np.random.default_rng(seed)
+  starts = np.linspace(0, seq, docs + 1).astype(int)[:-1]  # first position of each document
+  segment = np.searchsorted(starts, np.arange(seq), side='right')  # 1-based document of each position
+  segment_ids = np.broadcast_to(segment.astype(np.int32), (batch, seq))
+  positions = np.broadcast_to((np.arange(seq) - starts[segment - 1]).astype(np.int32), (batch, seq))
+  out = []
+  for _ in range(n):
+    tokens = rng.integers(0, vocab, (batch, seq + 1)).astype(np.int32)
+    out.append(dict(inputs=tokens[:, :-1], targets=tokens[:, 1:], segment_ids=segment_ids, positions=positions,
+                    weights=np.ones((batch, seq), np.float32)))
+  return out
+
+
+class Bench:
+  """The compiled jaxlm train step with its state and batches on the device; `step()` runs one and waits."""
+
+  def __init__(self, cfg, docs: int = 1):
+    config_lib.validate(cfg, jax.device_count())
+    self.cfg = cfg
+    self.mesh = sharding.make_mesh(cfg.mesh)
+    t = cfg.train
+    with self._context():
+      self.program = train.program_for(cfg, self.mesh)  # the step `python -m jaxlm.train` would run
+      start = time.perf_counter()
+      batch = train.abstract_batch(t.batch_size, cfg.data.seq_len, self.program.batch_sharding)
+      lowered = self.program.train_step.lower(self.program.abstract_state, batch)
+      self.compiled = lowered.compile()
+      self.compile_s = time.perf_counter() - start
+      self.state = self.program.init()
+      self.batches = [train.global_batch(b, self.program.batch_sharding) for b in
+                      random_batches(4, t.batch_size, cfg.data.seq_len, cfg.model.vocab_size, docs, t.seed)]
+    self.steps_run = 0
+    self.out = None
+
+  def _context(self):
+    """The mesh and sharding rules that train.run traces under (attention's shard_map reads them)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.sharding.set_mesh(self.mesh))
+    stack.enter_context(nn.logical_axis_rules(sharding.RULES))
+    return stack
+
+  def step(self) -> float:
+    """Runs one train step on the next batch, waits for it, and returns its wall time in seconds."""
+    batch = self.batches[self.steps_run % len(self.batches)]
+    start = time.perf_counter()
+    self.state, self.out = self.compiled(self.state, batch)
+    jax.block_until_ready((self.state, self.out))
+    self.steps_run += 1
+    return time.perf_counter() - start
+
+  def result(self, times: list[float]) -> dict:
+    """Throughput, MFU and memory of the timed steps `times`."""
+    cfg, t = self.cfg, self.cfg.train
+    m = self.program.model.m
+    device = jax.devices()[0]
+    step_s = statistics.median(times)
+    tokens_per_s = t.batch_size * cfg.data.seq_len / step_s
+    flops = model_lib.flops_per_token(m, cfg.data.seq_len)
+    flops_causal = model_lib.flops_per_token(m, cfg.data.seq_len, causal=True)
+    return dict(
+        framework='jaxlm', jax=jax.__version__, device_kind=device.device_kind, platform=device.platform,
+        num_devices=self.mesh.size, mesh=dict(self.mesh.shape), batch_size=t.batch_size, seq_len=cfg.data.seq_len,
+        dtype=m.dtype, remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
+        attention_used=attention_lib.select(m.attention, dtype=m.dtype, head_dim=m.head_dim,
+                                            seq_len=cfg.data.seq_len)[0],
+        params=model_lib.param_count(m), step_s=step_s, step_s_mean=statistics.fmean(times),
+        step_s_min=min(times), tokens_per_s=tokens_per_s, flops_per_token=flops,
+        model_flops_per_s=tokens_per_s * flops,
+        mfu=metrics_lib.mfu(tokens_per_s, flops, self.mesh.size, device.device_kind),
+        mfu_causal=metrics_lib.mfu(tokens_per_s, flops_causal, self.mesh.size, device.device_kind),
+        compile_s=self.compile_s, loss=float(self.out['loss']),
+        compiled_memory=metrics_lib.compiled_memory(self.compiled),
+        runtime_memory=metrics_lib.device_memory_stats(), xla_flags=os.environ.get('XLA_FLAGS', ''),
+        host=platform.node(), load_average=os.getloadavg()[0])
+
+
+def measure(cfg, steps: int, warmup: int, docs: int = 1) -> dict:
+  """Compiles the train step for `cfg`, runs `warmup` + `steps` steps, and returns `Bench.result`."""
+  bench = Bench(cfg, docs)
+  for _ in range(warmup):
+    bench.step()
+  return bench.result([bench.step() for _ in range(steps)])
+
+
+def _percent(x):
+  return 'n/a (unknown peak)' if x is None else f'{100 * x:.1f}%'
+
+
+def table(r: dict) -> str:
+  """The result as a two-column table."""
+  peak_runtime = r['runtime_memory'].get('hbm_peak_bytes')
+  rows = [
+      ('device', f'{r["num_devices"]} × {r["device_kind"]} ({r["platform"]}), mesh {r["mesh"]}'),
+      ('model', f'{r["params"]:,} parameters, {r["dtype"]}, remat={r["remat"]}, scan_layers={r["scan_layers"]}'),
+      ('attention', f'{r["attention"]} -> {r["attention_used"]}'),
+      ('batch', f'{r["batch_size"]} × {r["seq_len"]} tokens'),
+      ('step time', f'{r["step_s"] * 1e3:.1f} ms median (mean {r["step_s_mean"] * 1e3:.1f}, '
+                    f'min {r["step_s_min"] * 1e3:.1f})'),
+      ('tokens/s', f'{r["tokens_per_s"]:,.0f} ({r["tokens_per_s"] / r["num_devices"]:,.0f} per device)'),
+      ('model FLOP/s', f'{r["model_flops_per_s"] / 1e12:.3f} TFLOP/s ({r["flops_per_token"] / 1e6:.1f} MFLOP/token)'),
+      ('MFU', _percent(r['mfu'])),
+      ('MFU (causal attention)', _percent(r['mfu_causal'])),
+      ('peak device memory',
+       metrics_lib.format_bytes(peak_runtime) if peak_runtime else 'n/a (backend keeps no stats)'),
+      ('compiled memory', metrics_lib.format_memory(r['compiled_memory'])),
+      ('compile', f'{r["compile_s"]:.1f} s'),
+      ('loss after the timed steps', f'{r["loss"]:.3f}'),
+      ('XLA_FLAGS', r['xla_flags'] or '(none)'),
+  ]
+  width = max(len(k) for k, _ in rows)
+  return '\n'.join(f'{k:<{width}}  {v}' for k, v in rows)
+
+
+def main(argv):
+  del argv
+  try:
+    result = measure(_CONFIG.value, FLAGS.steps, FLAGS.warmup, FLAGS.docs)
+  except config_lib.ConfigError as e:
+    print(f'mfu: {e}', file=sys.stderr)
+    sys.exit(2)
+  print(table(result), flush=True)
+  if FLAGS.json:
+    pathlib.Path(FLAGS.json).write_text(json.dumps(result))
+
+
+def define_flags():
+  """This script's own flags; not defined on import, so bench/cpu_step.py can import the module."""
+  flags.DEFINE_integer('steps', 10, 'Timed steps.')
+  flags.DEFINE_integer('warmup', 3, 'Untimed steps first.')
+  flags.DEFINE_integer('docs', 1, 'Documents per row of the random batches (>1 exercises segment masks).')
+  flags.DEFINE_string('json', '', 'Also write the result as one JSON object to this file.')
+
+
+if __name__ == '__main__':
+  define_flags()
+  flags.mark_flag_as_required('config')
+  app.run(main)
