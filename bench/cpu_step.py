@@ -15,6 +15,7 @@ import os
 import pathlib
 import statistics
 import sys
+import time
 
 if '--device=gpu' not in sys.argv:
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # before JAX starts: both frameworks on the host CPU
@@ -30,6 +31,8 @@ _WARMUP = flags.DEFINE_integer('warmup', 3, 'Untimed steps of each first (after 
 _DEVICE = flags.DEFINE_string('device', 'cpu', 'cpu, or gpu (torch on cuda, JAX on its GPU backend).')
 _COMPILE = flags.DEFINE_bool('compile', True, 'torch.compile the PyTorch model (eager on failure).')
 _JSON = flags.DEFINE_string('json', '', 'Also write both results and the paired ratios to this file.')
+_PHASES = flags.DEFINE_bool('phases', False, 'Also time the forward pass alone and forward + backward alone, '
+                            'in alternation as the steps: which part of the step a gap comes from.')
 
 
 def _row(name: str, r: dict) -> tuple:
@@ -37,6 +40,52 @@ def _row(name: str, r: dict) -> tuple:
   flops = r['flops_per_token']
   return (name, f'{r["step_s_min"] * 1e3:.0f} / {r["step_s"] * 1e3:.0f}', f'{best:,.0f} / {r["tokens_per_s"]:,.0f}',
           f'{best * flops / 1e9:.1f} / {r["model_flops_per_s"] / 1e9:.1f}')
+
+
+def phase_fns(jaxlm, torch) -> dict:
+  """Forward-only and forward+backward callables of both frameworks on one batch, each waiting for its result."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jaxlm import model as model_lib  # pylint: disable=import-outside-toplevel
+  model = jaxlm.program.model
+
+  def loss(params, b):
+    logits = model.apply({'params': params}, b['inputs'], b['segment_ids'], b['positions'])
+    return model_lib.loss_fn(logits, b['targets'], b['weights'], model.m.z_loss)[0]
+
+  with jaxlm._context():  # pylint: disable=protected-access
+    batch = jaxlm.batches[0]
+    params = jax.tree.map(lambda a: a.copy(), jaxlm.state.params)  # the step donates the state's buffers
+    forward = jax.jit(loss).lower(params, batch).compile()
+    backward = jax.jit(jax.grad(loss)).lower(params, batch).compile()
+  tbatch = torch.batches[0]
+
+  def torch_forward():  # with autograd on, as in a train step (under no_grad torch.compile would recompile)
+    torch.forward(**tbatch)
+
+  def torch_backward():
+    torch.opt.zero_grad(set_to_none=True)
+    torch.forward(**tbatch).backward()
+
+  return {'forward': (lambda: jax.block_until_ready(forward(params, batch)), torch_forward),
+          'forward + backward': (lambda: jax.block_until_ready(backward(params, batch)), torch_backward)}
+
+
+def time_phases(jaxlm, torch, steps: int, warmup: int) -> list[tuple]:
+  """(phase, jaxlm ms, torch ms, ratio) medians, the two frameworks called in alternation as in `main`."""
+  rows = []
+  for phase, (j, t) in phase_fns(jaxlm, torch).items():
+    for _ in range(warmup):
+      j(), t()
+    times = {j: [], t: []}
+    for i in range(steps):
+      for fn in ((j, t) if i % 2 == 0 else (t, j)):
+        start = time.perf_counter()
+        fn()
+        times[fn].append(time.perf_counter() - start)
+    pairs = [tt / tj for tj, tt in zip(times[j], times[t])]
+    rows.append((phase, statistics.median(times[j]) * 1e3, statistics.median(times[t]) * 1e3,
+                 statistics.median(pairs)))
+  return rows
 
 
 def main(argv):
@@ -70,8 +119,17 @@ def main(argv):
   print(f'ratio jaxlm/torch in tokens/s (= in model FLOP/s): {ratio:.2f} (median of {len(pairs)} step pairs; '
         f'quartiles {statistics.quantiles(pairs, n=4)[0]:.2f}-{statistics.quantiles(pairs, n=4)[2]:.2f}); '
         f'fastest steps {t["step_s_min"] / j["step_s_min"]:.2f}; medians {t["step_s"] / j["step_s"]:.2f}')
+  phases = []
+  if _PHASES.value:
+    phases = time_phases(jaxlm, torch, _STEPS.value, _WARMUP.value)
+    rows = [('phase', 'jaxlm ms median', 'torch ms median', 'jaxlm/torch (paired)')]
+    rows += [(p, f'{j:.1f}', f'{t:.1f}', f'{r:.2f}') for p, j, t, r in phases]
+    rows.append(('whole train step', f'{j["step_s"] * 1e3:.1f}', f'{t["step_s"] * 1e3:.1f}', f'{ratio:.2f}'))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for row in rows:
+      print('  '.join(f'{c:<{w}}' for c, w in zip(row, widths)))
   if _JSON.value:
-    pathlib.Path(_JSON.value).write_text(json.dumps(dict(jaxlm=j, torch=t, times=times, pair_ratios=pairs)))
+    pathlib.Path(_JSON.value).write_text(json.dumps(dict(jaxlm=j, torch=t, times=times, pair_ratios=pairs, phases=phases)))
 
 
 if __name__ == '__main__':
