@@ -21,10 +21,7 @@ The embedded default corpus (`stdlib_dataset`) goes through the same `prepare` f
 
 import collections
 import contextlib
-import dataclasses
 import fcntl
-import glob
-import gzip
 import hashlib
 import json
 import multiprocessing
@@ -42,175 +39,13 @@ from absl import flags
 from absl import logging
 
 from jaxlm import tokenizer as tokenizer_lib
+from jaxlm.sources import TXT_DOCS, PrepareError, Source, expand_inputs, read_documents
 
 FORMAT = 'jaxlm-prepared-1'  # bump when the shard layout changes; part of the stdlib cache key
 SHARD_SUFFIX = '.arrayrecord'
 SPLITS = ('train', 'eval')
-TXT_DOCS = ('file', 'paragraphs', 'lines')
 # group_size:1 puts every record in its own chunk: random access (global shuffle) reads one document, not 64k.
 ARRAY_RECORD_OPTIONS = 'group_size:1'
-
-
-class PrepareError(ValueError):
-  """Input or settings that prepare cannot use; the message says what to change."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Source:
-  """One input file. `key` is its stable name (path relative to the input root): hashed for the split."""
-  path: str
-  key: str
-  size: int
-
-
-def _kind(path: str) -> str:
-  name = path.lower().removesuffix('.gz')
-  if name.endswith('.jsonl'):
-    return 'jsonl'
-  if name.endswith('.parquet'):
-    return 'parquet'
-  return 'txt'
-
-
-def _is_data_file(path: str) -> bool:
-  name = path.lower().removesuffix('.gz')
-  return name.endswith(('.txt', '.jsonl')) or path.lower().endswith('.parquet')
-
-
-def expand_inputs(specs: Sequence[str]) -> list[Source]:
-  """Files named by `specs` (files, directories searched recursively for txt/jsonl/parquet, globs), in order."""
-  sources, seen = [], set()
-  for spec in specs:
-    spec = os.path.expanduser(spec.strip())
-    if not spec:
-      continue
-    if os.path.isdir(spec):
-      found = [(p, os.path.relpath(p, spec)) for p in glob.glob(os.path.join(spec, '**', '*'), recursive=True)
-               if os.path.isfile(p) and _is_data_file(p)]
-    elif glob.has_magic(spec):
-      found = [(p, p) for p in glob.glob(spec, recursive=True) if os.path.isfile(p)]
-    elif os.path.isfile(spec):
-      found = [(spec, os.path.basename(spec))]
-    else:
-      raise PrepareError(f'input {spec!r} is neither a file, a directory nor a glob that matches anything.')
-    if not found:
-      raise PrepareError(f'input {spec!r} contains no .txt, .jsonl or .parquet files.')
-    for path, key in sorted(found, key=lambda x: x[1]):
-      real = os.path.realpath(path)
-      if real not in seen:  # the same file named twice (a dir and a glob) is read once
-        seen.add(real)
-        sources.append(Source(path=path, key=key.replace(os.sep, '/'), size=os.path.getsize(path)))
-  if not sources:
-    raise PrepareError('no input files: pass --inputs=FILE_DIR_OR_GLOB[,...]')
-  return sources
-
-
-def _open(path: str):
-  return gzip.open(path, 'rb') if path.lower().endswith('.gz') else open(path, 'rb')
-
-
-def _normalise_newlines(text: str, counts: dict) -> str:
-  if '\r' in text:  # Windows and old-Mac line endings; the tokenizer then sees one kind of newline
-    counts['repaired_line_endings'] += 1
-    text = text.replace('\r\n', '\n').replace('\r', '\n')
-  return text
-
-
-def _clean(text: str, counts: dict) -> str | None:
-  """Normalises line endings and a leading byte-order mark; None (counted) for empty documents."""
-  text = _normalise_newlines(text, counts).removeprefix('\ufeff')
-  if not text.strip():
-    counts['dropped_empty'] += 1
-    return None
-  return text
-
-
-def _decode(raw: bytes, counts: dict) -> str:
-  try:
-    return raw.decode('utf-8')
-  except UnicodeDecodeError:
-    # Keep the document: invalid byte sequences become U+FFFD, and the count says how many documents had them.
-    counts['repaired_invalid_utf8'] += 1
-    return raw.decode('utf-8', errors='replace')
-
-
-def _warn_skip(counts: dict, what: str, where: str) -> None:
-  counts[what] += 1
-  if counts[what] <= 5:  # log the first few of each kind, count all of them
-    # INFO, not WARNING: an empty __init__.py in the stdlib corpus is routine; the totals are in metadata.json.
-    logging.info('prepare: skipping %s (%s)%s', where, what, '; further ones are only counted'
-                 if counts[what] == 5 else '')
-
-
-def read_documents(source: Source, counts: dict, *, text_field: str = 'text',
-                   txt_docs: str = 'file') -> Iterator[tuple[str, str]]:
-  """Yields (key, cleaned text) for each document of one file; bad records are skipped and counted."""
-  kind = _kind(source.path)
-  try:
-    if kind == 'parquet':
-      yield from _read_parquet(source, counts, text_field)
-      return
-    with _open(source.path) as f:
-      if kind == 'jsonl':
-        for line_no, raw in enumerate(f, 1):
-          if not raw.strip():
-            continue
-          try:
-            obj = json.loads(_decode(raw, counts))
-          except json.JSONDecodeError:
-            _warn_skip(counts, 'dropped_bad_json', f'{source.path}:{line_no}')
-            continue
-          value = obj.get(text_field) if isinstance(obj, dict) else None
-          if not isinstance(value, str):
-            _warn_skip(counts, 'dropped_missing_field', f'{source.path}:{line_no} has no string {text_field!r}')
-            continue
-          if (text := _clean(value, counts)) is not None:
-            yield f'{source.key}:{line_no}', text
-        return
-      raw = f.read()
-  except (OSError, EOFError, gzip.BadGzipFile) as e:
-    _warn_skip(counts, 'dropped_unreadable_files', f'{source.path}: {e}')
-    return
-  if not raw.strip():
-    _warn_skip(counts, 'dropped_empty_files', source.path)
-    return
-  text = _decode(raw, counts)
-  if txt_docs == 'file':
-    if (text := _clean(text, counts)) is not None:
-      yield source.key, text
-    return
-  text = _normalise_newlines(text, counts)
-  parts = text.split('\n') if txt_docs == 'lines' else text.split('\n\n')
-  for i, part in enumerate(parts):
-    if part.strip():  # blank separators between paragraphs/lines are layout, not dropped documents
-      yield f'{source.key}:{i}', _clean(part, counts)
-
-
-def _read_parquet(source: Source, counts: dict, text_field: str) -> Iterator[tuple[str, str]]:
-  try:
-    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top  # optional: only parquet inputs need it
-  except ImportError as e:
-    raise PrepareError(f'{source.path}: reading parquet needs pyarrow (pip install pyarrow).') from e
-  try:
-    pf = pq.ParquetFile(source.path)
-  except Exception as e:  # pyarrow raises its own ArrowInvalid/OSError family for corrupt files
-    _warn_skip(counts, 'dropped_unreadable_files', f'{source.path}: {e}')
-    return
-  names = pf.schema_arrow.names
-  if text_field not in names:
-    raise PrepareError(f'{source.path} has no column {text_field!r} (columns: {", ".join(names)}); '
-                       f'pass --text_field=NAME.')
-  row = 0
-  for batch in pf.iter_batches(columns=[text_field], batch_size=4096):
-    for value in batch.column(0).to_pylist():
-      row += 1
-      if isinstance(value, bytes):
-        value = _decode(value, counts)
-      if not isinstance(value, str):
-        _warn_skip(counts, 'dropped_missing_field', f'{source.path} row {row - 1} has no string {text_field!r}')
-        continue
-      if (text := _clean(value, counts)) is not None:
-        yield f'{source.key}:{row - 1}', text
 
 
 def is_eval(key: str, eval_fraction: float) -> bool:
@@ -591,7 +426,7 @@ def main(argv: Sequence[str]) -> None:
     print(f'prepare: {e}', file=sys.stderr)
     sys.exit(2)
   except KeyboardInterrupt:
-    print(f'\nprepare: interrupted; run the same command again to resume (completed shards are kept).',
+    print('\nprepare: interrupted; run the same command again to resume (completed shards are kept).',
           file=sys.stderr)
     sys.exit(130)
   print(json.dumps({k: meta[k] for k in ('documents', 'tokens', 'vocab_size', 'dropped', 'seconds')}))
