@@ -21,10 +21,12 @@ if '--device=gpu' not in sys.argv:
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # before JAX starts: both frameworks on the host CPU
 
 from absl import app, flags  # noqa: E402
+import jax  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).absolute().parent))
 import mfu  # noqa: E402  (defines --config, through jaxlm.train)
 import torch_gpt  # noqa: E402
+from jaxlm import model as model_lib  # noqa: E402
 
 _STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps of each framework, alternating.')
 _WARMUP = flags.DEFINE_integer('warmup', 3, 'Untimed steps of each first (after compilation).')
@@ -44,8 +46,6 @@ def _row(name: str, r: dict) -> tuple:
 
 def phase_fns(jaxlm, torch) -> dict:
   """Forward-only and forward+backward callables of both frameworks on one batch, each waiting for its result."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from jaxlm import model as model_lib  # pylint: disable=import-outside-toplevel
   model = jaxlm.program.model
 
   def loss(params, b):

@@ -5,7 +5,6 @@
 
 import argparse
 import collections
-import json
 import math
 import os
 import statistics

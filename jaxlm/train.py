@@ -6,11 +6,9 @@ initialise (or restore), then `for step: batch -> train_step -> log / eval / sav
 
 import dataclasses
 import functools
-import json
 import os
 import signal
 import sys
-import time
 from typing import Any, Callable
 
 from absl import app, flags, logging
