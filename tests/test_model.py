@@ -82,6 +82,10 @@ def test_remat_and_unrolled_layers_change_nothing():
   reference = loss_and_grad(remat='none')
   for policy in ('full', 'dots', 'dots_no_batch', 'attn_out'):
     np.testing.assert_allclose(loss_and_grad(remat=policy), reference, rtol=1e-5, err_msg=policy)
+  # Plain-product weight gradients (the CPU layout) are the same math, with and without remat.
+  for policy in ('none', 'full', 'dots'):
+    np.testing.assert_allclose(loss_and_grad(remat=policy, nn_weight_grads=True), reference, rtol=1e-5,
+                               err_msg=f'nn_weight_grads, remat={policy}')
   # Unrolled layers get other parameter names (layers_0, ...) and so other random values: compare counts only.
   m, _, params, _ = _model(scan_layers=False)
   assert 'layers_1' in params and model_lib.param_count(m) == sum(x.size for x in jax.tree.leaves(params))
@@ -94,3 +98,32 @@ def test_loss_fn_masks_padding_and_adds_z_loss():
   log_z = np.log(np.exp(2.0) + 2.0)
   np.testing.assert_allclose(aux['loss'], log_z - 2.0, rtol=1e-6)
   np.testing.assert_allclose(total, log_z - 2.0 + 0.1 * log_z ** 2, rtol=1e-6)
+
+
+def test_swiglu_gradient_matches_autodiff_of_the_formula():
+  g, u, dh = (jax.random.normal(k, (6, 10)) * 3 for k in jax.random.split(jax.random.PRNGKey(0), 3))
+  plain = lambda g, u: jax.nn.silu(g) * u
+  np.testing.assert_allclose(model_lib.swiglu(g, u), plain(g, u), rtol=1e-6)
+  got = jax.vjp(model_lib.swiglu, g, u)[1](dh)
+  want = jax.vjp(plain, g, u)[1](dh)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('fan_in,fan_out', [(6, 10), (10, 6)], ids=['copy-x', 'copy-dy'])
+def test_dense_nn_weight_grad_is_a_plain_product(fan_in, fan_out):
+  x, w, dy = (jax.random.normal(k, s) for k, s in zip(jax.random.split(jax.random.PRNGKey(1), 3),
+                                                      [(12, fan_in), (fan_in, fan_out), (12, fan_out)]))
+
+  def grads(nn_weight_grad):
+    return jax.vjp(lambda x, w: model_lib.dense(x, w, nn_weight_grad), x, w)[1](dy)
+
+  for a, b in zip(grads(True), grads(False)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+  # The point of the option: no product in the compiled backward contracts its left operand's leading axis.
+  def hlo(nn_weight_grad):
+    return jax.jit(lambda x, w, dy: jax.vjp(lambda x, w: model_lib.dense(x, w, nn_weight_grad), x, w)[1](dy)
+                   ).lower(x, w, dy).compile().as_text()
+  assert 'lhs_contracting_dims={0}' in hlo(False)  # XLA's own choice: xᵀ·dy as a transposed-operand dot
+  assert 'lhs_contracting_dims={0}' not in hlo(True)
