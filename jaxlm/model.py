@@ -125,7 +125,9 @@ def _swiglu_fwd(g, u):
 
 
 def _swiglu_bwd(residuals, dh):
-  g, u = residuals
+  # The barrier hides from XLA that this sigmoid is the forward's: otherwise common-subexpression elimination
+  # merges the two, and the forward must then write sigmoid(g) and silu(g) out for the backward after all.
+  g, u = jax.lax.optimization_barrier(residuals)
   s = jax.nn.sigmoid(g)
   silu = g * s
   return dh * u * (s + silu * (1 - s)), dh * silu  # d silu/dg = s + g·s·(1 - s)
