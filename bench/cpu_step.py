@@ -10,7 +10,9 @@ framework computes at a time; the other's threads sleep. Both count model FLOPs 
 jaxlm.model.flops_per_token. XLA_FLAGS from the environment apply to jaxlm as usual.
 """
 
+import functools
 import json
+import multiprocessing
 import os
 import pathlib
 import statistics
@@ -20,6 +22,8 @@ import time
 if '--device=gpu' not in sys.argv:
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # before JAX starts: both frameworks on the host CPU
 
+sys.path.insert(0, str(pathlib.Path(__file__).absolute().parents[1]))
+import jaxlm  # noqa: E402,F401  first, as in `python -m jaxlm.train`: sets up malloc before JAX (jaxlm/host.py)
 from absl import app, flags  # noqa: E402
 import jax  # noqa: E402
 
@@ -33,6 +37,8 @@ _WARMUP = flags.DEFINE_integer('warmup', 3, 'Untimed steps of each first (after 
 _DEVICE = flags.DEFINE_string('device', 'cpu', 'cpu, or gpu (torch on cuda, JAX on its GPU backend).')
 _COMPILE = flags.DEFINE_bool('compile', True, 'torch.compile the PyTorch model (eager on failure).')
 _JSON = flags.DEFINE_string('json', '', 'Also write both results and the paired ratios to this file.')
+_TORCH_PROCESS = flags.DEFINE_bool('torch_process', True, 'Run PyTorch in a child process with default malloc '
+                                   '(see TorchProcess); false: in this process, under jaxlm\'s malloc settings.')
 _PHASES = flags.DEFINE_bool('phases', False, 'Also time the forward pass alone and forward + backward alone, '
                             'in alternation as the steps: which part of the step a gap comes from.')
 
@@ -44,8 +50,8 @@ def _row(name: str, r: dict) -> tuple:
           f'{best * flops / 1e9:.1f} / {r["model_flops_per_s"] / 1e9:.1f}')
 
 
-def phase_fns(jaxlm, torch) -> dict:
-  """Forward-only and forward+backward callables of both frameworks on one batch, each waiting for its result."""
+def jaxlm_phases(jaxlm) -> dict:
+  """Forward-only and forward+backward callables of the jaxlm model on one batch, each returning its seconds."""
   model = jaxlm.program.model
 
   def loss(params, b):
@@ -55,37 +61,76 @@ def phase_fns(jaxlm, torch) -> dict:
   with jaxlm._context():  # pylint: disable=protected-access
     batch = jaxlm.batches[0]
     params = jax.tree.map(lambda a: a.copy(), jaxlm.state.params)  # the step donates the state's buffers
-    forward = jax.jit(loss).lower(params, batch).compile()
-    backward = jax.jit(jax.grad(loss)).lower(params, batch).compile()
-  tbatch = torch.batches[0]
+    compiled = {'forward': jax.jit(loss).lower(params, batch).compile(),
+                'forward + backward': jax.jit(jax.grad(loss)).lower(params, batch).compile()}
 
-  def torch_forward():  # with autograd on, as in a train step (under no_grad torch.compile would recompile)
-    torch.forward(**tbatch)
-
-  def torch_backward():
-    torch.opt.zero_grad(set_to_none=True)
-    torch.forward(**tbatch).backward()
-
-  return {'forward': (lambda: jax.block_until_ready(forward(params, batch)), torch_forward),
-          'forward + backward': (lambda: jax.block_until_ready(backward(params, batch)), torch_backward)}
+  def timed(fn):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(params, batch))
+    return time.perf_counter() - start
+  return {name: functools.partial(timed, fn) for name, fn in compiled.items()}
 
 
 def time_phases(jaxlm, torch, steps: int, warmup: int) -> list[tuple]:
   """(phase, jaxlm ms, torch ms, ratio) medians, the two frameworks called in alternation as in `main`."""
   rows = []
-  for phase, (j, t) in phase_fns(jaxlm, torch).items():
+  for phase, j in jaxlm_phases(jaxlm).items():
+    t = functools.partial(torch.phase, phase)
     for _ in range(warmup):
       j(), t()
     times = {j: [], t: []}
     for i in range(steps):
       for fn in ((j, t) if i % 2 == 0 else (t, j)):
-        start = time.perf_counter()
-        fn()
-        times[fn].append(time.perf_counter() - start)
+        times[fn].append(fn())
     pairs = [tt / tj for tj, tt in zip(times[j], times[t])]
     rows.append((phase, statistics.median(times[j]) * 1e3, statistics.median(times[t]) * 1e3,
                  statistics.median(pairs)))
   return rows
+
+
+def _serve_torch(conn, cfg, use_compile: bool, device: str) -> None:
+  """The child process of TorchProcess: builds torch_gpt.Bench, then answers calls until told to stop."""
+  bench = torch_gpt.Bench(cfg, use_compile, device)
+  methods = {'ready': lambda: True, 'step': bench.step, 'phase': bench.phase, 'result': bench.result}
+  while (message := conn.recv())[0] != 'stop':
+    conn.send(methods[message[0]](*message[1:]))
+
+
+class TorchProcess:
+  """torch_gpt.Bench in a process of its own, with glibc's default malloc; step/phase/result as Bench's.
+
+  Why: `import jaxlm` sets malloc up for XLA (jaxlm/host.py: one arena, no mmap), which slows PyTorch's own
+  allocations by several percent; the baseline runs as PyTorch users run it. The child times its own steps
+  (the pipe's round trip is not counted) and waits while jaxlm runs, so the two still alternate step by step.
+  """
+
+  def __init__(self, cfg, use_compile: bool, device: str):
+    context = multiprocessing.get_context('spawn')
+    self._conn, child = context.Pipe()
+    os.environ['JAXLM_KEEP_HOST_MEMORY'] = '0'  # inherited by the child, whose `import jaxlm` then leaves malloc be
+    try:
+      self._process = context.Process(target=_serve_torch, args=(child, cfg, use_compile, device), daemon=True)
+      self._process.start()
+    finally:
+      del os.environ['JAXLM_KEEP_HOST_MEMORY']
+    self._call('ready')
+
+  def _call(self, *message):
+    self._conn.send(message)
+    return self._conn.recv()
+
+  def step(self) -> float:
+    return self._call('step')
+
+  def phase(self, name: str) -> float:
+    return self._call('phase', name)
+
+  def result(self, times: list[float]) -> dict:
+    return self._call('result', times)
+
+  def close(self) -> None:
+    self._conn.send(('stop',))
+    self._process.join()
 
 
 def main(argv):
@@ -93,7 +138,8 @@ def main(argv):
   cfg = mfu._CONFIG.value  # pylint: disable=protected-access
   load_before = os.getloadavg()[0]
   jaxlm = mfu.Bench(cfg)
-  torch = torch_gpt.Bench(cfg, _COMPILE.value, 'cuda' if _DEVICE.value == 'gpu' else 'cpu')
+  device = 'cuda' if _DEVICE.value == 'gpu' else 'cpu'
+  torch = (TorchProcess if _TORCH_PROCESS.value else torch_gpt.Bench)(cfg, _COMPILE.value, device)
   for _ in range(_WARMUP.value):
     jaxlm.step()
     torch.step()
@@ -128,6 +174,8 @@ def main(argv):
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for row in rows:
       print('  '.join(f'{c:<{w}}' for c, w in zip(row, widths)))
+  if _TORCH_PROCESS.value:
+    torch.close()
   if _JSON.value:
     pathlib.Path(_JSON.value).write_text(json.dumps(dict(jaxlm=j, torch=t, times=times, pair_ratios=pairs, phases=phases)))
 

@@ -18,12 +18,14 @@ import statistics
 import sys
 import time
 
-from absl import app, flags
-import flax.linen as nn
-import jax
-import numpy as np
-
 sys.path.insert(0, str(pathlib.Path(__file__).absolute().parents[1]))
+import jaxlm  # noqa: E402,F401  first, as in `python -m jaxlm.train`: sets up malloc before JAX (jaxlm/host.py)
+
+from absl import app, flags  # noqa: E402
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
 from jaxlm import attention as attention_lib  # noqa: E402
 from jaxlm import config as config_lib  # noqa: E402
 from jaxlm import metrics as metrics_lib  # noqa: E402

@@ -224,6 +224,19 @@ class Bench:
     self.loss = loss.detach()
     return time.perf_counter() - start
 
+  def phase(self, name: str) -> float:
+    """Times the forward pass alone ('forward') or forward + backward ('forward + backward') on one batch."""
+    batch = self.batches[0]
+    start = time.perf_counter()
+    if name == 'forward':  # with autograd on, as in a train step (under no_grad torch.compile would recompile)
+      self.forward(**batch)
+    else:
+      self.opt.zero_grad(set_to_none=True)
+      self.forward(**batch).backward()
+    if self.device.startswith('cuda'):
+      torch.cuda.synchronize()
+    return time.perf_counter() - start
+
   def result(self, times: list[float]) -> dict:
     """Throughput of the timed steps `times`, counted with jaxlm's FLOPs formula."""
     step_s = statistics.median(times)

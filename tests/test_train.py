@@ -1,6 +1,11 @@
 """The real entry point, end to end, on palm_tiny: it trains, evaluates, reports and checkpoints."""
 
+import json
+import os
 import subprocess
+import sys
+
+import pytest
 
 from tests.conftest import ROOT
 from tests.helpers import read_records, train_command, train_env
@@ -22,3 +27,45 @@ def test_entry_point_trains_palm_tiny_and_loss_falls(tmp_path, data_cache):
                'compiled the train step', 'goodput', 'ETA'):
     assert text in out.stdout, text
   assert (tmp_path / 'checkpoints' / '40').is_dir() and list((tmp_path / 'tb').iterdir())
+
+
+
+_FAULTS = '''
+import json, os, resource, runpy, sys
+import jaxlm  # first, as `python -m jaxlm.train` does: before JAX starts a thread
+os.environ['JAX_PLATFORMS'] = 'cpu'
+os.environ.pop('XLA_FLAGS', None)  # one device: all the step's temporaries in one block
+sys.path.insert(0, 'bench')
+import mfu
+from jaxlm import metrics
+cfg = runpy.run_path('configs/palm_small.py')['get_config']()
+cfg.train.batch_size = 4
+bench = mfu.Bench(cfg)
+for _ in range(2):
+  bench.step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(3):
+  bench.step()
+faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 3
+pages = metrics.compiled_memory(bench.compiled)['temp_bytes'] / 4096
+print(json.dumps(dict(kept=jaxlm.HOST_MEMORY_KEPT, faults=faults, pages=pages)))
+'''
+
+
+def test_host_memory_is_kept_so_steps_do_not_refault_their_temporaries():
+  """XLA:CPU's per-step temporary block is reused, not mapped, faulted and zeroed again every step."""
+  runs = {}
+  for keep in ('1', '0'):
+    env = dict(os.environ, JAXLM_KEEP_HOST_MEMORY=keep)
+    out = subprocess.run([sys.executable, '-c', _FAULTS], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs[keep] = json.loads(out.stdout.strip().splitlines()[-1])
+  assert runs['0']['kept'] is False
+  if not runs['1']['kept']:
+    pytest.skip('no glibc mallopt on this machine')
+  pages = runs['1']['pages']
+  assert pages > 8192  # > 32 MiB: past glibc's largest mmap threshold, so by default a thread arena maps it
+  assert runs['1']['faults'] < 0.05 * pages, runs
+  # Without it, every step faults the block in again (unless the kernel backs it with huge pages anyway).
+  assert runs['0']['faults'] > 0.5 * pages or runs['0']['faults'] > 20 * runs['1']['faults'], runs
