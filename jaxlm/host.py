@@ -1,11 +1,16 @@
 """Host-process settings that must be made before JAX starts its threads: glibc's malloc.
 
 `import jaxlm` applies them (jaxlm/__init__.py), so `python -m jaxlm.train` gets them before JAX is imported.
-Set JAXLM_KEEP_HOST_MEMORY=0 to leave malloc as it is.
+JAXLM_KEEP_HOST_MEMORY=0 leaves malloc as it is, =1 tunes it always; unset, it is tuned unless a GPU or TPU
+plugin for JAX is installed (there the step's temporaries live in device memory, not in malloc's) or XLA_FLAGS
+fakes several CPU devices (their threads allocate at once, and one arena serialises them: the 8-device test
+mesh ran 37 % slower with it).
 """
 
 import ctypes
 import os
+import pkgutil
+import re
 
 # glibc's <malloc.h> mallopt parameters.
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
@@ -21,8 +26,15 @@ def keep_freed_memory() -> bool:
   must happen before any thread but the main one allocates (importing JAX starts one), because a thread keeps
   the arena it first got. Costs: the process keeps its peak host memory, and its threads share one arena.
   """
-  if os.environ.get('JAXLM_KEEP_HOST_MEMORY', '1') == '0':
+  setting = os.environ.get('JAXLM_KEEP_HOST_MEMORY', '')
+  if setting == '0':
     return False
+  if setting != '1':
+    fake_devices = re.search(r'xla_force_host_platform_device_count=(\d+)', os.environ.get('XLA_FLAGS', ''))
+    if fake_devices and int(fake_devices.group(1)) > 1:
+      return False
+    if any(m.name.startswith(('jax_cuda', 'jax_rocm', 'libtpu')) for m in pkgutil.iter_modules()):
+      return False  # an accelerator host: nothing to gain, and one arena would serialise its host threads
   try:
     mallopt = ctypes.CDLL('libc.so.6').mallopt
   except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to tune

@@ -32,9 +32,9 @@ def test_entry_point_trains_palm_tiny_and_loss_falls(tmp_path, data_cache):
 
 _FAULTS = '''
 import json, os, resource, runpy, sys
-import jaxlm  # first, as `python -m jaxlm.train` does: before JAX starts a thread
 os.environ['JAX_PLATFORMS'] = 'cpu'
-os.environ.pop('XLA_FLAGS', None)  # one device: all the step's temporaries in one block
+os.environ.pop('XLA_FLAGS', None)  # one device (the setting's own case): all the step's temporaries in one block
+import jaxlm  # first, as `python -m jaxlm.train` does: before JAX starts a thread
 sys.path.insert(0, 'bench')
 import mfu
 from jaxlm import metrics
@@ -55,17 +55,27 @@ print(json.dumps(dict(kept=jaxlm.HOST_MEMORY_KEPT, faults=faults, pages=pages)))
 def test_host_memory_is_kept_so_steps_do_not_refault_their_temporaries():
   """XLA:CPU's per-step temporary block is reused, not mapped, faulted and zeroed again every step."""
   runs = {}
-  for keep in ('1', '0'):
+  for keep in ('', '0'):  # unset: the default on one CPU device
     env = dict(os.environ, JAXLM_KEEP_HOST_MEMORY=keep)
     out = subprocess.run([sys.executable, '-c', _FAULTS], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     runs[keep] = json.loads(out.stdout.strip().splitlines()[-1])
   assert runs['0']['kept'] is False
-  if not runs['1']['kept']:
+  if not runs['']['kept']:
     pytest.skip('no glibc mallopt on this machine')
-  pages = runs['1']['pages']
+  pages = runs['']['pages']
   assert pages > 8192  # > 32 MiB: past glibc's largest mmap threshold, so by default a thread arena maps it
-  assert runs['1']['faults'] < 0.05 * pages, runs
+  assert runs['']['faults'] < 0.05 * pages, runs
   # Without it, every step faults the block in again (unless the kernel backs it with huge pages anyway).
-  assert runs['0']['faults'] > 0.5 * pages or runs['0']['faults'] > 20 * runs['1']['faults'], runs
+  assert runs['0']['faults'] > 0.5 * pages or runs['0']['faults'] > 20 * runs['']['faults'], runs
+
+
+def test_host_memory_left_alone_with_fake_devices_or_when_asked(monkeypatch):
+  from jaxlm import host
+  monkeypatch.delenv('JAXLM_KEEP_HOST_MEMORY', raising=False)
+  monkeypatch.setenv('XLA_FLAGS', '--xla_force_host_platform_device_count=8')  # one arena would serialise them
+  assert host.keep_freed_memory() is False
+  monkeypatch.delenv('XLA_FLAGS')
+  monkeypatch.setenv('JAXLM_KEEP_HOST_MEMORY', '0')
+  assert host.keep_freed_memory() is False
