@@ -99,9 +99,9 @@ def _serve_torch(conn, cfg, use_compile: bool, device: str) -> None:
 class TorchProcess:
   """torch_gpt.Bench in a process of its own, with glibc's default malloc; step/phase/result as Bench's.
 
-  Why: `import jaxlm` sets malloc up for XLA (jaxlm/host.py: one arena, no mmap), which slows PyTorch's own
-  allocations by several percent; the baseline runs as PyTorch users run it. The child times its own steps
-  (the pipe's round trip is not counted) and waits while jaxlm runs, so the two still alternate step by step.
+  Why: `import jaxlm` sets malloc up for XLA (jaxlm/host.py: one arena, no mmap), which PyTorch users do not
+  have; the baseline runs as they run it. The child times its own steps (the pipe's round trip is not counted)
+  and waits while jaxlm runs, so the two still alternate step by step.
   """
 
   def __init__(self, cfg, use_compile: bool, device: str):
