@@ -45,7 +45,8 @@ while ((${#live[@]} > 0)); do
   finished=""
   code=0
   wait -n -p finished "${live[@]}" || code=$?
-  [[ -z "${finished}" ]] && continue  # a trapped signal interrupted the wait
+  # A trapped signal interrupts the wait and leaves `finished` unset (not empty): wait again.
+  [[ -z "${finished:-}" ]] && continue
   for i in "${!live[@]}"; do [[ "${live[$i]}" == "${finished}" ]] && unset "live[$i]"; done
   live=("${live[@]}")
   if ((code != 0)); then
