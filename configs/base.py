@@ -54,6 +54,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.log_every = 10  # steps between metric records
   t.eval_every = 100  # steps between held-out evaluations (0 = only at the end)
   t.eval_batches = 8  # batches per evaluation
+  t.deterministic = False  # GPU: deterministic XLA ops, so reruns and resumes are bit for bit (slower); CPU/TPU always are
 
   c.optim = o = ml_collections.ConfigDict()
   o.name = 'adamw'  # adamw | adafactor (PaLM's, factored second moments)

@@ -1,18 +1,31 @@
 """Checkpoints on Orbax's CheckpointManager: async saves, exact resume, and no silent save failure.
 
-One checkpoint step holds three items: `state` (params, optimizer state, step, RNG), `data` (the Grain
-iterator's position) and `env` (a JSON record of how the run was made). Orbax writes each step to a temporary
-directory and renames it only when complete, so a partial save is never listed as a step.
+One checkpoint step holds four items: `state` (params, optimizer state, step, RNG), `data` (the Grain
+iterator's position), `guard` (the stability guard's history, so a resume judges spikes as the run it continues)
+and `env` (a JSON record of how the run was made). Orbax writes each step to a temporary directory and renames it
+only when complete, so a partial save is never listed as a step.
+
+Integrity: once a save is confirmed, process 0 writes `checksums.json` into the step directory (SHA-256 of every
+file); a restore verifies it first. Orbax 0.12's TensorStore specs checksum only the zarr3 shard index, not the
+chunk data, so flipped bytes inside an array file would otherwise restore silently. A checkpoint that fails
+the check, or cannot be read, is moved aside to `<directory>.unreadable/` (kept for inspection, never resumed
+from, and out of the way of the step number being saved again) and the one before it is used.
 
 Failures are loud: an error from a save — raised at once, or later by the background writer — is logged as an
 event with the directory and its free space, the save is retried on the next step, and after
 `max_failures` failures in a row training stops (a public run once trained for weeks while every save failed).
 """
 
+import hashlib
 import importlib.metadata
+import json
+import logging as py_logging
 import os
 import shutil
 import subprocess
+import sys
+import threading
+import time
 from typing import Any, Callable
 
 import grain
@@ -24,9 +37,7 @@ from absl import logging
 EventFn = Callable[..., None]  # event(step, name, message, **fields), e.g. MetricsLogger.event
 
 
-class CheckpointError(RuntimeError):
-  """Checkpoints cannot be written or read; the message says what happened and how to fix it."""
-
+from jaxlm.errors import CheckpointError  # noqa: F401
 
 def environment(cfg, mesh) -> dict:
   """A JSON record of the training environment, saved with every checkpoint."""
@@ -57,6 +68,85 @@ def _dir_bytes(path: str) -> int:
   return total
 
 
+CHECKSUMS = 'checksums.json'
+
+
+def file_checksums(step_dir: str) -> dict[str, str]:
+  """SHA-256 of every file under a step directory, by relative path."""
+  sums = {}
+  for base, _, files in os.walk(step_dir):
+    for name in files:
+      path = os.path.join(base, name)
+      rel = os.path.relpath(path, step_dir)
+      if rel == CHECKSUMS:
+        continue
+      with open(path, 'rb') as f:
+        sums[rel] = hashlib.file_digest(f, 'sha256').hexdigest()
+  return sums
+
+
+def verify_checksums(step_dir: str) -> str | None:
+  """None if every file matches its recorded checksum (or none were recorded); else what is wrong."""
+  path = os.path.join(step_dir, CHECKSUMS)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    want = json.load(f)['sha256']
+  got = file_checksums(step_dir)
+  bad = sorted(k for k in want if got.get(k) != want[k])
+  if bad:
+    missing = [k for k in bad if k not in got]
+    return (f'{len(bad)} file(s) differ from the checksums written at save time'
+            + (f' ({len(missing)} missing)' if missing else '') + f', e.g. {bad[0]}')
+  return None
+
+
+class _WriterErrors(py_logging.Filter):
+  """Takes Orbax's background-thread error logs (one traceback per array fragment) off the console.
+
+  A failed save is reported once, as a `checkpoint_failed` event that counts these; printing them would bury
+  the one line that says what to do.
+  """
+
+  def __init__(self):
+    super().__init__()
+    self.messages: list[str] = []
+
+  def filter(self, record) -> bool:
+    if record.levelno >= py_logging.ERROR and ('orbax' in record.pathname or record.name == 'asyncio'):
+      self.messages.append(record.getMessage().splitlines()[0][:300])
+      return False
+    return True
+
+  def take(self) -> list[str]:
+    taken, self.messages = self.messages, []
+    return taken
+
+
+_writer_errors = _WriterErrors()
+
+
+def _capture_writer_errors() -> None:
+  for name in ('absl', 'asyncio'):
+    logger = py_logging.getLogger(name)
+    if _writer_errors not in logger.filters:
+      logger.addFilter(_writer_errors)
+  if getattr(sys.unraisablehook, 'jaxlm', False):
+    return
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    # After a failed save Orbax closes its event loop while TensorStore still completes writes; their
+    # callbacks fail in C++ with "Event loop is closed", which Python reports as unraisable.
+    if isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == 'Event loop is closed':
+      _writer_errors.messages.append('RuntimeError: Event loop is closed')
+      return
+    previous(unraisable)
+
+  hook.jaxlm = True
+  sys.unraisablehook = hook
+
+
 def with_shardings(abstract_tree, shardings):
   """ShapeDtypeStructs that carry shardings: Orbax restores each array straight onto its devices."""
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_tree, shardings)
@@ -73,27 +163,32 @@ class Checkpointer:
     self.retry = False  # a save failed: try again at the next step
     self.pending: int | None = None  # step of a save whose success is not confirmed yet
     self.last_good: int | None = None
-    self.blocked_s = 0.0  # time the training loop spent inside save()/wait()
+    self.is_primary = jax.process_index() == 0
+    self._hashing: threading.Thread | None = None  # writes checksums.json of the last confirmed step
+    _capture_writer_errors()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=ckpt_cfg.keep, keep_period=ckpt_cfg.keep_every or None,
         enable_async_checkpointing=ckpt_cfg.async_save, create=False)
-    self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=('state', 'data', 'env'))
+    self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                         item_names=('state', 'data', 'guard', 'env'))
 
   def due(self, step: int, last_step: int) -> bool:
     """Whether to save after `step`: on the interval, at the end, or to retry a failed save."""
     every = self.cfg.every
     return self.retry or step == last_step or (every > 0 and step % every == 0)
 
-  def save(self, step: int, state, data_iter, env: dict) -> None:
+  def save(self, step: int, state, data_iter, env: dict, guard: dict | None = None) -> None:
     """Starts an (async) save of `step`; failures are counted and retried, never silent."""
     self.poll()
     if step in self.manager.all_steps():
       return  # already saved (e.g. the final step of a resumed run that had finished)
     self._warn_if_low_space(step)
+    self._join_hashing()
     try:
       os.makedirs(self.directory, exist_ok=True)
       self.manager.save(step, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state), env=ocp.args.JsonSave(env), **self._data_args(data_iter)),
+          state=ocp.args.StandardSave(state), env=ocp.args.JsonSave(env),
+          guard=ocp.args.JsonSave(guard or {}), **self._data_args(data_iter)),
           force=True)
       self.pending = step
       self.retry = False
@@ -120,7 +215,28 @@ class Checkpointer:
       self._failed(step, RuntimeError('the writer reported success but the step is not on disk'))
       return
     self.failures, self.last_good = 0, step
+    _writer_errors.take()
     logging.info('checkpoint %d saved in %s', step, self.directory)
+    if self.is_primary:
+      self._hashing = threading.Thread(target=self._write_checksums, args=(step,), daemon=True)
+      self._hashing.start()
+
+  def _write_checksums(self, step: int) -> None:
+    """Runs beside training: hashes the confirmed step's files and writes checksums.json atomically."""
+    step_dir = os.path.join(self.directory, str(step))
+    try:
+      sums = file_checksums(step_dir)
+      tmp = os.path.join(step_dir, f'.{CHECKSUMS}.tmp')
+      with open(tmp, 'w') as f:
+        json.dump({'sha256': sums, 'written': time.time()}, f)
+      os.replace(tmp, os.path.join(step_dir, CHECKSUMS))
+    except OSError as e:  # deleted meanwhile (keep policy, rollback) or disk full: the step stays unverified
+      logging.warning('checksums of checkpoint %d not written: %s', step, e)
+
+  def _join_hashing(self) -> None:
+    if self._hashing is not None:
+      self._hashing.join()
+      self._hashing = None
 
   def wait(self) -> None:
     """Blocks until the pending save is complete and checked."""
@@ -152,13 +268,17 @@ class Checkpointer:
     self.retry = True
     free = self._free_bytes()
     free_text = 'unknown' if free is None else f'{free / 2**20:.1f} MiB'
+    writer_errors = _writer_errors.take()
     message = (f'checkpoint save of step {step} failed ({self.failures}/{self.cfg.max_failures} in a row): '
-               f'{type(error).__name__}: {error}. Directory {self.directory}, free space {free_text}.')
+               f'{type(error).__name__}: {error}. Directory {self.directory}, free space {free_text}.'
+               + (f' The background writer logged {len(writer_errors)} error(s) for it.' if writer_errors else ''))
     self.event(step, 'checkpoint_failed', message, directory=self.directory, free_bytes=free,
-               failures=self.failures)
+               failures=self.failures, writer_errors=len(writer_errors))
     self._clean_partial()
     if self.failures >= self.cfg.max_failures:
-      last = f'step {self.last_good}' if self.last_good is not None else 'none from this run'
+      self.manager.reload()
+      newest = max(self.manager.all_steps(), default=None)  # finalized steps only: a failed save is never listed
+      last = f'step {newest}' if newest is not None else 'none'
       raise CheckpointError(
           f'{self.failures} checkpoint saves failed in a row, the last with {type(error).__name__}: {error}. '
           f'Directory {self.directory} has {free_text} free; the newest good checkpoint is {last}. '
@@ -173,32 +293,56 @@ class Checkpointer:
       if '.orbax-checkpoint-tmp' in name:
         shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
-  def restore(self, abstract_state, shardings, data_iter, before: int | None = None) -> Any | None:
-    """Restores the newest readable checkpoint (older than step `before`, if given) into `shardings`.
+  def restore(self, abstract_state, shardings, data_iter, before: int | None = None) -> tuple[Any, dict]:
+    """Restores the newest intact checkpoint (older than step `before`, if given) into `shardings`.
 
-    Returns None if there is none.
-    A newest checkpoint that cannot be read gives a warning event and the one before it is tried; a
-    checkpoint is never deleted or overwritten here.
+    Returns (state, guard state), or (None, {}) if there is none. A checkpoint that fails its checksums or
+    cannot be read gives a warning event, is moved aside, and the one before it is tried.
     """
+    self._join_hashing()
     self.manager.reload()
     target = with_shardings(abstract_state, shardings)
+    unreadable = 0
     for step in sorted(self.manager.all_steps(), reverse=True):
       if before is not None and step >= before:
         continue
+      step_dir = os.path.join(self.directory, str(step))
       try:
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), **self._data_args(data_iter, restore=True)))
+        if problem := verify_checksums(step_dir):
+          raise CheckpointError(problem)
+        items = dict(state=ocp.args.StandardRestore(target), **self._data_args(data_iter, restore=True))
+        if os.path.isdir(os.path.join(step_dir, 'guard')):  # absent in checkpoints older than the guard item
+          items['guard'] = ocp.args.JsonRestore()
+        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
       except Exception as e:  # pylint: disable=broad-except  -- corrupt: fall back to an older step
+        unreadable += 1
+        aside = self._move_aside(step)
         self.event(step, 'checkpoint_unreadable',
-                   f'checkpoint {step} in {self.directory} cannot be read ({type(e).__name__}: {e}); '
-                   f'trying an older one. It is left on disk for inspection.')
+                   f'checkpoint {step} in {self.directory} cannot be used ({type(e).__name__}: {e}); '
+                   f'trying an older one. It is kept for inspection in {aside}.')
         continue
       self.last_good = step
-      return restored['state']
-    if self.manager.all_steps() and before is None:
+      return restored['state'], (dict(restored['guard']) if 'guard' in items else {})
+    if unreadable and before is None:
       raise CheckpointError(f'no checkpoint in {self.directory} could be read (see the warnings above). '
                             f'Fix: move the directory aside to start afresh, or repair it.')
-    return None
+    return None, {}
+
+  def _move_aside(self, step: int) -> str:
+    """Moves an unusable step out of the listing (process 0; the others wait for it)."""
+    aside = f'{self.directory}.unreadable'
+    target = os.path.join(aside, f'{step}-{int(time.time())}')
+    if self.is_primary:
+      os.makedirs(aside, exist_ok=True)
+      try:
+        os.rename(os.path.join(self.directory, str(step)), target)
+      except OSError as e:
+        logging.warning('could not move checkpoint %d aside: %s', step, e)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+      multihost_utils.sync_global_devices(f'jaxlm_move_aside_{step}')
+    self.manager.reload()
+    return target
 
   @staticmethod
   def _data_args(data_iter, restore: bool = False) -> dict:
@@ -218,6 +362,7 @@ class Checkpointer:
     """Waits for the last save and releases Orbax's threads."""
     try:
       self.wait()
+      self._join_hashing()
     finally:
       self.manager.close()
 

@@ -17,9 +17,7 @@ STABILITY_POLICIES = ('off', 'skip', 'rollback')
 DIST_MODES = ('auto', 'always', 'never')
 
 
-class ConfigError(ValueError):
-  """A config that cannot run; the message names each bad field and how to fix it."""
-
+from jaxlm.errors import ConfigError  # noqa: E402,F401
 
 def mesh_shapes(mesh_cfg, num_devices: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
   """(ici, dcn): per-host (or per-slice) (data, fsdp, tensor) with a single -1 filled, and the dcn_* factors.

@@ -40,9 +40,7 @@ from jaxlm import prepare as prepare_lib
 from jaxlm import tokenizer as tokenizer_lib
 
 
-class DataError(ValueError):
-  """Data that cannot be used as configured (missing, corrupt, or built with another tokenizer)."""
-
+from jaxlm.errors import DataError  # noqa: F401  (missing, corrupt, or built with another tokenizer)
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:

@@ -46,9 +46,7 @@ COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV = 'JAX_COORDINATOR_ADDRESS', 
 _SLURM_ENV = ('SLURM_JOB_ID', 'SLURM_STEP_NODELIST', 'SLURM_NTASKS', 'SLURM_PROCID', 'SLURM_LOCALID')  # what JAX reads
 
 
-class DistributedError(RuntimeError):
-  """Joining the other processes failed (a peer never came up, the coordinator is unreachable, ...)."""
-
+from jaxlm.errors import DistributedError  # noqa: F401  (joining failed: a peer never came up, ...)
 
 @dataclasses.dataclass(frozen=True)
 class Plan:

@@ -14,13 +14,14 @@ import math
 import os
 import re
 import secrets
+import shutil
 import statistics
 import time
 
 import jax
 import numpy as np
 
-from jaxlm.config import ConfigError
+from jaxlm.errors import ConfigError, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,32 @@ def _check_reserved(values: dict) -> None:
     raise ValueError(f'metric names {clash} are reserved for the record itself; rename them')
 
 
+def _is_storage_error(e: BaseException) -> bool:
+  """OSError anywhere in the chain: TensorBoard's writer wraps its thread's error in another."""
+  while e is not None:
+    if isinstance(e, OSError):
+      return True
+    e = e.__cause__ or e.__context__
+  return False
+
+
+def free_space(path: str) -> str:
+  """Free space of the file system holding `path` (or its nearest existing parent), for error messages."""
+  while path and not os.path.exists(path):
+    path = os.path.dirname(path)
+  try:
+    return f'{shutil.disk_usage(path or ".").free / 2**20:.1f} MiB'
+  except OSError:
+    return 'unknown'
+
+
+def storage_error(path: str, error: BaseException) -> StorageError:
+  """The one stop for a run directory that cannot be written, whoever was writing."""
+  return StorageError(f'cannot write {path} ({type(error).__name__}: {error}); {free_space(path)} free there. '
+                      f'Fix: free disk space or make the directory writable (or pass a --workdir on another '
+                      f'disk), then run the same command again to resume from the newest checkpoint')
+
+
 class _TensorBoard:
   """Scalars and text in TensorBoard event files, through tensorboard's own writer (no TensorFlow)."""
 
@@ -209,10 +236,13 @@ class MetricsLogger:
     self._jsonl = self._tb = self._wandb = None
     if not is_primary:
       return
-    os.makedirs(workdir, exist_ok=True)
-    self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a', buffering=1)  # line-buffered
+    self._workdir = workdir
+    with self._writing('metrics.jsonl'):
+      os.makedirs(workdir, exist_ok=True)
+      self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a', buffering=1)  # line-buffered
     if log_cfg.tensorboard:
-      self._tb = _TensorBoard(os.path.join(workdir, 'tb'))
+      with self._writing('tb'):
+        self._tb = _TensorBoard(os.path.join(workdir, 'tb'))
     if log_cfg.wandb:
       self._wandb = _start_wandb(workdir, log_cfg, config)
 
@@ -240,7 +270,8 @@ class MetricsLogger:
                                                if isinstance(v, float)), flush=True)
     self._record({'kind': kind, 'step': step, 'time': time.time(), **values})
     if self._tb:
-      self._tb.scalars(step, values, kind)
+      with self._writing('tb'):
+        self._tb.scalars(step, values, kind)
     if self._wandb:
       self._wandb.log({'step': step, **{f'{kind}/{k}': v for k, v in values.items()}})
 
@@ -256,23 +287,39 @@ class MetricsLogger:
     self._record({'kind': 'event', 'step': step, 'time': time.time(), 'event': name, 'message': message,
                   **fields})
     if self._tb:
-      self._tb.text(step, 'events', f'**{name}**: {message}')
-      self._tb.scalars(step, {name: self._event_counts[name]}, 'events')
+      with self._writing('tb'):
+        self._tb.text(step, 'events', f'**{name}**: {message}')
+        self._tb.scalars(step, {name: self._event_counts[name]}, 'events')
     if self._wandb:
       self._wandb.log({'step': step, f'events/{name}': self._event_counts[name]})
 
   def _record(self, record: dict) -> None:
-    self._jsonl.write(json.dumps(record) + '\n')
+    with self._writing('metrics.jsonl'):
+      self._jsonl.write(json.dumps(record) + '\n')
+
+  @contextlib.contextmanager
+  def _writing(self, name: str):
+    """A full or unwritable run directory stops the run like a failed checkpoint: exit 3, one clear line."""
+    try:
+      yield
+    except Exception as e:  # pylint: disable=broad-except  -- TensorBoard's writer thread re-raises anything
+      if isinstance(e, StorageError) or not _is_storage_error(e):
+        raise
+      self._jsonl = self._tb = None  # a sink that failed once is not written (or flushed) again
+      raise storage_error(os.path.join(self._workdir, name), e) from e
 
   def close(self) -> None:
     """Flushes and closes every sink."""
-    if self._jsonl:
-      self._jsonl.close()
-    if self._tb:
-      self._tb.close()
-    if self._wandb:
-      self._wandb.finish()
-    self._jsonl = self._tb = self._wandb = None
+    sinks, (self._jsonl, self._tb, self._wandb) = (self._jsonl, self._tb, self._wandb), (None, None, None)
+    jsonl, tb, wandb = sinks
+    with self._writing('metrics.jsonl'):
+      if jsonl:
+        jsonl.close()
+    with self._writing('tb'):
+      if tb:
+        tb.close()
+    if wandb:
+      wandb.finish()
 
   def __enter__(self):
     return self

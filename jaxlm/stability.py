@@ -10,21 +10,32 @@ for a while.
 
 import collections
 import dataclasses
+import json
 import math
+import os
 import statistics
 
 import numpy as np
 
 
-class StabilityError(RuntimeError):
-  """Training cannot continue safely; the message says what was seen and what to try."""
-
+from jaxlm.errors import StabilityError  # noqa: F401  (raised here, re-exported for callers)
 
 @dataclasses.dataclass
 class Rollback:
-  """What the loop must do: restore a checkpoint from before `first_bad_step`."""
-  first_bad_step: int
+  """What the loop must do: restore a checkpoint that predates every update that could have caused it.
+
+  The loss logged at step s is computed on the parameters after update s-1, so when the first bad value shows
+  at step s, update s-1 may be the culprit (an LR spike), as may batch s (a data spike): the checkpoint restored
+  must hold fewer than s-1 updates.
+  """
+  first_bad_step: int  # the earliest step whose logged values may be bad
+  decided_at: int  # the step whose record triggered it: every batch up to its one is suspect
   reason: str
+
+  @property
+  def restore_before(self) -> int:
+    """Restore the newest checkpoint with a step strictly below this."""
+    return self.first_bad_step - 1
 
 
 class SpikeDetector:
@@ -37,6 +48,16 @@ class SpikeDetector:
     self.threshold = threshold
     self.min_history = min_history
     self.history: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=window))
+
+  def state(self) -> dict:
+    """The history as JSON (Python floats round-trip exactly through json)."""
+    return {name: list(h) for name, h in self.history.items()}
+
+  def load(self, state: dict) -> None:
+    """Replaces the history with a saved one."""
+    self.history.clear()
+    for name, values in state.items():
+      self.history[name].extend(values)
 
   def update(self, values: dict[str, float]) -> dict[str, str]:
     """Returns {name: description} for each of `values` that spiked; adds the others to the history."""
@@ -56,11 +77,20 @@ class SpikeDetector:
 
 
 class Guard:
-  """Applies `cfg.stability.policy` to the logged metrics; reports every event through `event`."""
+  """Applies `cfg.stability.policy` to the logged metrics; reports every event through `event`.
 
-  def __init__(self, stability_cfg, event):
+  Its whole state (detector history, spikes, rollback counts, the lowered-LR window) is saved with every
+  checkpoint, so a resumed run judges spikes exactly as the run it continues. The rollback count is also kept
+  in `ledger` (a JSON file beside the checkpoints), so a crash-and-restart loop cannot reset it.
+  """
+
+  def __init__(self, stability_cfg, event, *, log_every: int = 1, ledger: str | None = None,
+               writes_ledger: bool = True):
     self.cfg = stability_cfg
     self.event = event
+    self.log_every = log_every  # a logged spike may have started anywhere in the steps since the last record
+    self.ledger = ledger  # every process reads it (the workdir is shared); one writes it
+    self.writes_ledger = writes_ledger
     self.detector = SpikeDetector(stability_cfg.window, stability_cfg.threshold, stability_cfg.min_history)
     self.spike_steps: list[int] = []
     self.skipped_total = 0
@@ -84,15 +114,43 @@ class Guard:
       if self.cfg.policy == 'skip':
         raise StabilityError(f'{reason}: the model cannot recover by skipping updates. Fix: resume from an '
                              f'earlier checkpoint with a lower optim.lr, or use stability.policy=rollback.')
-      return Rollback(step - run + 1, reason)
+      return Rollback(step - run + 1, step, reason)
     spikes = self.detector.update({k: values[k] for k in ('loss', 'grad_norm') if k in values})
     if spikes:
       self.spike_steps.append(step)
       self.event(step, 'spike', '; '.join(spikes.values()), metrics=','.join(sorted(spikes)))
     recent = [s for s in self.spike_steps if s > step - self.cfg.spike_window]
     if self.cfg.policy == 'rollback' and len(recent) >= self.cfg.spikes:
-      return Rollback(recent[0], f'{len(recent)} spikes within {self.cfg.spike_window} steps (at {recent})')
+      return Rollback(recent[0] - self.log_every + 1, step,
+                      f'{len(recent)} spikes within {self.cfg.spike_window} steps (at {recent})')
     return None
+
+  def state(self) -> dict:
+    """Everything the guard has learned, as JSON: saved in each checkpoint."""
+    return {'history': self.detector.state(), 'spike_steps': list(self.spike_steps),
+            'skipped_total': self.skipped_total, 'rollbacks': self.rollbacks,
+            'restores': {str(k): v for k, v in self.restores.items()}, 'lr_factor_until': self.lr_factor_until}
+
+  def load(self, state: dict | None) -> None:
+    """Continues from a checkpoint's guard state (None: a checkpoint written before guards were saved)."""
+    if state:
+      self.detector.load(state['history'])
+      self.spike_steps = list(state['spike_steps'])
+      self.skipped_total = state['skipped_total']
+      self.rollbacks = state['rollbacks']
+      self.restores = {int(k): v for k, v in state['restores'].items()}
+      self.lr_factor_until = state['lr_factor_until']
+    # A rollback after the checkpoint was written, then a crash: the ledger still counts it.
+    ledger = _read_json(self.ledger) if self.ledger else None
+    if ledger and ledger['rollbacks'] > self.rollbacks:
+      self.rollbacks = ledger['rollbacks']
+      for k, v in ledger['restores'].items():
+        self.restores[int(k)] = max(self.restores.get(int(k), 0), v)
+
+  def reset_ledger(self) -> None:
+    """A fresh run (no checkpoint to resume) starts with no rollbacks."""
+    if self.ledger and self.writes_ledger and os.path.exists(self.ledger):
+      os.remove(self.ledger)
 
   def rolled_back(self, to_step: int) -> int:
     """Counts a rollback to `to_step` (raising past the cap); returns how many batches to skip.
@@ -102,6 +160,9 @@ class Guard:
     """
     self.rollbacks += 1
     self.restores[to_step] = self.restores.get(to_step, 0) + 1
+    if self.ledger and self.writes_ledger:
+      write_json_atomic(self.ledger, {'rollbacks': self.rollbacks,
+                                      'restores': {str(k): v for k, v in self.restores.items()}})
     if self.rollbacks > self.cfg.max_rollbacks:
       raise StabilityError(f'{self.rollbacks - 1} rollbacks already (stability.max_rollbacks); instability keeps '
                            f'coming back. Fix: lower optim.lr, raise optim.warmup_steps, or inspect the data '
@@ -114,6 +175,23 @@ class Guard:
   def lr_scale(self, step: int) -> float:
     """The learning-rate multiplier for the step after `step` (post-rollback factor, else 1)."""
     return self.cfg.lr_factor if step < self.lr_factor_until else 1.0
+
+
+def _read_json(path: str) -> dict | None:
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+def write_json_atomic(path: str, value) -> None:
+  """Writes JSON to a temporary file and renames it: readers see the old file or the new one, never half."""
+  tmp = f'{path}.tmp-{os.getpid()}'
+  with open(tmp, 'w') as f:
+    json.dump(value, f)
+    f.write('\n')
+  os.replace(tmp, path)
 
 
 def steps_set(text: str) -> frozenset[int]:

@@ -24,6 +24,7 @@ from jaxlm import checkpoint as checkpoint_lib
 from jaxlm import config as config_lib
 from jaxlm import data as data_lib
 from jaxlm import distributed
+from jaxlm import errors
 from jaxlm import metrics as metrics_lib
 from jaxlm import model as model_lib
 from jaxlm import optimizer as optimizer_lib
@@ -227,6 +228,7 @@ def run(cfg, workdir: str) -> dict:
   say = print if primary else (lambda *a, **k: None)  # the start-up report, from process 0 only
   say(f'config:\n{cfg}')
   say(f'mesh: {dict(mesh.shape)} on {mesh.size} {jax.devices()[0].device_kind} devices')
+  say(f'bit-reproducible: {reproducibility(t, jax.devices()[0].platform)}')
 
   with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
     faults = cfg.faults
@@ -259,9 +261,12 @@ def run(cfg, workdir: str) -> dict:
     # Restore or initialise: the newest readable checkpoint wins; the data iterator is restored with it.
     ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), cfg.checkpoint, log.event)
     env = checkpoint_lib.environment(cfg, mesh)
+    guard = stability_lib.Guard(cfg.stability, log.event, log_every=t.log_every,
+                                ledger=os.path.join(workdir, 'rollbacks.json'), writes_ledger=primary)
     with acct.track('checkpoint'):
-      state = ckpt.restore(program.abstract_state, program.state_shardings, train_iter)
+      state, guard_state = ckpt.restore(program.abstract_state, program.state_shardings, train_iter)
     if state is not None:
+      guard.load(guard_state)
       start = int(state.step)
       metrics_path = os.path.join(workdir, 'metrics.jsonl')
       records = metrics_lib.read_metrics(metrics_path) if os.path.exists(metrics_path) else []
@@ -271,6 +276,7 @@ def run(cfg, workdir: str) -> dict:
       log.event(start, 'resumed', f'resumed from checkpoint step {start} in {ckpt.directory}; '
                 f'{redone} logged steps after it will be redone', redo_steps=redone)
     else:
+      guard.reset_ledger()
       state = program.init()
       if cfg.checkpoint.init_from:
         params = checkpoint_lib.load_params(cfg.checkpoint.init_from, program.abstract_state.params,
@@ -290,71 +296,82 @@ def run(cfg, workdir: str) -> dict:
     device_kind = jax.devices()[0].device_kind
     slow = metrics_lib.SlowStepDetector(cfg.log.slow_step_factor, cfg.log.slow_step_count)
     profiler = metrics_lib.Profiler(cfg.log, workdir, is_primary=primary)
-    guard = stability_lib.Guard(cfg.stability, log.event)
     poison_batches = stability_lib.steps_set(faults.poison_batches)
     lr_spike_steps = stability_lib.steps_set(faults.lr_spike_steps)
-    last, window_s, window_steps, window_tokens, step_metrics = {}, 0.0, 0, 0, None
-    step = start
-    while step < t.steps:
-      profiler.step(step, block_on=step_metrics)
-      size = ramp.size(step)
-      with acct.track('data'):
-        local = ramp.draw(train_iter, size)
-        number = int(state.batches) + 1
-        if number in poison_batches:
-          local = stability_lib.poison(local, faults.poison, cfg.model.vocab_size, number)
-          log.event(step + 1, 'fault_injected', f'batch {number} poisoned with {faults.poison}')
-        batch = global_batch(local, program.batch_sharding)
-      window_s += acct.last_s
-      lr_scale = faults.lr_spike_factor if step + 1 in lr_spike_steps else guard.lr_scale(step)
-      if lr_scale != float(state.lr_scale):
-        state = set_scalars(state, program, lr_scale=lr_scale)
-        log.event(step + 1, 'lr_scale', f'learning rate multiplied by {lr_scale:g} from step {step + 1}'
-                  if lr_scale != 1.0 else f'learning rate back on its schedule from step {step + 1}',
-                  lr_scale=lr_scale)
-      with acct.track('step'):
-        state, step_metrics = step_for(size)(state, batch)
-        jax.block_until_ready(step_metrics)  # step time is device time; the next batch is already prefetched
-      window_s += acct.last_s
-      window_steps += 1
-      window_tokens += size * cfg.data.seq_len
-      step = done = step + 1
-      distributed.beat(done)  # the hung-peer watchdog
-      if message := slow.update(done, acct.last_s):
-        log.event(done, 'slow_step', message)
-      if done % t.log_every == 0 or done == t.steps:
-        tokens_per_s = window_tokens / window_s
-        values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
-        values.update(tokens_per_s=tokens_per_s, step_time_s=window_s / window_steps, tokens=ramp.tokens(done),
-                      batch_size=size,
-                      mfu=metrics_lib.mfu(tokens_per_s, flops, mesh.size, device_kind),
-                      mfu_causal=metrics_lib.mfu(tokens_per_s, flops_causal, mesh.size, device_kind))
-        log.write(done, values)
-        last = values
-        window_s, window_steps, window_tokens = 0.0, 0, 0
-        if rollback := guard.observe(done, values):
-          with acct.track('checkpoint'):
-            state = roll_back(rollback, guard, ckpt, program, train_iter, cfg.stability, log, ramp)
-          step = int(state.step)
-          acct.redo_steps(done - step)
-          continue
-      if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
-        with acct.track('eval'):
-          last['eval_loss'] = evaluate(program, state.params, eval_data)
-        log.write(done, {'eval_loss': last['eval_loss']}, kind='eval')
-        log.write(done, {**acct.summary(), **metrics_lib.device_memory_stats()}, kind='system')
-      stopping = distributed.any_process(bool(stop))  # a signal to any process stops all after the same step
-      with acct.track('checkpoint'):
-        ckpt.poll()
-        if stopping or ckpt.due(done, t.steps):
-          ckpt.save(done, state, train_iter, env)
+    try:
+      last, window_s, window_steps, window_tokens, step_metrics = {}, 0.0, 0, 0, None
+      step = start
+      while step < t.steps:
+        profiler.step(step, block_on=step_metrics)
+        size = ramp.size(step)
+        with acct.track('data'):
+          local = ramp.draw(train_iter, size)
+          number = int(state.batches) + 1
+          if number in poison_batches:
+            local = stability_lib.poison(local, faults.poison, cfg.model.vocab_size, number)
+            log.event(step + 1, 'fault_injected', f'batch {number} poisoned with {faults.poison}')
+          batch = global_batch(local, program.batch_sharding)
+        window_s += acct.last_s
+        # Keyed on the batch counter like poison_batches: a drill does not fire again after a rollback.
+        lr_scale = faults.lr_spike_factor if number in lr_spike_steps else guard.lr_scale(step)
+        if lr_scale != float(state.lr_scale):
+          state = set_scalars(state, program, lr_scale=lr_scale)
+          log.event(step + 1, 'lr_scale', f'learning rate multiplied by {lr_scale:g} from step {step + 1}'
+                    if lr_scale != 1.0 else f'learning rate back on its schedule from step {step + 1}',
+                    lr_scale=lr_scale)
+        with acct.track('step'):
+          state, step_metrics = step_for(size)(state, batch)
+          jax.block_until_ready(step_metrics)  # step time is device time; the next batch is already prefetched
+        window_s += acct.last_s
+        window_steps += 1
+        window_tokens += size * cfg.data.seq_len
+        step = done = step + 1
+        distributed.beat(done)  # the hung-peer watchdog
+        if message := slow.update(done, acct.last_s):
+          log.event(done, 'slow_step', message)
+        if done % t.log_every == 0 or done == t.steps:
+          tokens_per_s = window_tokens / window_s
+          values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+          values.update(tokens_per_s=tokens_per_s, step_time_s=window_s / window_steps, tokens=ramp.tokens(done),
+                        batch_size=size,
+                        mfu=metrics_lib.mfu(tokens_per_s, flops, mesh.size, device_kind),
+                        mfu_causal=metrics_lib.mfu(tokens_per_s, flops_causal, mesh.size, device_kind))
+          log.write(done, values)
+          last = values
+          window_s, window_steps, window_tokens = 0.0, 0, 0
+          if rollback := guard.observe(done, values):
+            with acct.track('checkpoint'):
+              state = roll_back(rollback, guard, ckpt, program, train_iter, cfg.stability, log, ramp)
+            step = int(state.step)
+            acct.redo_steps(done - step)
+            continue
+        if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
+          with acct.track('eval'):
+            last['eval_loss'] = evaluate(program, state.params, eval_data)
+          log.write(done, {'eval_loss': last['eval_loss']}, kind='eval')
+          log.write(done, {**acct.summary(), **metrics_lib.device_memory_stats()}, kind='system')
+        stopping = distributed.any_process(bool(stop))  # a signal to any process stops all after the same step
+        with acct.track('checkpoint'):
+          ckpt.poll()
+          if stopping or ckpt.due(done, t.steps):
+            ckpt.save(done, state, train_iter, env, guard=guard.state())
+          if stopping:
+            ckpt.wait()
         if stopping:
-          ckpt.wait()
-      if stopping:
-        log.event(done, 'preempted', f'{stop[0] if stop else "a stop signal to another process"} received: '
-                  f'stopped after step {done}, checkpoint '
-                  f'{"saved" if ckpt.last_good == done else "NOT saved"}; run the same command to resume.')
-        break
+          log.event(done, 'preempted', f'{stop[0] if stop else "a stop signal to another process"} received: '
+                    f'stopped after step {done}, checkpoint '
+                    f'{"saved" if ckpt.last_good == done else "NOT saved"}; run the same command to resume.')
+          break
+    except BaseException:
+      # Shut down without masking the error: the writers may be what failed (a full disk).
+      for close in (distributed.disarm, lambda: profiler.stop(block_on=None), getattr(train_iter, 'close', None),
+                    ckpt.close, log.close):
+        try:
+          if close:
+            close()
+        except Exception:  # pylint: disable=broad-except
+          pass
+      raise
     distributed.disarm()
     profiler.stop(block_on=step_metrics)
     if hasattr(train_iter, 'close'):
@@ -368,6 +385,25 @@ def run(cfg, workdir: str) -> dict:
   return last
 
 
+DETERMINISTIC_XLA_FLAGS = '--xla_gpu_deterministic_ops=true'
+
+
+def set_deterministic(train_cfg) -> None:
+  """train.deterministic: asks XLA for deterministic kernels; must run before JAX starts its backend."""
+  if train_cfg.deterministic and DETERMINISTIC_XLA_FLAGS not in os.environ.get('XLA_FLAGS', ''):
+    os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} {DETERMINISTIC_XLA_FLAGS}'.strip()
+
+
+def reproducibility(train_cfg, platform: str) -> str:
+  """Whether two runs (or a run and its resume) give the same bits on this platform, and why."""
+  if platform != 'gpu':
+    return f'yes ({platform}: XLA picks deterministic kernels here)'
+  if train_cfg.deterministic or DETERMINISTIC_XLA_FLAGS in os.environ.get('XLA_FLAGS', ''):
+    return f'yes (train.deterministic: {DETERMINISTIC_XLA_FLAGS})'
+  return ('no: GPU reductions and atomics vary from run to run; set --config.train.deterministic=True '
+          '(slower: bench/RESULTS.md) for bit-for-bit reruns and resumes')
+
+
 def set_scalars(state: TrainState, program: Program, **values) -> TrainState:
   """Host-side change of scalar state fields, placed as the compiled step expects them."""
   placed = {k: jax.device_put(np.asarray(v, getattr(program.abstract_state, k).dtype),
@@ -378,20 +414,23 @@ def set_scalars(state: TrainState, program: Program, **values) -> TrainState:
 def roll_back(rollback, guard, ckpt, program: Program, train_iter, stability_cfg, log, ramp) -> TrainState:
   """Restores the newest checkpoint before the first bad step and skips the data that led there."""
   ckpt.wait()
-  state = ckpt.restore(program.abstract_state, program.state_shardings, train_iter, before=rollback.first_bad_step)
+  state, _ = ckpt.restore(program.abstract_state, program.state_shardings, train_iter,
+                          before=rollback.restore_before)
   if state is None:
-    raise stability_lib.StabilityError(f'{rollback.reason}, but no checkpoint predates step '
-                                       f'{rollback.first_bad_step}. Fix: raise checkpoint.keep or lower '
-                                       f'checkpoint.every.')
+    raise stability_lib.StabilityError(f'{rollback.reason}, but no checkpoint predates update '
+                                       f'{rollback.restore_before}, which may have caused it. Fix: raise '
+                                       f'checkpoint.keep or lower checkpoint.every.')
   to_step = int(state.step)
-  skip = guard.rolled_back(to_step)
+  # At least every batch the abandoned trajectory trained on, so no culprit is replayed.
+  skip = max(guard.rolled_back(to_step), rollback.decided_at - to_step)
   abandoned = ckpt.delete_after(to_step)  # saved on the bad trajectory: must never be resumed from
   first_skipped = int(state.batches) + 1
   for i in range(skip):
     ramp.draw(train_iter, ramp.size(to_step + i))
   state = set_scalars(state, program, batches=int(state.batches) + skip)
   log.event(to_step, 'rollback',
-            f'{rollback.reason}: restored checkpoint step {to_step}, skipped batches {first_skipped}-'
+            f'{rollback.reason}: restored checkpoint step {to_step} (before update {rollback.restore_before}, '
+            f'the first that may have caused it), skipped batches {first_skipped}-'
             f'{first_skipped + skip - 1}, deleted checkpoints {abandoned} of the abandoned trajectory '
             f'(rollback {guard.rollbacks}/{stability_cfg.max_rollbacks})',
             to_step=to_step, first_bad_step=rollback.first_bad_step, skipped_batches=skip)
@@ -443,6 +482,7 @@ def main(argv):
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # libraries' INFO chatter drowns the progress lines; -v 0 shows it
   cfg = _CONFIG.value
+  set_deterministic(cfg.train)
   try:
     distributed.initialize(cfg.dist)  # first of all JAX calls: joins the job's other processes, if any
     config_lib.validate(cfg, jax.device_count(), sharding.num_processes(), sharding.num_slices())
@@ -452,15 +492,12 @@ def main(argv):
   workdir = _WORKDIR.value or os.path.join('runs', cfg.name)
   try:
     run(cfg, workdir)
-  except data_lib.DataError as e:
-    print(f'jaxlm: data error: {e}', file=sys.stderr)
-    sys.exit(2)
-  except checkpoint_lib.CheckpointError as e:
-    print(f'jaxlm: checkpoint error: {e}', file=sys.stderr)
-    sys.exit(3)
-  except stability_lib.StabilityError as e:
-    print(f'jaxlm: training is unstable: {e}', file=sys.stderr)
-    sys.exit(4)
+  except errors.JaxlmError as e:
+    prefix = {errors.DataError: 'data error: ', errors.CheckpointError: 'checkpoint error: ',
+              errors.StabilityError: 'training is unstable: '}.get(type(e), '')
+    sys.stdout.flush()
+    print(f'jaxlm: {prefix}{e}', file=sys.stderr, flush=True)
+    sys.exit(e.exit_code)
 
 
 if __name__ == '__main__':

@@ -177,7 +177,7 @@ def test_reshard_checkpoint_onto_other_meshes(tmp_path):
       program = train.build(cfg.model, cfg.optim, steps=10, seed=0, mesh=mesh)
       ckpt = checkpoint_lib.Checkpointer(str(tmp_path / 'ckpt'), load_config_checkpoint(), lambda *a, **k: None)
       if state == 'restore':
-        state = ckpt.restore(program.abstract_state, program.state_shardings, None)
+        state, _ = ckpt.restore(program.abstract_state, program.state_shardings, None)
         assert state.params['embedding'].sharding.mesh.shape == mesh.shape
       else:
         state = program.init()
@@ -235,3 +235,75 @@ def test_environment_record_saved(reference):
     env = json.loads(files[0].read_text())
   assert env['config']['model']['d_model'] == 64 and env['device_count'] == 8
   assert env['versions']['jax'] == jax.__version__ and env['mesh'] == {'data': 1, 'fsdp': 8, 'tensor': 1}
+
+
+def _flip_bytes(step_dir: pathlib.Path, count: int = 64) -> pathlib.Path:
+  """Bit rot: `count` bytes in the middle of the largest array file, flipped in place (same size)."""
+  target = max((f for f in (step_dir / 'state').rglob('*') if f.is_file()), key=lambda f: f.stat().st_size)
+  data = bytearray(target.read_bytes())
+  middle = len(data) // 2
+  for i in range(middle, middle + count):
+    data[i] ^= 0xFF
+  target.write_bytes(bytes(data))
+  return target
+
+
+def test_flipped_bytes_fail_the_checksums_and_the_run_falls_back(reference, tmp_path, data_cache):
+  import shutil
+  shutil.copytree(reference / 'checkpoints', tmp_path / 'checkpoints')
+  newest = tmp_path / 'checkpoints' / str(STEPS)
+  assert json.loads((newest / checkpoint_lib.CHECKSUMS).read_text())['sha256']  # written with every save
+  assert checkpoint_lib.verify_checksums(str(newest)) is None
+  _flip_bytes(newest)
+  assert 'differ from the checksums' in checkpoint_lib.verify_checksums(str(newest))
+  out = _run(tmp_path, data_cache, f'--config.train.steps={STEPS + 4}', '--config.optim.warmup_steps=5')
+  events = read_records(tmp_path, 'event')
+  unreadable = [e for e in events if e['event'] == 'checkpoint_unreadable']
+  assert [e['step'] for e in unreadable] == [STEPS], out.stdout[-2000:]
+  assert 'differ from the checksums' in unreadable[0]['message']
+  assert [e['step'] for e in events if e['event'] == 'resumed'] == [STEPS - 4]
+  assert not [e for e in events if e['event'] == 'rollback']
+  aside = list((tmp_path / 'checkpoints.unreadable').iterdir())  # kept for inspection, out of the listing
+  assert [p.name.split('-')[0] for p in aside] == [str(STEPS)]
+  assert (tmp_path / 'checkpoints' / str(STEPS + 4)).is_dir()  # the step numbers go on being saved
+
+
+def test_a_poisoned_checkpoint_without_checksums_is_rolled_back_past(reference, tmp_path, data_cache):
+  """A checkpoint whose parameters are bad yet readable (written so, or older than checksums): the rollback
+  must not land on it again."""
+  import shutil
+  shutil.copytree(reference / 'checkpoints', tmp_path / 'checkpoints')
+  newest = tmp_path / 'checkpoints' / str(STEPS)
+  state = ocp.StandardCheckpointer().restore(newest / 'state')
+  state['params'] = jax.tree.map(lambda x: np.full_like(x, np.nan), state['params'])
+  shutil.rmtree(newest / 'state')
+  with ocp.StandardCheckpointer() as c:
+    c.save(newest / 'state', state)
+  (newest / checkpoint_lib.CHECKSUMS).unlink()
+  out = _run(tmp_path, data_cache, f'--config.train.steps={STEPS + 8}', '--config.optim.warmup_steps=5',
+             '--config.stability.nonfinite_steps=2', '--config.checkpoint.keep=6', check=False)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  rollbacks = [e for e in read_records(tmp_path, 'event') if e['event'] == 'rollback']
+  assert len(rollbacks) == 1 and rollbacks[0]['to_step'] == STEPS - 4, [e['message'] for e in rollbacks]
+
+
+@pytest.fixture
+def tiny_workdir(tmp_path):
+  mount = tmp_path / 'disk'
+  mount.mkdir()
+  if subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=96k', 'tmpfs', str(mount)],
+                    capture_output=True).returncode != 0:
+    pytest.skip('cannot mount a tmpfs here (needs root and mount rights)')
+  yield mount
+  subprocess.run(['umount', '-l', str(mount)], check=False)
+
+
+def test_a_full_disk_stops_every_writer_the_same_way(tiny_workdir, data_cache):
+  """The whole workdir (metrics, TensorBoard, checkpoints) on a 96 KiB disk: exit 3, no traceback, one line."""
+  out = _run(tiny_workdir / 'run', data_cache, '--config.checkpoint.every=2', '--config.checkpoint.keep=6',
+             check=False)
+  text = out.stdout + out.stderr
+  assert out.returncode == 3, text[-3000:]
+  assert 'Traceback' not in text and 'Event loop is closed' not in text
+  last = out.stderr.strip().splitlines()[-1]
+  assert last.startswith('jaxlm: ') and str(tiny_workdir) in last and 'free' in last and 'Fix:' in last

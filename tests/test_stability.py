@@ -1,6 +1,8 @@
 """Spike and NaN defence: detector and policy units, and whole runs with injected faults."""
 
+import json
 import math
+import time
 
 import jax
 import numpy as np
@@ -131,3 +133,127 @@ def test_persistent_nans_under_skip_stop_with_clear_error(tmp_path, data_cache):
   skipped = [e for e in read_records(tmp_path, 'event') if e['event'] == 'skipped_step']
   assert [e['step'] for e in skipped] == [13, 14, 15]
   assert max(r['step'] for r in read_records(tmp_path)) == 15  # stopped, did not train on
+
+
+def test_guard_state_round_trips_and_the_rollback_count_survives_a_restart(tmp_path):
+  ledger = str(tmp_path / 'rollbacks.json')
+  guard, _ = _guard(max_rollbacks=2)
+  guard.ledger = ledger
+  for step in range(1, 12):
+    guard.observe(step, {'loss': 3.0 + 0.001 * (step % 3), 'grad_norm': 1.0})
+  guard.observe(12, {'loss': 9.0, 'grad_norm': 1.0})
+  saved = guard.state()
+  copy, _ = _guard(max_rollbacks=2)
+  copy.load(json.loads(json.dumps(saved)))  # through JSON, as in the checkpoint
+  assert copy.state() == saved
+  assert copy.observe(13, {'loss': 9.0, 'grad_norm': 1.0}) == guard.observe(13, {'loss': 9.0, 'grad_norm': 1.0})
+  # A rollback, then a crash before the next checkpoint: the restarted guard (from the older checkpoint's
+  # state) still counts it, so a crash-and-restart loop reaches max_rollbacks.
+  guard.rolled_back(10)
+  guard.rolled_back(10)
+  restarted, _ = _guard(max_rollbacks=2)
+  restarted.ledger = ledger
+  restarted.load(saved)
+  assert restarted.rollbacks == 2 and restarted.restores == {10: 2}
+  with pytest.raises(stability.StabilityError, match='2 rollbacks already'):
+    restarted.rolled_back(10)
+  restarted.reset_ledger()  # a fresh run in the same workdir starts from zero
+  fresh, _ = _guard()
+  fresh.ledger = ledger
+  fresh.load(None)
+  assert fresh.rollbacks == 0
+
+
+def test_rollback_restores_a_checkpoint_before_the_update_that_may_have_caused_it():
+  guard, _ = _guard(nonfinite_steps=3)
+  decision = guard.observe(103, {'nonfinite_run': 3})  # steps 101-103 non-finite: update 100 may be the culprit
+  assert decision.first_bad_step == 101 and decision.restore_before == 100
+  every_5, _ = _guard()
+  every_5.log_every = 5  # a spike logged at step 20 may have started at step 16
+  for step in range(5, 60, 5):
+    every_5.observe(step, {'loss': 3.0 + 0.001 * (step % 3), 'grad_norm': 1.0})
+  every_5.observe(60, {'loss': 9.0, 'grad_norm': 1.0})
+  assert every_5.observe(65, {'loss': 9.0, 'grad_norm': 1.0}).restore_before == 55
+
+
+def _drill_cfg(data_cache, **overrides):
+  cfg = _cfg(data_cache, nonfinite_steps=3, **overrides)
+  cfg.train.steps = 30
+  return cfg
+
+
+def test_update_spike_on_a_checkpoint_step_rolls_back_past_it(tmp_path, data_cache):
+  cfg = _drill_cfg(data_cache)
+  cfg.faults.update(lr_spike_steps='20', lr_spike_factor=1e30)  # update 20 is poisoned; checkpoint 20 holds it
+  train.run(cfg, str(tmp_path))
+  events = read_records(tmp_path, 'event')
+  rollbacks = [e for e in events if e['event'] == 'rollback']
+  assert len(rollbacks) == 1, [e['message'] for e in events]
+  assert rollbacks[0]['to_step'] == 15 and rollbacks[0]['first_bad_step'] == 21
+  losses = [r['loss'] for r in read_records(tmp_path)]
+  assert max(r['step'] for r in read_records(tmp_path)) == 30 and math.isfinite(losses[-1])
+
+
+def test_data_spike_on_a_checkpoint_step_rolls_back_past_it_and_skips_the_batches(tmp_path, data_cache):
+  cfg = _drill_cfg(data_cache)
+  cfg.faults.update(poison_batches='20,21,22', poison='nan')  # 3 non-finite steps in a row from step 20
+  train.run(cfg, str(tmp_path / 'nan'))
+  rollback = [e for e in read_records(tmp_path / 'nan', 'event') if e['event'] == 'rollback']
+  assert len(rollback) == 1 and rollback[0]['to_step'] == 15 and rollback[0]['first_bad_step'] == 20
+  assert 'skipped batches 16-22' in rollback[0]['message']
+  injected = [e for e in read_records(tmp_path / 'nan', 'event') if e['event'] == 'fault_injected']
+  assert [e['step'] for e in injected] == [20, 21, 22]  # never again after the rollback
+  cfg = _drill_cfg(data_cache)
+  cfg.faults.poison_batches = '20,21'
+  train.run(cfg, str(tmp_path / 'spike'))
+  rollback = [e for e in read_records(tmp_path / 'spike', 'event') if e['event'] == 'rollback']
+  assert len(rollback) == 1 and rollback[0]['to_step'] == 15 and rollback[0]['first_bad_step'] == 20
+  assert 'skipped batches 16-21' in rollback[0]['message']
+
+
+def _restart_cfg_args(data_cache):
+  return ('--config.train.steps=40', '--config.train.log_every=1', '--config.checkpoint.every=5',
+          '--config.checkpoint.keep=8', '--config.stability.window=10', '--config.stability.min_history=10',
+          '--config.stability.threshold=6.0', '--config.stability.spikes=2', '--config.stability.spike_window=10',
+          '--config.stability.skip_batches=5', '--config.faults.poison_batches=22,23,24',
+          f'--config.data.cache_dir={data_cache}')
+
+
+@pytest.mark.e2e
+def test_kill_and_restart_around_a_spike_drill_makes_the_same_decisions_bit_for_bit(tmp_path, data_cache):
+  import subprocess
+  from tests.conftest import ROOT
+  from tests.helpers import train_command, train_env
+  args = _restart_cfg_args(data_cache)
+  straight = subprocess.run(train_command(tmp_path / 'straight', *args), cwd=ROOT, env=train_env(),
+                            capture_output=True, text=True, timeout=600)
+  assert straight.returncode == 0, straight.stdout[-2000:] + straight.stderr[-2000:]
+  # The stall drill hangs the first attempt right after step 17 (checkpoint 15 is on disk), where a SIGKILL
+  # finds it; the restart (attempt 2) has only steps 16-21 of history of its own, too few to judge a spike.
+  workdir = tmp_path / 'killed'
+  proc = subprocess.Popen(train_command(workdir, *args, '--config.dist.stall=0:17'), cwd=ROOT,
+                          env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  for line in proc.stdout:
+    if 'hangs after step 17' in line:
+      break
+  deadline = time.time() + 120  # the background writer finishes checkpoint 15 while the main thread hangs
+  while not (workdir / 'checkpoints' / '15').is_dir() and time.time() < deadline:
+    time.sleep(0.2)
+  proc.kill()
+  proc.wait()
+  assert (workdir / 'checkpoints' / '15').is_dir()
+  resumed = subprocess.run(train_command(workdir, *args), cwd=ROOT, env=dict(train_env(), JAXLM_ATTEMPT='2'),
+                           capture_output=True, text=True, timeout=600)
+  assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+  assert 'resumed from checkpoint step 15' in resumed.stdout
+
+  def decisions(run):
+    return [(e['step'], e['event'], e.get('to_step')) for e in read_records(tmp_path / run, 'event')
+            if e['event'] in ('spike', 'rollback')]
+
+  assert decisions('straight') == decisions('killed') and any(d[1] == 'rollback' for d in decisions('straight'))
+  # The final trajectory of each (the later record of a step wins) is the same, bit for bit.
+  final = lambda run: {r['step']: r['loss'] for r in read_records(tmp_path / run)}
+  assert final('straight') == final('killed')
+  guard_of = lambda run: json.loads(next((tmp_path / run / 'checkpoints' / '40' / 'guard').iterdir()).read_text())
+  assert guard_of('straight') == guard_of('killed') and guard_of('killed')['rollbacks'] == 1
