@@ -2,6 +2,9 @@
 
   python -m jaxlm.eval --workdir=runs/palm_small [--step=N] [--batches=16] [--prompt='def '] [--max_tokens=64]
                        [--temperature=0]
+  python -m jaxlm.eval --workdir=runs/palm_small --documents=FILE_DIR_OR_GLOB[,...] [--text_field=text]
+                       [--txt_docs=file] [--max_documents=N]
+  python -m jaxlm.eval --workdir=runs/palm_small --write_jsonl=heldout.jsonl [--max_documents=N]
 
 The run's own config (saved with every checkpoint) says how to build the model and where its data and tokenizer
 are, so no --config is needed. Loss is on the held-out split the run used: the prepared `eval-*` shards, or the
@@ -12,13 +15,21 @@ decodes from the evaluated target tokens, one contiguous run per document and ro
 Unlike perplexity it does not depend on the tokenizer, so runs with different vocabularies compare. Decoding a run
 that starts mid-document can drop one leading space or split a multi-byte character: an error below 0.1% at
 typical row lengths.
+
+--documents scores given .txt / .jsonl / .parquet documents instead, read and cleaned as `jaxlm.prepare` reads
+them, each on its own exactly as lm-evaluation-harness's `loglikelihood_rolling` scores it (`rolling_windows`):
+the start token the model was trained with (EOS) then the document's tokens, in windows of the run's sequence
+length. Bits per byte there use the documents' own UTF-8 bytes, so the shipped lm-eval task (TASKS_DIR) on the
+same jsonl gives the same number. --write_jsonl writes the run's held-out documents as such a jsonl.
 """
 
+import collections
 import functools
 import json
 import math
 import os
 import sys
+from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
@@ -29,9 +40,20 @@ from absl import app, flags
 from jaxlm import checkpoint as checkpoint_lib
 from jaxlm import config as config_lib
 from jaxlm import data as data_lib
+from jaxlm import errors
 from jaxlm import export as export_lib
 from jaxlm import sharding
+from jaxlm import sources as sources_lib
 from jaxlm import train as train_lib
+
+# lm-evaluation-harness tasks shipped with jaxlm (`lm_eval --include_path`): bits per byte of a jsonl of documents
+# and a small multiple-choice check.
+TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'lm_eval_tasks')
+
+
+class EvalError(errors.JaxlmError, ValueError):
+  """Documents or settings that the evaluation cannot use; the message says what to change."""
+  exit_code = 2
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -99,6 +121,19 @@ def _mesh_cfg(cfg):
   return mesh_cfg
 
 
+def _restore(path: str, cfg, mesh):
+  """The run's program and checkpointed parameters (call inside the mesh and its logical-axis rules)."""
+  t = cfg.train
+  program = train_lib.build(cfg.model, cfg.optim, steps=t.steps, seed=t.seed, mesh=mesh)
+  return program, checkpoint_lib.load_params(path, program.abstract_state.params, program.state_shardings.params)
+
+
+def _nats_and_tokens(program, params, batches) -> tuple[float, float]:
+  """Summed cross-entropy (nats) and weighted target count of `batches` under `params`."""
+  totals = [program.eval_step(params, train_lib.global_batch(b, program.batch_sharding)) for b in batches]
+  return sum(float(x['loss_sum']) for x in totals), sum(float(x['tokens']) for x in totals)
+
+
 def evaluate_run(workdir: str, *, step: int | None = None, batches: int | None = None,
                  batch_size: int | None = None, prompt: str | None = None, max_tokens: int = 64,
                  temperature: float = 0.0, seed: int = 0) -> dict:
@@ -112,13 +147,10 @@ def evaluate_run(workdir: str, *, step: int | None = None, batches: int | None =
   vocab = cfg.model.vocab_size
   with jax.sharding.set_mesh(mesh):
     with nn.logical_axis_rules(sharding.RULES):
-      program = train_lib.build(cfg.model, cfg.optim, steps=t.steps, seed=t.seed, mesh=mesh)
-      params = checkpoint_lib.load_params(path, program.abstract_state.params, program.state_shardings.params)
+      program, params = _restore(path, cfg, mesh)
       eval_data = data_lib.eval_batches(cfg.data, batch_size=batch_size, num_batches=batches, vocab_size=vocab)
-      totals = [program.eval_step(params, train_lib.global_batch(b, program.batch_sharding)) for b in eval_data]
+      nats, tokens = _nats_and_tokens(program, params, eval_data)
     tokenizer = data_lib.load_tokenizer(cfg.data, vocab)
-    nats = sum(float(x['loss_sum']) for x in totals)
-    tokens = sum(float(x['tokens']) for x in totals)
     result = summarize(nats, tokens, sum(text_bytes(b, tokenizer.decode) for b in eval_data))
     result.update(step=int(os.path.basename(path)), batches=len(eval_data), batch_size=batch_size)
     if prompt is not None:
@@ -126,6 +158,129 @@ def evaluate_run(workdir: str, *, step: int | None = None, batches: int | None =
       stop = tokenizer.eos_id if tokenizer.eos_id >= 0 else None
       out = generate(program.model, params, ids, max_tokens, temperature=temperature, seed=seed, stop_id=stop)
       result.update(prompt=prompt, continuation=tokenizer.decode(out))
+  return result
+
+
+def read_documents(specs: Sequence[str], *, text_field: str = 'text', txt_docs: str = 'file',
+                   max_documents: int | None = None) -> list[str]:
+  """Texts of the documents in `specs` (files, directories, globs), read and cleaned as `prepare` reads them."""
+  if txt_docs not in sources_lib.TXT_DOCS:
+    raise EvalError(f'txt_docs={txt_docs!r} is unknown; use one of {", ".join(sources_lib.TXT_DOCS)}.')
+  if not any(spec.strip() for spec in specs):
+    raise EvalError('no documents given; pass --documents=FILE_DIR_OR_GLOB[,...]')
+  try:
+    sources = sources_lib.expand_inputs(specs)
+  except sources_lib.PrepareError as e:
+    raise EvalError(f'{str(e).rstrip(".")}; pass .txt / .jsonl / .parquet files, directories or globs '
+                    f'that exist') from e
+  counts = collections.Counter()
+  texts = []
+  for source in sources:
+    for _, text in sources_lib.read_documents(source, counts, text_field=text_field, txt_docs=txt_docs):
+      texts.append(text)
+      if max_documents and len(texts) == max_documents:
+        return texts
+  if not texts:
+    dropped = ', '.join(f'{v} {k.removeprefix("dropped_")}' for k, v in sorted(counts.items()) if v)
+    raise EvalError(f'{",".join(specs)} holds no documents{f" (dropped: {dropped})" if dropped else ""}; give '
+                    f'non-empty .txt files, or .jsonl / .parquet with the text in --text_field={text_field}')
+  return texts
+
+
+def heldout_documents(cfg, *, max_documents: int | None = None) -> list[str]:
+  """The run's held-out documents as text, decoded from its prepared eval shards in the order evaluation reads."""
+  import grain  # pylint: disable=g-import-not-at-top  # data.py's reader of the shards
+  vocab = cfg.model.vocab_size
+  tokenizer = data_lib.load_tokenizer(cfg.data, vocab)
+  texts = []
+  for path in data_lib.dataset_dirs(cfg.data, vocab):
+    prepared = data_lib.open_prepared(path, vocab)
+    shards = prepared.shards('eval')
+    if not shards:
+      continue
+    records = grain.sources.ArrayRecordDataSource(shards)
+    for i in range(len(records)):
+      # Stored documents carry no BOS/EOS, and SentencePiece decodes control tokens to nothing anyway.
+      texts.append(tokenizer.decode(np.frombuffer(records[i], dtype=prepared.meta['dtype']).tolist()))
+      if max_documents and len(texts) == max_documents:
+        return texts
+  if not texts:
+    raise EvalError('the run\'s data has no held-out documents; prepare it with a larger --eval_fraction')
+  return texts
+
+
+def write_jsonl(path: str, texts: Sequence[str]) -> int:
+  """Writes one {"text": ...} line per document (what the shipped lm-eval task reads); returns the text's bytes."""
+  path = os.path.expanduser(path)
+  if os.path.dirname(path):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, 'w', encoding='utf-8') as f:
+    for text in texts:
+      f.write(json.dumps({'text': text}, ensure_ascii=False) + '\n')
+  return sum(len(t.encode('utf-8')) for t in texts)
+
+
+def rolling_windows(ids: Sequence[int], start_id: int, seq_len: int) -> list[tuple[list[int], list[int], int]]:
+  """lm-eval's `loglikelihood_rolling` windows of one document: (inputs, targets, how many last targets count)."""
+  # The same windows as lm-eval (lm_eval.utils.get_rolling_token_windows with context_len=1), so the two tools
+  # agree on any document: the first window is the start token then the first tokens; each later one predicts
+  # the next seq_len tokens (fewer at the end) from a full window of the tokens before them, so every token is
+  # scored once and, past the first window, with as much context as fits.
+  ids = [int(t) for t in ids]
+  n = min(seq_len, len(ids))
+  windows = [([start_id] + ids[:n - 1], ids[:n], n)] if ids else []
+  done = n
+  while done < len(ids):
+    k = min(len(ids) - done, seq_len)
+    end = done + k
+    lo = max(end - seq_len - 1, 0)
+    windows.append((ids[lo:end - 1], ids[lo + 1:end], k))
+    done = end
+  return windows
+
+
+def window_batches(windows, seq_len: int, batch_size: int) -> list[dict]:
+  """Windows packed into rows of seq_len (each its own segment, positions from 0), batch_size rows per batch."""
+  # Segments keep the windows sharing a row from attending to each other: each scores as if it were alone.
+  rows, fill = [], seq_len
+  for inputs, targets, scored in windows:
+    if fill + len(inputs) > seq_len:
+      rows.append({k: np.zeros(seq_len, np.int32) for k in ('inputs', 'targets', 'segment_ids', 'positions')})
+      rows[-1]['weights'] = np.zeros(seq_len, np.float32)
+      fill = 0
+    row, n, segment = rows[-1], len(inputs), int(rows[-1]['segment_ids'].max()) + 1
+    row['inputs'][fill:fill + n] = inputs
+    row['targets'][fill:fill + n] = targets
+    row['segment_ids'][fill:fill + n] = segment
+    row['positions'][fill:fill + n] = np.arange(n)
+    row['weights'][fill + n - scored:fill + n] = 1.0  # only the window's last `scored` targets are new
+    fill += n
+  batches = []
+  for b in range(0, len(rows), batch_size):
+    chunk = rows[b:b + batch_size]
+    chunk += [{k: np.zeros_like(v) for k, v in rows[0].items()}] * (batch_size - len(chunk))  # segment 0: padding
+    batches.append({k: np.stack([r[k] for r in chunk]) for k in rows[0]})
+  return batches
+
+
+def score_documents(workdir: str, texts: Sequence[str], *, step: int | None = None,
+                    batch_size: int | None = None) -> dict:
+  """Loss per token, perplexity and bits per byte of `texts` under a run's checkpoint, as a dict."""
+  path = export_lib.step_dir(workdir, step)
+  cfg = export_lib.read_config(path)
+  batch_size = batch_size or cfg.train.batch_size
+  vocab = cfg.model.vocab_size
+  tokenizer = data_lib.load_tokenizer(cfg.data, vocab)
+  seq_len = cfg.data.seq_len
+  # The start token every training document begins with (data.py): what lm-eval's rolling prefix is for an export.
+  windows = [w for text in texts for w in rolling_windows(tokenizer.encode(text), tokenizer.eos_id, seq_len)]
+  batches = window_batches(windows, seq_len, batch_size)
+  mesh = sharding.make_mesh(_mesh_cfg(cfg))
+  with jax.sharding.set_mesh(mesh):
+    with nn.logical_axis_rules(sharding.RULES):
+      nats, tokens = _nats_and_tokens(*_restore(path, cfg, mesh), batches)
+  result = summarize(nats, tokens, sum(len(text.encode('utf-8')) for text in texts))
+  result.update(step=int(os.path.basename(path)), documents=len(texts), windows=len(windows), seq_len=seq_len)
   return result
 
 
@@ -142,22 +297,50 @@ def _define_flags() -> None:
   flags.DEFINE_float('temperature', 0.0, 'Sampling temperature; 0 = greedy.')
   flags.DEFINE_integer('seed', 0, 'Sampling seed.')
   flags.DEFINE_bool('json', False, 'Print the result as one JSON line instead of a table.')
+  flags.DEFINE_list('documents', [], 'Score these .txt / .jsonl / .parquet files, directories and globs '
+                    '(comma-separated) instead of the held-out split.')
+  flags.DEFINE_string('text_field', 'text', 'Field (jsonl) or column (parquet) holding the document text.')
+  flags.DEFINE_enum('txt_docs', 'file', sources_lib.TXT_DOCS, 'What one document is in a .txt file.')
+  flags.DEFINE_integer('max_documents', None, 'Read at most this many documents (--documents, --write_jsonl).')
+  flags.DEFINE_string('write_jsonl', None, 'Write the run\'s held-out documents to this jsonl ({"text": ...} per '
+                      'line, what the shipped lm-eval task reads) and exit.')
 
 
 def main(argv):
   del argv
   try:
-    r = evaluate_run(FLAGS.workdir, step=FLAGS.step, batches=FLAGS.batches, batch_size=FLAGS.batch_size,
-                     prompt=FLAGS.prompt, max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,
-                     seed=FLAGS.seed)
-  except (export_lib.ExportError, checkpoint_lib.CheckpointError, data_lib.DataError) as e:
+    if FLAGS.write_jsonl:
+      cfg = export_lib.read_config(export_lib.step_dir(FLAGS.workdir, FLAGS.step))
+      texts = heldout_documents(cfg, max_documents=FLAGS.max_documents)
+      num_bytes = write_jsonl(FLAGS.write_jsonl, texts)
+      print(f'wrote {len(texts):,} held-out documents ({num_bytes:,} bytes) to {FLAGS.write_jsonl}; score them '
+            f'with --documents={FLAGS.write_jsonl}')
+      return
+    if FLAGS.documents:
+      texts = read_documents(FLAGS.documents, text_field=FLAGS.text_field, txt_docs=FLAGS.txt_docs,
+                             max_documents=FLAGS.max_documents)
+      r = score_documents(FLAGS.workdir, texts, step=FLAGS.step, batch_size=FLAGS.batch_size)
+    else:
+      r = evaluate_run(FLAGS.workdir, step=FLAGS.step, batches=FLAGS.batches, batch_size=FLAGS.batch_size,
+                       prompt=FLAGS.prompt, max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,
+                       seed=FLAGS.seed)
+  except (export_lib.ExportError, checkpoint_lib.CheckpointError, data_lib.DataError, sources_lib.PrepareError,
+          EvalError) as e:
     print(f'jaxlm.eval: {e}', file=sys.stderr)
+    sys.exit(2)
+  except OSError as e:  # an unwritable --write_jsonl, a document file that vanished while being read
+    where = f': {e.filename}' if e.filename else ''
+    print(f'jaxlm.eval: {e.strerror or e}{where}; check the path and its permissions', file=sys.stderr)
     sys.exit(2)
   if FLAGS.json:
     print(json.dumps(r))
     return
-  print(f'step {r["step"]}: {r["batches"]} held-out batches of {r["batch_size"]}, {r["tokens"]:,} tokens, '
-        f'{r["bytes"]:,} bytes')
+  if FLAGS.documents:
+    print(f'step {r["step"]}: {r["documents"]:,} documents, {r["tokens"]:,} tokens, {r["bytes"]:,} bytes '
+          f'({r["windows"]:,} windows of up to {r["seq_len"]} tokens)')
+  else:
+    print(f'step {r["step"]}: {r["batches"]} held-out batches of {r["batch_size"]}, {r["tokens"]:,} tokens, '
+          f'{r["bytes"]:,} bytes')
   print(f'  loss           {r["loss"]:.4f} nats/token')
   print(f'  perplexity     {r["perplexity"]:.2f}')
   print(f'  bits per byte  {r["bits_per_byte"]:.4f}')
