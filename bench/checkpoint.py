@@ -22,7 +22,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxlm import checkpoint as checkpoint_lib  # noqa: E402
-from jaxlm import sharding, train  # noqa: E402
+from jaxlm import sharding, step, train  # noqa: E402
 
 
 def _dir_bytes(path):
@@ -41,7 +41,8 @@ def main():
   cfg.model.update(d_model=args.d_model, num_layers=args.num_layers, vocab_size=32768)
   mesh = sharding.make_mesh(cfg.mesh)
   with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
-    program = train.build(cfg.model, cfg.optim, steps=100, seed=0, mesh=mesh)
+    cfg.train.steps = 100
+    program = step.build_program(cfg, mesh)
     # One real step first: freshly initialised Adam moments are zeros and would compress to nothing.
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.data.seq_len + 1)).astype(np.int32)

@@ -2,7 +2,7 @@
 
   python bench/cpu_step.py --config=configs/palm_small.py [--config.model.x=y ...] --steps=20 --warmup=3
 
-Builds both in one process: the real jaxlm train step (bench/mfu.py: train.build, compiled ahead of time) and
+Builds both in one process: the real jaxlm train step (bench/mfu.py: step.build_program, compiled ahead of time) and
 the same model in PyTorch (bench/torch_gpt.py, torch.compile), then times them step for step in alternation:
 jaxlm, torch, torch, jaxlm, ... Each pair of steps runs within a second or two of each other, so other work on a
 shared machine slows both alike, and the median of the per-pair ratios is the figure to quote. Only one

@@ -2,7 +2,7 @@
 
   python bench/mfu.py --config=configs/palm_1b.py --steps=20 --warmup=3 [--config.model.remat=full ...]
 
-Builds the step exactly as `python -m jaxlm.train` does (train.program_for on the configured mesh, compiled
+Builds the step exactly as `python -m jaxlm.train` does (step.build_program on the configured mesh, compiled
 ahead of time), feeds random batches already on the device (so data loading is not what is measured), runs
 `--warmup` untimed steps and then `--steps` timed ones, each waited for. MFU follows PaLM appendix B (model
 FLOPs, not hardware FLOPs: remat does not count) against the dense bf16 peak in jaxlm.metrics.PEAK_FLOPS; it
@@ -31,6 +31,7 @@ from jaxlm import config as config_lib  # noqa: E402
 from jaxlm import metrics as metrics_lib  # noqa: E402
 from jaxlm import model as model_lib  # noqa: E402
 from jaxlm import sharding  # noqa: E402
+from jaxlm import step  # noqa: E402
 from jaxlm import train  # noqa: E402
 
 # jaxlm.train defines --config (with --config.a.b=v overrides) when imported: the same flag serves here.
@@ -62,7 +63,7 @@ class Bench:
     self.mesh = sharding.make_mesh(cfg.mesh)
     t = cfg.train
     with self._context():
-      self.program = train.program_for(cfg, self.mesh)  # the step `python -m jaxlm.train` would run
+      self.program = step.build_program(cfg, self.mesh)  # the step `python -m jaxlm.train` would run
       start = time.perf_counter()
       batch = train.abstract_batch(t.batch_size, cfg.data.seq_len, self.program.batch_sharding)
       lowered = self.program.train_step.lower(self.program.abstract_state, batch)

@@ -165,6 +165,7 @@ class Checkpointer:
     self.last_good: int | None = None
     self.is_primary = jax.process_index() == 0
     self._hashing: threading.Thread | None = None  # writes checksums.json of the last confirmed step
+    self._closed = False
     _capture_writer_errors()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=ckpt_cfg.keep, keep_period=ckpt_cfg.keep_every or None,
@@ -176,6 +177,15 @@ class Checkpointer:
     """Whether to save after `step`: on the interval, at the end, or to retry a failed save."""
     every = self.cfg.every
     return self.retry or step == last_step or (every > 0 and step % every == 0)
+
+  def on_step(self, step: int, last_step: int, state, data_iter, env: dict, guard: dict,
+              stopping: bool = False) -> None:
+    """Once per step: confirms a finished background save, saves when due (or stopping), waits when stopping."""
+    self.poll()
+    if stopping or self.due(step, last_step):
+      self.save(step, state, data_iter, env, guard)
+    if stopping:
+      self.wait()
 
   def save(self, step: int, state, data_iter, env: dict, guard: dict | None = None) -> None:
     """Starts an (async) save of `step`; failures are counted and retried, never silent."""
@@ -359,7 +369,10 @@ class Checkpointer:
     return newer
 
   def close(self) -> None:
-    """Waits for the last save and releases Orbax's threads."""
+    """Waits for the last save and releases Orbax's threads (a second call does nothing)."""
+    if self._closed:
+      return
+    self._closed = True
     try:
       self.wait()
       self._join_hashing()

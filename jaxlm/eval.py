@@ -28,23 +28,23 @@ import functools
 import json
 import math
 import os
-import sys
 from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from jaxlm import checkpoint as checkpoint_lib
+from jaxlm import cli
 from jaxlm import config as config_lib
 from jaxlm import data as data_lib
 from jaxlm import errors
 from jaxlm import export as export_lib
 from jaxlm import sharding
 from jaxlm import sources as sources_lib
-from jaxlm import train as train_lib
+from jaxlm import step as step_lib
 
 # lm-evaluation-harness tasks shipped with jaxlm (`lm_eval --include_path`): bits per byte of a jsonl of documents
 # and a small multiple-choice check.
@@ -122,15 +122,14 @@ def _mesh_cfg(cfg):
 
 
 def _restore(path: str, cfg, mesh):
-  """The run's program and checkpointed parameters (call inside the mesh and its logical-axis rules)."""
-  t = cfg.train
-  program = train_lib.build(cfg.model, cfg.optim, steps=t.steps, seed=t.seed, mesh=mesh)
+  """The run's program and checkpointed parameters."""
+  program = step_lib.build_program(cfg, mesh)
   return program, checkpoint_lib.load_params(path, program.abstract_state.params, program.state_shardings.params)
 
 
 def _nats_and_tokens(program, params, batches) -> tuple[float, float]:
   """Summed cross-entropy (nats) and weighted target count of `batches` under `params`."""
-  totals = [program.eval_step(params, train_lib.global_batch(b, program.batch_sharding)) for b in batches]
+  totals = [program.eval_step(params, step_lib.global_batch(b, program.batch_sharding)) for b in batches]
   return sum(float(x['loss_sum']) for x in totals), sum(float(x['tokens']) for x in totals)
 
 
@@ -324,14 +323,11 @@ def main(argv):
       r = evaluate_run(FLAGS.workdir, step=FLAGS.step, batches=FLAGS.batches, batch_size=FLAGS.batch_size,
                        prompt=FLAGS.prompt, max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,
                        seed=FLAGS.seed)
-  except (export_lib.ExportError, checkpoint_lib.CheckpointError, data_lib.DataError, sources_lib.PrepareError,
-          EvalError) as e:
-    print(f'jaxlm.eval: {e}', file=sys.stderr)
-    sys.exit(2)
   except OSError as e:  # an unwritable --write_jsonl, a document file that vanished while being read
+    if isinstance(e, errors.JaxlmError):
+      raise
     where = f': {e.filename}' if e.filename else ''
-    print(f'jaxlm.eval: {e.strerror or e}{where}; check the path and its permissions', file=sys.stderr)
-    sys.exit(2)
+    raise EvalError(f'{e.strerror or e}{where}; check the path and its permissions') from e
   if FLAGS.json:
     print(json.dumps(r))
     return
@@ -352,4 +348,4 @@ def main(argv):
 if __name__ == '__main__':
   _define_flags()
   flags.mark_flag_as_required('workdir')
-  app.run(main)
+  cli.run(main)

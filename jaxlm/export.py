@@ -22,20 +22,20 @@ import json
 import math
 import os
 import shutil
-import sys
 
 import jax
-import ml_collections
 import numpy as np
-import orbax.checkpoint as ocp
-from absl import app, flags, logging
+from absl import flags, logging
 
+from jaxlm import cli
+from jaxlm import errors
 from jaxlm import model as model_lib
+from jaxlm import rundir
 
 DTYPES = ('float32', 'bfloat16', 'float16')
 
 
-class ExportError(ValueError):
+class ExportError(errors.ConfigError):
   """A checkpoint or model that cannot be exported faithfully; the message says why and what to do."""
 
 
@@ -43,41 +43,8 @@ class ExportError(ValueError):
 # Reading a run: its step directory, saved config and parameters (numpy on the host, no optimizer shapes needed).
 
 
-def step_dir(workdir: str, step: int | None = None) -> str:
-  """<workdir>/checkpoints/<step>, the newest step when `step` is None."""
-  root = os.path.join(os.path.abspath(os.path.expanduser(workdir)), 'checkpoints')
-  steps = sorted(int(n) for n in os.listdir(root) if n.isdigit()) if os.path.isdir(root) else []
-  if not steps:
-    raise ExportError(f'{root} holds no checkpoint; give the --workdir of a run that saved one.')
-  if step is None:
-    step = steps[-1]
-  elif step not in steps:
-    raise ExportError(f'step {step} is not in {root}; saved steps: {", ".join(map(str, steps))}.')
-  return os.path.join(root, str(step))
-
-
-def read_config(path: str) -> ml_collections.ConfigDict:
-  """The resolved config a run saved in a step directory's `env` item."""
-  try:
-    env = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(os.path.join(path, 'env'))
-    return ml_collections.ConfigDict(env['config'])
-  except (OSError, ValueError, KeyError, TypeError) as e:
-    raise ExportError(f'{path} has no readable env item with the run\'s config ({type(e).__name__}: {e}); was it '
-                      f'written by jaxlm.train or jaxlm.import_hf?') from e
-
-
-def read_params(path: str) -> dict:
-  """The `params` subtree of a step directory's `state` item as numpy arrays; the rest is never read."""
-  state_path = os.path.join(path, 'state')
-  checkpointer = ocp.PyTreeCheckpointer()
-  meta = checkpointer.metadata(state_path)
-  tree = getattr(getattr(meta, 'item_metadata', meta), 'tree', meta)
-  if 'params' not in tree:
-    raise ExportError(f'{state_path} has no params (keys: {", ".join(tree)}).')
-  as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree['params'])
-  restored = checkpointer.restore(state_path, args=ocp.args.PyTreeRestore(
-      item={'params': tree['params']}, restore_args={'params': as_numpy}, partial_restore=True))
-  return restored['params']
+# The run directory's readers live in jaxlm.rundir; export names them for its callers.
+step_dir, read_config, read_params = rundir.step_dir, rundir.read_config, rundir.read_params
 
 
 def layer_params(params: dict, num_layers: int) -> list[dict]:
@@ -351,11 +318,7 @@ def _define_flags() -> None:
 
 def main(argv):
   del argv
-  try:
-    summary = export(FLAGS.workdir, FLAGS.out, step=FLAGS.step, dtype=FLAGS.dtype, tokenizer=FLAGS.tokenizer)
-  except ExportError as e:
-    print(f'jaxlm.export: {e}', file=sys.stderr)
-    sys.exit(2)
+  summary = export(FLAGS.workdir, FLAGS.out, step=FLAGS.step, dtype=FLAGS.dtype, tokenizer=FLAGS.tokenizer)
   print(f'exported step {summary["step"]} as {summary["architecture"]} ({summary["dtype"]}) to {summary["out"]}: '
         f'{", ".join(summary["files"])}')
   for note in summary['notes']:
@@ -365,4 +328,4 @@ def main(argv):
 if __name__ == '__main__':
   _define_flags()
   flags.mark_flags_as_required(['workdir', 'out'])
-  app.run(main)
+  cli.run(main)

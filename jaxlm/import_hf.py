@@ -16,16 +16,16 @@ Tied Hugging Face embeddings become untied jaxlm ones (jaxlm ties with a 1/sqrt(
 import glob
 import json
 import os
-import runpy
 import shutil
-import sys
 
 import jax
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
-from absl import app, flags
+from absl import flags
 
+from jaxlm import cli
+from jaxlm import errors
 from jaxlm import model as model_lib
 
 PICKLE_SUFFIXES = ('.bin', '.pt', '.pth', '.ckpt', '.pkl')
@@ -37,7 +37,7 @@ _UNSUPPORTED = {
 }
 
 
-class HFImportError(ValueError):
+class HFImportError(errors.ConfigError):
   """A Hugging Face directory jaxlm cannot import exactly; the message says why."""
 
 
@@ -147,7 +147,7 @@ def _default_config() -> ml_collections.ConfigDict:
   base = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, 'configs', 'base.py')
   if not os.path.isfile(base):
     raise HFImportError('configs/base.py not found beside the jaxlm package; pass --config=FILE.')
-  return runpy.run_path(base)['get_config']()
+  return cli.load_file(base)
 
 
 def import_hf(hf_dir: str, out: str, cfg: ml_collections.ConfigDict | None = None) -> dict:
@@ -190,12 +190,8 @@ def _define_flags() -> None:
 
 def main(argv):
   del argv
-  try:
-    cfg = runpy.run_path(FLAGS.config)['get_config']() if FLAGS.config else None
-    r = import_hf(FLAGS.hf_dir, FLAGS.out, cfg)
-  except HFImportError as e:
-    print(f'jaxlm.import_hf: {e}', file=sys.stderr)
-    sys.exit(2)
+  cfg = cli.load_file(FLAGS.config) if FLAGS.config else None
+  r = import_hf(FLAGS.hf_dir, FLAGS.out, cfg)
   print(f'wrote {r["checkpoint"]} (params at step 0).')
   if r['tied']:
     print('note: tied embeddings imported untied (lm_head = embed_tokens); jaxlm ties with a 1/sqrt(D) scale.')
@@ -214,4 +210,4 @@ def main(argv):
 if __name__ == '__main__':
   _define_flags()
   flags.mark_flags_as_required(['hf_dir', 'out'])
-  app.run(main)
+  cli.run(main)

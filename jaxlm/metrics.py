@@ -21,6 +21,7 @@ import time
 import jax
 import numpy as np
 
+from jaxlm import rundir
 from jaxlm.errors import ConfigError, StorageError
 
 log = logging.getLogger(__name__)
@@ -47,16 +48,7 @@ RESERVED = ('kind', 'step', 'time', 'event', 'message')  # keys every record set
 _unknown_kinds_reported = set()
 
 
-def read_metrics(path: str) -> list[dict]:
-  """The records of a metrics.jsonl; a torn last line (a crash mid-write) is skipped, not fatal."""
-  records = []
-  with open(path) as f:
-    for line in f:
-      try:
-        records.append(json.loads(line))
-      except json.JSONDecodeError:
-        continue
-  return records
+read_metrics = rundir.read_metrics  # moved; kept for callers of metrics.read_metrics
 
 
 def peak_flops(device_kind: str) -> float | None:

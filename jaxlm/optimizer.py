@@ -1,11 +1,14 @@
 """The optimizer: an optax chain of global-norm clipping and AdamW (or Adafactor) under a warmup schedule."""
 
+from typing import NamedTuple
+
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-OPTIMIZERS = ('adamw', 'adafactor')
-SCHEDULES = ('cosine', 'linear', 'wsd', 'constant')
+OPTIMIZERS = ('adamw', 'adafactor')  # optim.name; config validation reads these
+SCHEDULES = ('cosine', 'linear', 'wsd', 'constant')  # optim.schedule
 
 
 def schedule(optim_cfg, total_steps: int) -> optax.Schedule:
@@ -53,3 +56,49 @@ def make_optimizer(optim_cfg, total_steps: int, mask) -> optax.GradientTransform
   else:
     chain.append(optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=mask))
   return optax.chain(*chain)
+
+
+class LossScaleState(NamedTuple):
+  """Dynamic loss scaling's state: the scale the loss is multiplied by, and finite steps since it changed."""
+  scale: jax.Array  # float32
+  good_steps: jax.Array  # int32
+  inner: optax.OptState
+
+
+def dynamic_loss_scale(inner: optax.GradientTransformation, init_scale: float,
+                       period: int) -> optax.GradientTransformation:
+  """float16 training: `inner` on gradients of a loss multiplied by `scale` (so small gradients do not flush).
+
+  The gradients it receives are of the scaled loss; it divides them by the scale. On overflow (any non-finite
+  gradient) the update is zero, `inner`'s state is left unchanged and the scale halves; after `period` finite
+  steps in a row it doubles. An overflow is not a NaN: it is not counted as a skipped step.
+  """
+
+  def init(params):
+    return LossScaleState(jnp.full((), init_scale, jnp.float32), jnp.zeros((), jnp.int32), inner.init(params))
+
+  def update(grads, state, params=None):
+    grads = jax.tree.map(lambda g: g / state.scale.astype(g.dtype), grads)
+    finite = jnp.all(jnp.array([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]))
+    grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
+    updates, inner_state = inner.update(grads, state.inner, params)
+    updates = jax.tree.map(lambda u: jnp.where(finite, u, 0.0), updates)
+    inner_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), inner_state, state.inner)
+    grown = state.good_steps + 1 >= period
+    scale = jnp.where(finite, jnp.where(grown, state.scale * 2, state.scale), jnp.maximum(state.scale / 2, 1.0))
+    good_steps = jnp.where(finite & ~grown, state.good_steps + 1, 0)
+    return updates, LossScaleState(scale, good_steps, inner_state)
+
+  return optax.GradientTransformation(init, update)
+
+
+def find_state(opt_state, kind):
+  """The first state of type `kind` inside a (possibly wrapped or chained) optimizer state, or None."""
+  found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kind)) if isinstance(s, kind)]
+  return found[0] if found else None
+
+
+def loss_scale(opt_state) -> jax.Array | None:
+  """The current dynamic loss scale inside an optimizer state, or None when there is none."""
+  state = find_state(opt_state, LossScaleState)
+  return None if state is None else state.scale

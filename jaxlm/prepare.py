@@ -38,6 +38,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from jaxlm import cli
 from jaxlm import tokenizer as tokenizer_lib
 from jaxlm.sources import TXT_DOCS, PrepareError, Source, expand_inputs, read_documents
 
@@ -413,18 +414,13 @@ def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   if not FLAGS.inputs or not FLAGS.out:
-    print('prepare: --inputs and --out are required, e.g. --inputs=corpus/,more/*.jsonl --out=data/mine',
-          file=sys.stderr)
-    sys.exit(2)
+    raise PrepareError('--inputs and --out are required; e.g. --inputs=corpus/,more/*.jsonl --out=data/mine')
   try:
     meta = prepare(expand_inputs(FLAGS.inputs), FLAGS.out, vocab_size=FLAGS.vocab_size,
                    model_type=FLAGS.model_type, tokenizer=FLAGS.tokenizer, text_field=FLAGS.text_field,
                    txt_docs=FLAGS.txt_docs, eval_fraction=FLAGS.eval_fraction, shard_docs=FLAGS.shard_docs,
                    workers=FLAGS.workers, sample_mb=FLAGS.sample_mb, max_sentences=FLAGS.max_sentences,
                    seed=FLAGS.seed)
-  except PrepareError as e:
-    print(f'prepare: {e}', file=sys.stderr)
-    sys.exit(2)
   except KeyboardInterrupt:
     print('\nprepare: interrupted; run the same command again to resume (completed shards are kept).',
           file=sys.stderr)
@@ -434,4 +430,4 @@ def main(argv: Sequence[str]) -> None:
 
 if __name__ == '__main__':
   _define_flags()
-  app.run(main)
+  cli.run(main)

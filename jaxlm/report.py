@@ -3,23 +3,17 @@
   python -m jaxlm.report --workdir=runs/base [--out=runs/base/report.png]
 """
 
-import argparse
 import collections
 import math
 import os
 import statistics
-import sys
 
-from jaxlm.metrics import read_metrics
+from absl import flags
 
-
-def _by_step(records: list[dict], kind: str) -> list[dict]:
-  """Records of one kind, one per step in step order; a step redone after a resume keeps its later record."""
-  latest = {}
-  for r in records:
-    if r.get('kind') == kind:
-      latest[r['step']] = r
-  return [latest[s] for s in sorted(latest)]
+from jaxlm import cli
+from jaxlm import errors
+from jaxlm import rundir
+from jaxlm.rundir import latest_by_step as _by_step, read_metrics
 
 
 def _mean(values: list) -> float | None:
@@ -103,23 +97,28 @@ def plot(records: list[dict], out: str) -> None:
   plt.close(fig)
 
 
-def main(argv=None) -> int:
-  """Prints the summary table of --workdir's metrics.jsonl and writes the plot."""
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument('--workdir', required=True, help='the run directory holding metrics.jsonl')
-  parser.add_argument('--out', default='', help='PNG path (default <workdir>/report.png)')
-  args = parser.parse_args(argv)
-  path = os.path.join(args.workdir, 'metrics.jsonl')
-  if not os.path.exists(path):
-    print(f'no metrics.jsonl in {args.workdir}', file=sys.stderr)
-    return 2
-  records = read_metrics(path)
+def report(workdir: str, out: str = '') -> str:
+  """Prints the summary table of `workdir`'s metrics.jsonl and writes the plot; returns the PNG's path."""
+  if not os.path.exists(rundir.path(workdir, rundir.METRICS)):
+    raise rundir.RunDirError(f'no metrics.jsonl in {workdir}; give the --workdir of a run')
+  records = read_metrics(workdir)
   print(summary_table(summarize(records)))
-  out = args.out or os.path.join(args.workdir, 'report.png')
-  plot(records, out)
+  out = out or rundir.path(workdir, 'report.png')
+  try:
+    plot(records, out)
+  except OSError as e:
+    raise errors.StorageError(f'cannot write {out} ({type(e).__name__}: {e}); pass --out on a writable disk') from e
   print(f'plot: {out}')
-  return 0
+  return out
+
+
+def main(argv) -> None:
+  del argv
+  report(flags.FLAGS.workdir, flags.FLAGS.out)
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  flags.DEFINE_string('workdir', None, 'The run directory holding metrics.jsonl.')
+  flags.DEFINE_string('out', '', 'PNG path (default <workdir>/report.png).')
+  flags.mark_flag_as_required('workdir')
+  cli.run(main)

@@ -10,6 +10,7 @@ Storage names (parameters) and activation names (`act_*`) are kept apart, as in 
 differently (parameters over fsdp, activations over the batch).
 """
 
+import contextlib
 import math
 
 import flax.linen as nn
@@ -40,6 +41,13 @@ RULES = (
     ('act_mlp', 'tensor'),
     ('act_vocab', 'tensor'),
 )
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh):
+  """The mesh and the logical-axis rules that model code's logical names resolve through."""
+  with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(RULES):
+    yield
 
 
 def make_mesh(mesh_cfg, devices=None) -> Mesh:

@@ -10,16 +10,17 @@ Time to train uses PaLM's FLOPs per token, the definition MFU is measured agains
 """
 
 import math
-import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 import flax.linen as nn
 import jax
 
+from jaxlm import cli
 from jaxlm import config as config_lib
 from jaxlm import metrics as metrics_lib
 from jaxlm import model as model_lib
 from jaxlm import sharding
+from jaxlm import step as step_lib
 from jaxlm import train as train_lib
 
 FLAGS = flags.FLAGS
@@ -84,13 +85,13 @@ def memory(cfg, devices=None) -> dict:
     mesh = sharding.make_mesh(cfg.mesh, devices)
   t = cfg.train
   with nn.logical_axis_rules(sharding.RULES):
-    program = train_lib.program_for(cfg, mesh)  # what train.run would compile
+    program = step_lib.build_program(cfg, mesh)  # what train.run would compile
     state, shardings = program.abstract_state, program.state_shardings
     out = {'param_bytes': sharding.bytes_per_device(state.params, shardings.params),
            'opt_state_bytes': sharding.bytes_per_device(state.opt_state, shardings.opt_state)}
     if devices is not None:
       with jax.sharding.set_mesh(mesh):
-        batch = train_lib.abstract_batch(t.batch_size, cfg.data.seq_len, program.batch_sharding)
+        batch = step_lib.abstract_batch(t.batch_size, cfg.data.seq_len, program.batch_sharding)
         compiled = program.train_step.lower(state, batch).compile()
       out.update(metrics_lib.compiled_memory(compiled))
   return out
@@ -171,9 +172,8 @@ def main(argv):
       if f'dcn_{axis}' in cfg.mesh:
         cfg.mesh[f'dcn_{axis}'] = 1
     config_lib.validate(cfg, needed)
-  except (ValueError, config_lib.ConfigError) as e:
-    print(f'jaxlm.size: {e}', file=sys.stderr)
-    return 2
+  except ValueError as e:
+    raise config_lib.ConfigError(str(e)) from e
   a = analytic(cfg)
   kind = jax.devices()[0].device_kind
   if needed <= available:
@@ -211,4 +211,4 @@ def main(argv):
 if __name__ == '__main__':
   _define_flags()
   flags.mark_flag_as_required('config')
-  app.run(lambda argv: sys.exit(main(argv)))
+  cli.run(main)

@@ -15,10 +15,12 @@ from collections.abc import Iterator, Sequence
 
 from absl import logging
 
+from jaxlm import errors
+
 TXT_DOCS = ('file', 'paragraphs', 'lines')
 
 
-class PrepareError(ValueError):
+class PrepareError(errors.DataError):
   """Input or settings that prepare cannot use; the message says what to change."""
 
 

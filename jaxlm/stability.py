@@ -1,4 +1,4 @@
-"""Loss-spike and NaN defence, host side: detect spikes, decide skip / rollback / stop, inject faults for drills.
+"""Loss-spike and NaN defence, host side: detect spikes, decide skip / rollback / stop (drills: jaxlm.faults).
 
 The device side lives in the train step: optax.apply_if_finite drops any update whose gradients are not finite
 and counts it, so a NaN never reaches the parameters and no per-step host synchronisation is needed. Here, the
@@ -15,7 +15,6 @@ import math
 import os
 import statistics
 
-import numpy as np
 
 
 from jaxlm.errors import StabilityError  # noqa: F401  (raised here, re-exported for callers)
@@ -192,20 +191,3 @@ def write_json_atomic(path: str, value) -> None:
     json.dump(value, f)
     f.write('\n')
   os.replace(tmp, path)
-
-
-def steps_set(text: str) -> frozenset[int]:
-  """'3,5' -> {3, 5}."""
-  return frozenset(int(x) for x in text.split(',') if x.strip())
-
-
-def poison(batch: dict, kind: str, vocab_size: int, number: int) -> dict:
-  """Fault injection: random tokens (a loss spike) or NaN loss weights (non-finite loss and gradients)."""
-  batch = dict(batch)
-  if kind == 'random_tokens':
-    rng = np.random.default_rng(number)
-    batch['inputs'] = rng.integers(0, vocab_size, batch['inputs'].shape).astype(np.int32)
-    batch['targets'] = rng.integers(0, vocab_size, batch['targets'].shape).astype(np.int32)
-  else:
-    batch['weights'] = np.full(batch['weights'].shape, np.nan, np.float32)
-  return batch

@@ -28,13 +28,16 @@ import subprocess
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 import ml_collections
 
+from jaxlm import cli
 from jaxlm import config as config_lib
+from jaxlm import errors
 from jaxlm import model as model_lib
 from jaxlm import report
-from jaxlm.metrics import read_metrics
+from jaxlm import rundir
+from jaxlm.rundir import read_metrics
 
 FLAGS = flags.FLAGS
 
@@ -62,7 +65,7 @@ _PARSERS = {bool: ('a boolean', flags.BooleanParser()), int: ('an integer', flag
 PYTHON = 'python'  # interpreter named in --print_commands (a cluster's, not this host's sys.executable)
 
 
-class SweepError(ValueError):
+class SweepError(errors.ConfigError):
   """A sweep that cannot run; the message names the flag or field and the fix."""
 
 
@@ -205,15 +208,12 @@ def train_command(python: str, config_path: str, workdir: str, trial: Trial, fix
 
 def finished(workdir: str, steps: int) -> bool:
   """Whether the run in `workdir` reached its last step: train evaluates there, so an eval record says so."""
-  path = os.path.join(workdir, 'metrics.jsonl')
-  return os.path.exists(path) and any(r.get('kind') == 'eval' and r.get('step', 0) >= steps
-                                      for r in read_metrics(path))
+  return any(r.get('kind') == 'eval' and r.get('step', 0) >= steps for r in read_metrics(workdir))
 
 
 def results_of(workdir: str) -> dict:
   """Final train loss, latest held-out loss, mean tokens/s and steps from a trial's metrics.jsonl."""
-  path = os.path.join(workdir, 'metrics.jsonl')
-  records = read_metrics(path) if os.path.exists(path) else []
+  records = read_metrics(workdir)
   s = report.summarize(records)
   evals = {r['step']: r['eval_loss'] for r in records if r.get('kind') == 'eval'}  # a redone step: later wins
   return {'final_loss': s['final_loss'], 'eval_loss': evals[max(evals)] if evals else None,
@@ -294,7 +294,7 @@ def _run_trial(runner: _Runner, n: int, t: Trial, total: int, config_path: str, 
   elif runner.stopped:
     row['status'] = 'not run (sweep stopped)'
   else:
-    resuming = os.path.exists(os.path.join(workdir, 'metrics.jsonl'))
+    resuming = os.path.exists(rundir.path(workdir, rundir.METRICS))
     os.makedirs(workdir, exist_ok=True)
     log_path = os.path.join(workdir, 'train.log')
     print(f'{prefix} {"resuming" if resuming else "running"} (log: {log_path})', flush=True)
@@ -379,15 +379,11 @@ def write_results(rows: list[dict], keys: list[str], trials: list[Trial], sweep_
 def main(argv):
   """Expands and validates the sweep, then prints its commands or runs it and reports."""
   del argv
-  try:
-    cfg = load_config(FLAGS.config)
-    trials = expand(cfg, FLAGS.grid, FLAGS.set, FLAGS.random, FLAGS.seed)
-    if FLAGS.random > len(trials):
-      print(f'--random={FLAGS.random}, but the grid has only {len(trials)} trials: running them all.')
-    validate(trials, FLAGS.num_devices or local_device_count(), FLAGS.num_processes)
-  except SweepError as e:
-    print(f'jaxlm.sweep: {e}', file=sys.stderr)
-    return 2
+  cfg = load_config(FLAGS.config)
+  trials = expand(cfg, FLAGS.grid, FLAGS.set, FLAGS.random, FLAGS.seed)
+  if FLAGS.random > len(trials):
+    print(f'--random={FLAGS.random}, but the grid has only {len(trials)} trials: running them all.')
+  validate(trials, FLAGS.num_devices or local_device_count(), FLAGS.num_processes)
   sweep_dir = FLAGS.workdir or os.path.join('runs', f'{cfg.name}_sweep')
   if FLAGS.print_commands:
     for t in trials:
@@ -412,4 +408,4 @@ def main(argv):
 if __name__ == '__main__':
   _define_flags()
   flags.mark_flag_as_required('config')
-  app.run(lambda argv: sys.exit(main(argv)))
+  cli.run(main)

@@ -12,6 +12,15 @@ def load_config(name: str = 'palm_tiny'):
   return runpy.run_path(str(ROOT / 'configs' / f'{name}.py'))['get_config']()
 
 
+def plain_program(cfg, mesh, steps: int = 10, microbatches: int = 1):
+  """The plain step (no finiteness check, no update multiplier) for `cfg`'s model and optimizer on `mesh`."""
+  from jaxlm import step
+  cfg.train.update(steps=steps, seed=0, microbatches=microbatches)
+  cfg.stability.policy = 'off'
+  cfg.faults.lr_spike_steps = ''
+  return step.build_program(cfg, mesh)
+
+
 def odd_config(parallel_block: bool = True):
   """palm_tiny with distinct, prime-ish sizes so a wrong transpose fails loudly (D must divide by fsdp=8)."""
   c = load_config('palm_tiny')

@@ -19,7 +19,7 @@ import pytest
 from jaxlm import checkpoint as checkpoint_lib
 from jaxlm import sharding, train
 from tests.conftest import ROOT
-from tests.helpers import odd_config, random_batch, read_records, train_command, train_env
+from tests.helpers import odd_config, plain_program, random_batch, read_records, train_command, train_env
 
 STEPS = 24
 COMMON = (f'--config.train.steps={STEPS}', '--config.train.log_every=1', '--config.checkpoint.every=4',
@@ -174,7 +174,7 @@ def test_reshard_checkpoint_onto_other_meshes(tmp_path):
     cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh_shape
     mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:devices])
     with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
-      program = train.build(cfg.model, cfg.optim, steps=10, seed=0, mesh=mesh)
+      program = plain_program(cfg, mesh, steps=10)
       ckpt = checkpoint_lib.Checkpointer(str(tmp_path / 'ckpt'), load_config_checkpoint(), lambda *a, **k: None)
       if state == 'restore':
         state, _ = ckpt.restore(program.abstract_state, program.state_shardings, None)
@@ -215,7 +215,7 @@ def test_warm_start_loads_params_only_and_names_mismatches(reference, tmp_path, 
   cfg.model.update(vocab_size=512, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=0, mlp_dim=128)
   mesh = sharding.make_mesh(cfg.mesh)
   with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
-    program = train.build(cfg.model, cfg.optim, steps=10, seed=0, mesh=mesh)
+    program = plain_program(cfg, mesh, steps=10)
     loaded = checkpoint_lib.load_params(str(reference / 'checkpoints'), program.abstract_state.params,
                                         program.state_shardings.params)
   for x, y in zip(jax.tree.leaves(loaded), jax.tree.leaves(_final_params(reference))):

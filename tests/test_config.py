@@ -4,13 +4,12 @@ import pathlib
 import subprocess
 import sys
 
-import flax.linen as nn
 import jax
 import pytest
 
 from jaxlm import config as config_lib
 from jaxlm import model as model_lib
-from jaxlm import sharding, train
+from jaxlm import sharding, step
 from tests.conftest import ROOT
 from tests.helpers import load_config
 
@@ -22,8 +21,7 @@ def test_config_builds_abstract_state_without_allocating(name):
   cfg = load_config(name)
   config_lib.validate(cfg, jax.device_count())
   mesh = sharding.make_mesh(cfg.mesh)
-  with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
-    program = train.build(cfg.model, cfg.optim, steps=cfg.train.steps, seed=0, mesh=mesh)
+  program = step.build_program(cfg, mesh)  # needs no mesh or rules context from its caller
   params = program.abstract_state.params
   assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(program.abstract_state))
   assert sum(x.size for x in jax.tree.leaves(params)) == model_lib.param_count(program.model.m)

@@ -199,7 +199,7 @@ def test_eval_user_errors_end_with_one_line_and_exit_2(tmp_path, make, args, say
   out = _eval_cli(f'--workdir={workdir}', *[a.format(file) for a in args], timeout=120)
   assert out.returncode == 2, (out.stdout, out.stderr[-2000:])
   last = out.stderr.strip().splitlines()[-1]
-  assert last.startswith('jaxlm.eval: ') and '; ' in last and 'Traceback' not in out.stderr, out.stderr[-2000:]
+  assert last.startswith('jaxlm: ') and '; ' in last and 'Traceback' not in out.stderr, out.stderr[-2000:]
   assert says in last
 
 

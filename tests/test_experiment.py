@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 
 from jaxlm import optimizer, sharding, train
-from tests.helpers import load_config, odd_config, random_batch
+from tests.helpers import load_config, odd_config, plain_program, random_batch
 
 
 def _steps(cfg, batch, n=1, microbatches=1, mesh_shape=(1, 8, 1)):
   cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh_shape
   mesh = sharding.make_mesh(cfg.mesh)
   with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
-    program = train.build(cfg.model, cfg.optim, steps=50, seed=0, mesh=mesh, microbatches=microbatches)
+    program = plain_program(cfg, mesh, steps=50, microbatches=microbatches)
     state, out = program.init(), []
     for _ in range(n):
       state, m = program.train_step(state, train.global_batch(batch, program.batch_sharding))

@@ -21,8 +21,7 @@ from jaxlm import import_hf
 from jaxlm import model as model_lib
 from jaxlm import sharding
 from jaxlm import tokenizer as tokenizer_lib
-from jaxlm import train
-from tests.helpers import load_config
+from tests.helpers import load_config, plain_program
 
 # Small, distinct sizes so a wrong transpose or head split fails loudly: V 397, D 48, H 4, F 100, L 2.
 VARIANTS = {
@@ -211,7 +210,7 @@ def test_import_then_export_is_bit_exact(hf, tmp_path, tied, spm_model):
   cfg.mesh.update(data=1, fsdp=1, tensor=1)
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
   with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
-    program = train.build(cfg.model, cfg.optim, steps=cfg.train.steps, seed=0, mesh=mesh)
+    program = plain_program(cfg, mesh, steps=cfg.train.steps)
     init_from = result['flags'].split('--config.checkpoint.init_from=')[1]
     params = checkpoint_lib.load_params(init_from, program.abstract_state.params, program.state_shardings.params)
   tokens = np.random.default_rng(2).integers(0, 397, (2, 20)).astype(np.int32)

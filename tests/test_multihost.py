@@ -21,6 +21,7 @@ from jaxlm import config as config_lib
 from jaxlm import data as data_lib
 from jaxlm import distributed
 from jaxlm import sharding
+from jaxlm import step
 from jaxlm import train
 from tests.conftest import ROOT
 from tests.helpers import load_config, read_records, train_env
@@ -51,13 +52,13 @@ def reference(data_cache):
                                             process_index=i, process_count=PROCESSES) for i in range(PROCESSES)]
   losses = {}
   with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
-    program = train.program_for(cfg, mesh)
+    program = step.build_program(cfg, mesh)
     state = program.init()
-    for step in range(1, t.steps + 1):
+    for i in range(1, t.steps + 1):
       parts = [next(it) for it in iterators]  # process 0's rows, then process 1's: the global batch
       local = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
       state, metrics = program.train_step(state, train.global_batch(local, program.batch_sharding))
-      losses[step] = float(metrics['loss'])
+      losses[i] = float(metrics['loss'])
     eval_data = data_lib.eval_batches(cfg.data, batch_size=t.batch_size, num_batches=t.eval_batches,
                                       vocab_size=vocab, process_index=0, process_count=1)
     eval_loss = train.evaluate(program, state.params, eval_data)

@@ -9,6 +9,7 @@ import pytest
 
 from jaxlm import metrics
 from jaxlm import report
+from jaxlm import rundir
 
 PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
 
@@ -87,16 +88,17 @@ def test_summary_without_mfu_or_eval():
 
 def test_main_writes_a_png(tmp_path, capsys):
   write_jsonl(tmp_path / 'metrics.jsonl', synthetic_run())
-  assert report.main([f'--workdir={tmp_path}']) == 0
+  assert report.report(str(tmp_path)) == str(tmp_path / 'report.png')
   png = (tmp_path / 'report.png').read_bytes()
   assert png.startswith(PNG_MAGIC) and len(png) > 10_000  # four panels of curves, not an empty canvas
   out = capsys.readouterr().out
   assert 'final loss' in out and f'plot: {tmp_path / "report.png"}' in out
 
 
-def test_main_without_metrics_fails_cleanly(tmp_path, capsys):
-  assert report.main([f'--workdir={tmp_path}']) == 2
-  assert 'no metrics.jsonl' in capsys.readouterr().err
+def test_main_without_metrics_fails_cleanly(tmp_path):
+  with pytest.raises(rundir.RunDirError, match='no metrics.jsonl') as failure:
+    report.report(str(tmp_path))
+  assert failure.value.exit_code == 2
 
 
 def test_report_reads_what_the_logger_writes(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxlm import sharding, train
-from tests.helpers import odd_config, random_batch
+from tests.helpers import odd_config, plain_program, random_batch
 
 MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 4, 2)]
 
@@ -17,7 +17,7 @@ def _two_steps(cfg, mesh_shape, batch):
   cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh_shape
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:int(np.prod(mesh_shape))])
   with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
-    program = train.build(cfg.model, cfg.optim, steps=10, seed=0, mesh=mesh)
+    program = plain_program(cfg, mesh, steps=10)
     state = program.init()
     b = train.global_batch(batch, program.batch_sharding)
     state, m1 = program.train_step(state, b)
@@ -78,7 +78,7 @@ def test_check_sharded_rejects_replicated_params():
   cfg = odd_config()
   mesh = sharding.make_mesh(cfg.mesh)
   with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
-    program = train.build(cfg.model, cfg.optim, steps=10, seed=0, mesh=mesh)
+    program = plain_program(cfg, mesh, steps=10)
   replicated = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, P()), program.state_shardings.params)
   sharding.check_sharded(program.abstract_state.params, program.state_shardings.params, mesh)
   with pytest.raises(AssertionError, match='not sharded as asked'):

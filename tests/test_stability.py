@@ -10,7 +10,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jaxlm import stability, train
-from tests.helpers import load_config, read_records
+from tests.helpers import load_config, plain_program, read_records
 
 
 def test_spike_detector_flags_outliers_only():
@@ -89,7 +89,7 @@ def test_policy_off_is_bitwise_the_plain_loop_and_others_match_without_faults(tm
   # Without the feature: the plain step in a bare loop over the same batches, no guard, no events.
   mesh = sharding.make_mesh(cfg.mesh)
   with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
-    program = train.build(cfg.model, cfg.optim, steps=12, seed=0, mesh=mesh)
+    program = plain_program(cfg, mesh, steps=12)
     it = data.make_train_iterator(cfg.data, batch_size=8, seed=0, vocab_size=cfg.model.vocab_size)
     state, plain = program.init(), []
     for _ in range(12):

@@ -1,0 +1,97 @@
+"""One way to run a command and to fail: `cli.run(main)` at the bottom of every entry point.
+
+Flags are parsed by absl (configs through ml_collections' config_flags); any expected failure, in parsing or
+in `main`, ends with one line `jaxlm: <what>; <fix>` on stderr and the error's exit code (jaxlm.errors), never a
+traceback.
+"""
+
+import difflib
+import importlib.util
+import os
+import sys
+from typing import Callable, NoReturn
+
+from absl import app, flags, logging
+
+from jaxlm import errors
+
+
+def fail(error: BaseException) -> NoReturn:
+  """Prints the one last line for an expected failure and exits with its code."""
+  code = getattr(error, 'exit_code', 1)
+  sys.stdout.flush()
+  print(f'jaxlm: {error}', file=sys.stderr, flush=True)
+  sys.exit(code)
+
+
+def load_file(path: str):
+  """`get_config()` of a config file, imported as a module (the one loader: presets, sweeps, tests)."""
+  if not os.path.isfile(path):
+    raise errors.ConfigError(f'config file {path} does not exist (working directory {os.getcwd()}); pass a '
+                             f'path such as --config=configs/palm_small.py')
+  spec = importlib.util.spec_from_file_location(f'jaxlm_config_{abs(hash(os.path.abspath(path)))}', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def config_keys(cfg, prefix: str = '') -> list[str]:
+  """Every dotted key of a ConfigDict ('train.steps', ...)."""
+  keys = []
+  for name, value in cfg.items():
+    path = f'{prefix}{name}'
+    keys += config_keys(value, f'{path}.') if hasattr(value, 'items') else [path]
+  return keys
+
+
+def unknown_override(argv: list[str], flag: str = 'config') -> str | None:
+  """The message for the first `--config.a.b=v` whose key the config file does not have, with a suggestion."""
+  path = next((a.split('=', 1)[1] for a in argv if a.startswith(f'--{flag}=')), None)
+  if path is None:
+    return None
+  known = config_keys(load_file(path))
+  for arg in argv:
+    if arg.startswith(f'--{flag}.'):
+      key = arg[len(flag) + 3:].split('=', 1)[0]
+      if key not in known:
+        near = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+        hint = f'did you mean {flag}.{near[0]}?' if near else 'the keys are listed in configs/base.py'
+        return f'--{flag}.{key}: {path} has no key {key}; {hint}'
+  return None
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  # config_flags defers a missing file's error to the first use of the config, as a traceback: check first.
+  for arg in argv:
+    if arg.startswith('--config=') and not os.path.isfile(path := arg.split('=', 1)[1]):
+      fail(errors.ConfigError(f'config file {path} does not exist (working directory {os.getcwd()}); pass a '
+                              f'path such as --config=configs/palm_small.py'))
+  try:
+    return flags.FLAGS(argv)
+  except errors.JaxlmError as e:
+    fail(e)
+  except Exception as e:  # pylint: disable=broad-except  -- absl and config_flags raise many kinds
+    try:
+      message = unknown_override(argv)
+    except errors.JaxlmError as missing:
+      fail(missing)
+    except Exception:  # pylint: disable=broad-except  -- the config file itself is broken: say so below
+      message = None
+    if message is None:
+      text = ' '.join(str(e).split())
+      message = f'bad command line: {text}; see --helpshort'
+    fail(errors.ConfigError(message))
+
+
+def run(main: Callable[[list[str]], int | None]) -> None:
+  """Runs `main(argv)` as an absl app: quiet libraries, and every JaxlmError as one line and its exit code."""
+
+  def wrapped(argv):
+    if not flags.FLAGS['verbosity'].present:
+      logging.set_verbosity(logging.WARNING)  # libraries' INFO chatter drowns the progress lines; -v 0 shows it
+    try:
+      return main(argv) or 0
+    except errors.JaxlmError as e:
+      fail(e)
+
+  app.run(wrapped, flags_parser=_parse_flags)

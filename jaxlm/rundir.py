@@ -1,0 +1,101 @@
+"""The run directory: where a run writes what, and the readers that eval, export, report, sweep and resume use.
+
+  <workdir>/metrics.jsonl            one JSON record per line: train / eval / system / event (jaxlm.metrics)
+  <workdir>/tb/                      TensorBoard event files
+  <workdir>/checkpoints/<step>/      state, data, guard, env (the run's resolved config), checksums.json
+  <workdir>/checkpoints.unreadable/  steps that failed their checksums or could not be read, kept for inspection
+  <workdir>/rollbacks.json           the stability guard's rollback count, across restarts
+  <workdir>/profile/                 profiler traces (log.profile_steps)
+"""
+
+import json
+import os
+
+import jax
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxlm import errors
+
+METRICS = 'metrics.jsonl'
+CHECKPOINTS = 'checkpoints'
+ROLLBACKS = 'rollbacks.json'
+TENSORBOARD = 'tb'
+PROFILE = 'profile'
+
+
+class RunDirError(errors.ConfigError):
+  """A run directory that does not hold what was asked for (no checkpoint, no such step, no metrics)."""
+
+
+def path(workdir: str, name: str) -> str:
+  """<workdir>/<name>, with ~ expanded."""
+  return os.path.join(os.path.expanduser(workdir), name)
+
+
+def checkpoint_steps(workdir: str) -> list[int]:
+  """The saved steps in <workdir>/checkpoints, oldest first (finished saves only: Orbax renames when done)."""
+  root = path(workdir, CHECKPOINTS)
+  return sorted(int(n) for n in os.listdir(root) if n.isdigit()) if os.path.isdir(root) else []
+
+
+def step_dir(workdir: str, step: int | None = None) -> str:
+  """<workdir>/checkpoints/<step>, the newest step when `step` is None."""
+  root = os.path.abspath(path(workdir, CHECKPOINTS))
+  steps = checkpoint_steps(workdir)
+  if not steps:
+    raise RunDirError(f'{root} holds no checkpoint; give the --workdir of a run that saved one.')
+  if step is None:
+    step = steps[-1]
+  elif step not in steps:
+    raise RunDirError(f'step {step} is not in {root}; saved steps: {", ".join(map(str, steps))}.')
+  return os.path.join(root, str(step))
+
+
+def read_config(step_path: str) -> ml_collections.ConfigDict:
+  """The resolved config a run saved in a step directory's `env` item."""
+  try:
+    env = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(os.path.join(step_path, 'env'))
+    return ml_collections.ConfigDict(env['config'])
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise RunDirError(f'{step_path} has no readable env item with the run\'s config ({type(e).__name__}: {e}); '
+                      f'was it written by jaxlm.train or jaxlm.import_hf?') from e
+
+
+def read_params(step_path: str) -> dict:
+  """The `params` subtree of a step directory's `state` item as numpy arrays; the rest is never read."""
+  state_path = os.path.join(step_path, 'state')
+  checkpointer = ocp.PyTreeCheckpointer()
+  meta = checkpointer.metadata(state_path)
+  tree = getattr(getattr(meta, 'item_metadata', meta), 'tree', meta)
+  if 'params' not in tree:
+    raise RunDirError(f'{state_path} has no params (keys: {", ".join(tree)}).')
+  as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree['params'])
+  restored = checkpointer.restore(state_path, args=ocp.args.PyTreeRestore(
+      item={'params': tree['params']}, restore_args={'params': as_numpy}, partial_restore=True))
+  return restored['params']
+
+
+def read_metrics(workdir_or_file: str) -> list[dict]:
+  """The records of a run's metrics.jsonl ([] if none); a torn last line (a crash mid-write) is skipped."""
+  file = workdir_or_file if workdir_or_file.endswith('.jsonl') else path(workdir_or_file, METRICS)
+  if not os.path.exists(file):
+    return []
+  records = []
+  with open(file) as f:
+    for line in f:
+      try:
+        records.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue
+  return records
+
+
+def latest_by_step(records: list[dict], kind: str) -> list[dict]:
+  """Records of `kind`, one per step (the later wins: a resumed run logs redone steps again), by step."""
+  by_step = {}
+  for r in records:
+    if r.get('kind') == kind:
+      by_step[r['step']] = r
+  return [by_step[s] for s in sorted(by_step)]

@@ -1,0 +1,218 @@
+"""The program: the abstract train state and its shardings first, then the jitted init / train / eval steps.
+
+`build_program(cfg, mesh)` is everything `python -m jaxlm.train` compiles, and what `jaxlm.tools.size` and the
+benchmarks measure. Building it creates no array on any device (shapes only), so it works on compile-only
+devices too; the functions it returns set up their own mesh and logical-axis rules when traced.
+"""
+
+import dataclasses
+from typing import Any, Callable
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxlm import model as model_lib
+from jaxlm import optimizer as optimizer_lib
+from jaxlm import sharding
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything a step changes; checkpointed as one unit."""
+  step: jax.Array  # int32 scalar: optimizer steps taken
+  params: Any
+  opt_state: Any  # optax state; float16 runs keep their dynamic loss scale here
+  rng: jax.Array  # base PRNG key; step s uses fold_in(rng, s), so resume needs no RNG bookkeeping
+  lr_scale: jax.Array  # float32 multiplier on updates, set by the host (post-rollback LR, fault drills)
+  batches: jax.Array  # int32 batches drawn from the data, skipped ones included (fault drills key on it)
+
+
+class _InContext:
+  """A jitted function that enters its mesh and the logical-axis rules whenever it is traced or called."""
+
+  def __init__(self, fn, mesh):
+    self.fn, self.mesh = fn, mesh
+
+  def __call__(self, *args):
+    with sharding.activate(self.mesh):
+      return self.fn(*args)
+
+  def lower(self, *args):
+    with sharding.activate(self.mesh):
+      return self.fn.lower(*args)
+
+
+@dataclasses.dataclass
+class Program:
+  """Everything built for one model on one mesh: shapes and shardings first, then the jitted functions."""
+  model: model_lib.Decoder
+  mesh: jax.sharding.Mesh
+  schedule: optax.Schedule
+  abstract_state: TrainState  # ShapeDtypeStructs, no memory
+  state_shardings: TrainState  # NamedShardings, same tree
+  batch_sharding: jax.sharding.NamedSharding
+  init: Callable[[], TrainState]
+  train_step: Callable[[TrainState, dict], tuple[TrainState, dict]]
+  eval_step: Callable[[Any, dict], dict]
+
+
+def build_program(cfg, mesh) -> Program:
+  """The abstract state, its shardings, and the jitted init / train / eval functions `cfg` implies on `mesh`.
+
+  Under stability.policy=off (and no fault drill) the step is exactly the plain AdamW step: no finiteness
+  check, no update multiplier.
+  """
+  with sharding.activate(mesh):
+    return _build(cfg.model, cfg.optim, steps=cfg.train.steps, seed=cfg.train.seed, mesh=mesh,
+                  microbatches=cfg.train.microbatches, skip_nonfinite=cfg.stability.policy != 'off',
+                  scale_updates=cfg.stability.policy == 'rollback' or bool(cfg.faults.lr_spike_steps))
+
+
+def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, microbatches: int, skip_nonfinite: bool,
+           scale_updates: bool) -> Program:
+  m = model_lib.ModelConfig.from_config(model_cfg)
+  model = model_lib.Decoder(m)
+  fp16 = m.dtype == 'float16'
+  tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)  # shapes only: building creates no array
+
+  def init_params(rng):
+    dummy = jnp.zeros(tokens.shape, tokens.dtype)
+    return model.init({'params': rng}, dummy, dummy + 1, dummy)['params']
+
+  # Shapes before values: logical axis names come with the abstract (boxed) parameters.
+  boxed = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0)))
+  param_logical = nn.get_partition_spec(boxed)
+  tx = optimizer_lib.make_optimizer(optim_cfg, steps, optimizer_lib.decay_mask(param_logical))
+  if skip_nonfinite:
+    # The host decides what persistent NaNs mean (stability.Guard), so never let apply_if_finite give up.
+    tx = optax.apply_if_finite(tx, max_consecutive_errors=2**30)
+  if fp16:  # outermost: it sees the scaled gradients, and an overflow is not counted as a skipped step
+    tx = optimizer_lib.dynamic_loss_scale(tx, optim_cfg.loss_scale_init, optim_cfg.loss_scale_period)
+  abstract_params = jax.eval_shape(lambda: nn.unbox(init_params(jax.random.PRNGKey(0))))
+  abstract_opt = jax.eval_shape(tx.init, abstract_params)
+  replicated = jax.sharding.PartitionSpec()
+  # Adam's moments mirror the parameters, so they take the parameters' specs; counters, and Adafactor's
+  # factored moments (other shapes than their parameters, and small), are replicated.
+  opt_logical = optax.tree_map_params(
+      tx, lambda x, spec, p: spec if x.shape == p.shape else replicated, abstract_opt, param_logical,
+      abstract_params, transform_non_params=lambda _: replicated,
+      is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  logical = TrainState(step=replicated, params=param_logical, opt_state=opt_logical, rng=replicated,
+                       lr_scale=replicated, batches=replicated)
+  state_shardings = sharding.logical_to_mesh(logical, mesh)
+
+  def init():
+    rng = jax.random.PRNGKey(seed)
+    params = nn.unbox(init_params(jax.random.fold_in(rng, 0)))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng,
+                      lr_scale=jnp.ones((), jnp.float32), batches=jnp.zeros((), jnp.int32))
+
+  abstract_state = jax.eval_shape(init)
+  lr = optimizer_lib.schedule(optim_cfg, steps)
+  deterministic = m.dropout_rate == 0.0
+
+  def train_step(state: TrainState, batch: dict):
+    rng = jax.random.fold_in(state.rng, state.step)
+    # Every microbatch divides by the whole batch's token count, so summed gradients equal the full batch's.
+    denominator = jnp.maximum(batch['weights'].sum(), 1.0)
+    scale = optimizer_lib.loss_scale(state.opt_state) if fp16 else 1.0  # float16: small gradients not flushed
+
+    def loss_of(params, mb, mb_rng):
+      logits = model.apply({'params': params}, mb['inputs'], mb['segment_ids'], mb['positions'],
+                           deterministic=deterministic, rngs={'dropout': mb_rng})
+      total, aux = model_lib.loss_fn(logits, mb['targets'], mb['weights'], m.z_loss, denominator)
+      return total * scale, aux
+
+    grads, aux = accumulate_gradients(jax.value_and_grad(loss_of, has_aux=True), state.params, batch, rng,
+                                      microbatches)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    step_lr = lr(state.step)
+    if scale_updates:  # AdamW's update is linear in the learning rate, so this is an LR multiplier
+      updates = jax.tree.map(lambda u: u * state.lr_scale.astype(u.dtype), updates)
+      step_lr = step_lr * state.lr_scale
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(aux, grad_norm=optax.tree.norm(grads) / scale, lr=step_lr,
+                   update_ratio=optax.tree.norm(updates) / optax.tree.norm(state.params),
+                   **group_norms(grads, scale))
+    if skip_nonfinite:
+      finite_state = optimizer_lib.find_state(opt_state, optax.ApplyIfFiniteState)
+      metrics.update(skipped_steps=finite_state.total_notfinite, nonfinite_run=finite_state.notfinite_count)
+    if fp16:
+      metrics['loss_scale'] = optimizer_lib.loss_scale(opt_state)
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                         batches=state.batches + 1), metrics
+
+  def eval_step(params, batch: dict):
+    logits = model.apply({'params': params}, batch['inputs'], batch['segment_ids'], batch['positions'])
+    _, aux = model_lib.loss_fn(logits, batch['targets'], batch['weights'], 0.0)
+    n = batch['weights'].sum()
+    return {'loss_sum': aux['loss'] * n, 'tokens': n}
+
+  batch_sharding = sharding.batch_sharding(mesh)
+  return Program(
+      model=model, mesh=mesh, schedule=lr, abstract_state=abstract_state, state_shardings=state_shardings,
+      batch_sharding=batch_sharding,
+      init=_InContext(jax.jit(init, out_shardings=state_shardings), mesh),
+      train_step=_InContext(jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                                    out_shardings=(state_shardings, None), donate_argnums=0), mesh),
+      eval_step=_InContext(jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding)), mesh))
+
+
+def accumulate_gradients(grad_fn, params, batch: dict, rng, microbatches: int):
+  """Gradients and aux metrics of `batch`, computed in `microbatches` sequential pieces and summed.
+
+  grad_fn(params, batch, rng) -> ((loss, aux), grads), with the loss already divided by the whole batch's
+  token count, so the sum over microbatches equals the whole batch's gradient.
+  """
+  if microbatches == 1:
+    (_, aux), grads = grad_fn(params, batch, rng)
+    return grads, aux
+  # (B, T) -> (M, B/M, T), taking every M-th row so each microbatch stays spread over all devices.
+  split = jax.tree.map(lambda x: x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:])
+                       .swapaxes(0, 1), batch)
+
+  def add(carry, mb_and_index):
+    mb, i = mb_and_index
+    mb = {k: nn.with_logical_constraint(v, ('act_batch', 'act_seq')) for k, v in mb.items()}
+    (_, aux_i), g = grad_fn(params, mb, jax.random.fold_in(rng, i))
+    acc_g, acc_aux = carry
+    acc_aux = {k: jnp.maximum(acc_aux[k], v) if k == 'max_logit' else acc_aux[k] + v for k, v in aux_i.items()}
+    return (jax.tree.map(jnp.add, acc_g, g), acc_aux), None
+
+  zeros = (jax.tree.map(jnp.zeros_like, params),
+           {'loss': 0.0, 'z_loss': 0.0, 'max_logit': jnp.finfo(jnp.float32).min})
+  (grads, aux), _ = jax.lax.scan(add, zeros, (split, jnp.arange(microbatches)))
+  return grads, aux
+
+
+def group_norms(grads, scale=1.0) -> dict:
+  """Gradient norm per layer group (embedding, attention, mlp, norms, unembed): where a spike starts."""
+  groups = {}
+  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    names = [str(getattr(k, 'key', k)) for k in path]
+    group = next((n for n in ('attention', 'mlp', 'unembed', 'embedding') if n in names), 'norms')
+    groups.setdefault(group, []).append(g)
+  return {f'grad_norm/{k}': optax.tree.norm(v) / scale for k, v in sorted(groups.items())}
+
+
+def abstract_batch(batch_size: int, seq_len: int, batch_sharding) -> dict:
+  """Shapes of one global batch, for compiling the step ahead of time."""
+  spec = lambda dtype: jax.ShapeDtypeStruct((batch_size, seq_len), dtype, sharding=batch_sharding)
+  return dict(inputs=spec(jnp.int32), targets=spec(jnp.int32), segment_ids=spec(jnp.int32),
+              positions=spec(jnp.int32), weights=spec(jnp.float32))
+
+
+def global_batch(local: dict, batch_sharding) -> dict:
+  """Assembles each process's rows into one global array per key, laid out as `batch_sharding` says."""
+  return {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v)) for k, v in local.items()}
+
+
+def evaluate(program: Program, params, batches: list[dict]) -> float:
+  """Mean held-out cross-entropy per token over `batches` (the same batches every time)."""
+  totals = [program.eval_step(params, global_batch(b, program.batch_sharding)) for b in batches]
+  loss_sum = sum(float(t['loss_sum']) for t in totals)
+  return loss_sum / max(sum(float(t['tokens']) for t in totals), 1.0)
