@@ -23,7 +23,7 @@ if '--device=gpu' not in sys.argv:
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # before JAX starts: both frameworks on the host CPU
 
 sys.path.insert(0, str(pathlib.Path(__file__).absolute().parents[1]))
-import jaxlm  # noqa: E402,F401  first, as in `python -m jaxlm.train`: sets up malloc before JAX (jaxlm/host.py)
+import jaxlm  # noqa: E402,F401  first, as in `python -m jaxlm.train`: sets up malloc before JAX (jaxlm/malloc.py)
 from absl import app, flags  # noqa: E402
 import jax  # noqa: E402
 
@@ -99,7 +99,7 @@ def _serve_torch(conn, cfg, use_compile: bool, device: str) -> None:
 class TorchProcess:
   """torch_gpt.Bench in a process of its own, with glibc's default malloc; step/phase/result as Bench's.
 
-  Why: `import jaxlm` sets malloc up for XLA (jaxlm/host.py: one arena, no mmap), which PyTorch users do not
+  Why: `import jaxlm` sets malloc up for XLA (jaxlm/malloc.py: one arena, no mmap), which PyTorch users do not
   have; the baseline runs as they run it. The child times its own steps (the pipe's round trip is not counted)
   and waits while jaxlm runs, so the two still alternate step by step.
   """

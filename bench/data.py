@@ -22,8 +22,8 @@ from absl import flags
 from absl import logging
 
 sys.path.insert(0, str(pathlib.Path(__file__).absolute().parents[1]))
-from jaxlm import data as data_lib  # noqa: E402
-from jaxlm import prepare as prepare_lib  # noqa: E402
+from jaxlm.data import pipeline as data_lib  # noqa: E402
+from jaxlm.data import prepare as prepare_lib  # noqa: E402
 
 _CONFIG = flags.DEFINE_string('config', 'configs/palm_small.py', 'Config file whose data/batch settings to use.')
 # Default: over 4× palm_small's measured training throughput on the 2-core CPU (~4.5k tokens/s, cpu_step.py).

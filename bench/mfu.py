@@ -19,7 +19,7 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).absolute().parents[1]))
-import jaxlm  # noqa: E402,F401  first, as in `python -m jaxlm.train`: sets up malloc before JAX (jaxlm/host.py)
+import jaxlm  # noqa: E402,F401  first, as in `python -m jaxlm.train`: sets up malloc before JAX (jaxlm/malloc.py)
 
 from absl import app, flags  # noqa: E402
 import flax.linen as nn  # noqa: E402

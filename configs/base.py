@@ -35,7 +35,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.data = d = ml_collections.ConfigDict()
   d.source = 'stdlib'  # stdlib: this interpreter's standard-library sources (no download); prepared: `paths`
-  d.paths = ''  # prepared dataset directories (from `python -m jaxlm.prepare`), comma-separated
+  d.paths = ''  # prepared dataset directories (from `python -m jaxlm.data.prepare`), comma-separated
   d.weights = ''  # mixture weights for `paths`, comma-separated; empty = proportional to tokens
   d.seq_len = 256  # T, tokens per training sequence
   d.cache_dir = '~/.cache/jaxlm'  # where the stdlib corpus is prepared once and reused

@@ -119,7 +119,7 @@ def _data_errors(d) -> list[str]:
   if d.source not in DATA_SOURCES:
     e.append(f'data.source={d.source!r} is unknown; use one of {", ".join(DATA_SOURCES)}.')
   if d.source == 'prepared' and not d.paths:
-    e.append('data.source=prepared needs data.paths: directories written by `python -m jaxlm.prepare`.')
+    e.append('data.source=prepared needs data.paths: directories written by `python -m jaxlm.data.prepare`.')
   if d.weights and len(d.weights.split(',')) != len(d.paths.split(',')):
     e.append(f'data.weights has {len(d.weights.split(","))} entries but data.paths has '
              f'{len(d.paths.split(","))}; give one weight per path, or none.')

@@ -21,7 +21,7 @@ Lost peers (tests/test_multihost.py runs both with real processes):
                   its peers would wait in the next collective forever. The step watchdog ends each process once
                   no training step has finished for dist.step_timeout_s (exit code HUNG_EXIT, with a message and
                   every thread's stack).
-Either way every process exits non-zero, and `python -m jaxlm.supervise` restarts the job from its newest
+Either way every process exits non-zero, and `python -m jaxlm.cluster.supervise` restarts the job from its newest
 checkpoint. Preemption: a SIGTERM that reaches some processes only is shared (any_process), so that all of them
 checkpoint the same step and exit 0.
 """
@@ -41,7 +41,7 @@ from jax.experimental import multihost_utils
 
 from jaxlm import config as config_lib
 
-HUNG_EXIT = 75  # EX_TEMPFAIL ("try again"): no step finished in time; a restart from the checkpoint may work
+from jaxlm.errors import HUNG_EXIT  # no step finished in time; a restart from the checkpoint may work
 COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV = 'JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID'
 _SLURM_ENV = ('SLURM_JOB_ID', 'SLURM_STEP_NODELIST', 'SLURM_NTASKS', 'SLURM_PROCID', 'SLURM_LOCALID')  # what JAX reads
 

@@ -3,12 +3,16 @@
 An expected failure ends the process with one line, `jaxlm: <what>; <fix>`, and its code; never a traceback.
 """
 
+HUNG_EXIT = 75  # EX_TEMPFAIL ("try again"): a restart from the checkpoint may work
+
+# The exit codes of an expected failure, in words (`jaxlm.cluster.supervise` reads this table; this module
+# imports no JAX, so the supervisor stays light). Codes 2 and 4 are not restarted: a restart cannot fix them.
 EXIT_CODES = {
     0: 'done, or preempted and saved',
-    2: 'bad config or data: a restart will not help',
-    3: 'the run directory cannot be written (checkpoints, metrics): free space or fix permissions, then resume',
-    4: 'training is unstable past the configured remedies',
-    75: 'no step finished in time, or a peer process was lost: a restart from the checkpoint may work',
+    2: 'bad config or input',
+    3: 'checkpoints failing',  # or any write to the run directory (full disk, permissions)
+    4: 'training unstable',
+    HUNG_EXIT: 'no step finished in time',
 }
 
 
@@ -44,4 +48,4 @@ class StabilityError(JaxlmError, RuntimeError):
 
 class DistributedError(JaxlmError, RuntimeError):
   """The job's processes cannot join or lost each other."""
-  exit_code = 75
+  exit_code = HUNG_EXIT

@@ -214,7 +214,7 @@ class MetricsLogger:
   """Writes metric records and events to stdout, <workdir>/metrics.jsonl, TensorBoard and W&B.
 
   Records are appended, so a restarted run continues the same files; steps redone after a resume appear
-  again (the later record of a step wins in `jaxlm.report`). Non-finite floats are written as NaN/Infinity
+  again (the later record of a step wins in `jaxlm.tools.report`). Non-finite floats are written as NaN/Infinity
   (what Python's json reads) rather than dropped: a NaN loss is exactly what the log must show.
   """
 

@@ -60,7 +60,7 @@ def read_config(step_path: str) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(env['config'])
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise RunDirError(f'{step_path} has no readable env item with the run\'s config ({type(e).__name__}: {e}); '
-                      f'was it written by jaxlm.train or jaxlm.import_hf?') from e
+                      f'was it written by jaxlm.train or jaxlm.hf.import_llama?') from e
 
 
 def read_params(step_path: str) -> dict:

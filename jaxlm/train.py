@@ -19,7 +19,7 @@ from ml_collections import config_flags
 from jaxlm import checkpoint as checkpoint_lib
 from jaxlm import cli
 from jaxlm import config as config_lib
-from jaxlm import data as data_lib
+from jaxlm.data import pipeline as data_lib
 from jaxlm import distributed
 from jaxlm import faults as faults_lib
 from jaxlm import metrics as metrics_lib
@@ -362,6 +362,11 @@ def main(argv):
   run(cfg, workdir)
 
 
-if __name__ == '__main__':
+def console() -> None:
+  """The `jaxlm-...` console command (pyproject.toml [project.scripts])."""
   flags.mark_flag_as_required('config')
   cli.run(main)
+
+
+if __name__ == '__main__':
+  console()

@@ -7,7 +7,7 @@
 #   launch/tpu_pod.sh stop TPU_NAME ZONE            # SIGTERM everywhere: the job checkpoints and exits
 #
 # Environment: PROJECT (gcloud project; default: gcloud's), REMOTE_DIR (default: jaxlm, in each worker's home),
-# JAX_SPEC (pip requirement for JAX on TPU; default: jax[tpu]), SUPERVISE_ARGS (default: --max-restarts=10).
+# JAX_SPEC (pip requirement for JAX on TPU; default: jax[tpu]), SUPERVISE_ARGS (default: --max_restarts=10).
 #
 # The workdir must be one directory shared by every worker (Filestore / NFS, or a gcsfuse mount of a bucket):
 # Orbax writes each checkpoint from all workers together and all of them restore from it.
@@ -37,13 +37,13 @@ case "${action}" in
     tar -C "${repo}" -czf "${tarball}" --exclude=./.git --exclude=./runs .
     "${gcloud_tpu[@]}" scp "${tarball}" "${name}:/tmp/jaxlm.tar.gz" "${where[@]}" --worker=all
     train_args="$(printf ' %q' "$@")"
-    supervise_args="${SUPERVISE_ARGS:---max-restarts=10}"
+    supervise_args="${SUPERVISE_ARGS:---max_restarts=10}"
     # setsid + nohup: the job outlives this SSH session; its output goes to ~/jaxlm.log on each worker.
     on_all_workers "set -e
       mkdir -p ~/${remote_dir} && tar -xzf /tmp/jaxlm.tar.gz -C ~/${remote_dir} && cd ~/${remote_dir}
       pip install -q -e . '${JAX_SPEC:-jax[tpu]}'
-      setsid nohup python3 -m jaxlm.supervise ${supervise_args} \
-        --healthcheck-cmd 'python3 -m jaxlm.healthcheck --initialize=always' \
+      setsid nohup python3 -m jaxlm.cluster.supervise ${supervise_args} \
+        --healthcheck_cmd 'python3 -m jaxlm.cluster.healthcheck --initialize=always' \
         -- python3 -m jaxlm.train ${train_args} --config.dist.initialize=always > ~/jaxlm.log 2>&1 < /dev/null &
       echo \$! > ~/jaxlm.pid
       echo \"started on \$(hostname): log in ~/jaxlm.log\""

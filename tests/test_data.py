@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from array_record.python import array_record_module
 
-from jaxlm import data as data_lib
-from jaxlm import prepare as prepare_lib
-from jaxlm import tokenizer as tokenizer_lib
+from jaxlm.data import pipeline as data_lib
+from jaxlm.data import prepare as prepare_lib
+from jaxlm.data import tokenizer as tokenizer_lib
 from tests.conftest import ROOT
 from tests.helpers import load_config
 
@@ -375,7 +375,7 @@ def test_stdlib_corpus_is_prepared_once_and_reused(tmp_path):
 def test_stdlib_preparation_is_safe_when_two_processes_start_together(tmp_path):
   code = ('import sys; sys.path.insert(0, %r)\n'
           'from absl import logging; logging.set_verbosity(logging.INFO)\n'
-          'from jaxlm import data, prepare\n'
+          'from jaxlm.data import prepare\n'
           'from tests.helpers import load_config\n'
           'c = load_config("base").data\n'
           'c.update(cache_dir=%r, stdlib_max_mb=1, eval_fraction=0.25)\n'

@@ -12,9 +12,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxlm import data as data_lib
-from jaxlm import eval as eval_lib
-from jaxlm import export as export_lib
+from jaxlm.data import pipeline as data_lib
+from jaxlm.tools import eval as eval_lib
+from jaxlm.hf import export as export_lib
 from jaxlm import model as model_lib
 from tests.helpers import load_config, train_env
 from tests.conftest import ROOT
@@ -71,7 +71,7 @@ def tiny_run(tmp_path_factory, data_cache):
 
 def test_eval_entry_point_reproduces_the_trainers_held_out_loss(tiny_run):
   workdir, trained = tiny_run
-  out = subprocess.run([sys.executable, '-m', 'jaxlm.eval', f'--workdir={workdir}', '--json', '--prompt=def ',
+  out = subprocess.run([sys.executable, '-m', 'jaxlm.tools.eval', f'--workdir={workdir}', '--json', '--prompt=def ',
                         '--max_tokens=8'], cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -86,7 +86,7 @@ def test_eval_entry_point_reproduces_the_trainers_held_out_loss(tiny_run):
 
 def test_export_entry_point_ships_the_runs_tokenizer(tiny_run, tmp_path):
   workdir, _ = tiny_run
-  out = subprocess.run([sys.executable, '-m', 'jaxlm.export', f'--workdir={workdir}', f'--out={tmp_path}'],
+  out = subprocess.run([sys.executable, '-m', 'jaxlm.hf.export', f'--workdir={workdir}', f'--out={tmp_path}'],
                        cwd=ROOT, env=train_env(1), capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   assert 'CohereForCausalLM' in out.stdout
@@ -164,7 +164,7 @@ def test_score_documents_equals_each_window_scored_alone(tiny_run):
 
 
 def _eval_cli(*args, timeout=300):
-  return subprocess.run([sys.executable, '-m', 'jaxlm.eval', *args], cwd=ROOT, env=train_env(1),
+  return subprocess.run([sys.executable, '-m', 'jaxlm.tools.eval', *args], cwd=ROOT, env=train_env(1),
                         capture_output=True, text=True, timeout=timeout)
 
 
@@ -227,7 +227,7 @@ def lm_eval_api(tmp_path_factory):
 
 @pytest.mark.e2e
 def test_lm_eval_on_the_export_agrees_with_jaxlm_eval(lm_eval_api, tiny_run, tmp_path, monkeypatch):
-  """The README's lm-eval recipe, offline: the shipped tasks on an export, bits per byte as jaxlm.eval's."""
+  """The README's lm-eval recipe, offline: the shipped tasks on an export, bits per byte as jaxlm.tools.eval's."""
   lm_eval, HFLM, TaskManager = lm_eval_api
   workdir, _ = tiny_run
   export_lib.export(workdir, str(tmp_path / 'hf'))
@@ -247,7 +247,7 @@ def test_lm_eval_on_the_export_agrees_with_jaxlm_eval(lm_eval_api, tiny_run, tmp
   monkeypatch.chdir(tmp_path)
   out = lm_eval.simple_evaluate(model=lm, tasks=['jaxlm_documents'], task_manager=tasks, bootstrap_iters=0)
   theirs = out['results']['jaxlm_documents']['bits_per_byte,none']
-  print(f'\nbits per byte on {len(texts)} held-out documents: lm-eval {theirs:.6f}, jaxlm.eval '
+  print(f'\nbits per byte on {len(texts)} held-out documents: lm-eval {theirs:.6f}, jaxlm.tools.eval '
         f'{ours["bits_per_byte"]:.6f} (relative difference {abs(theirs / ours["bits_per_byte"] - 1):.1e})')
   assert theirs == pytest.approx(ours['bits_per_byte'], rel=1e-2)
   # Same windows and start token, float32 on both sides: they agree far closer than 1% (float rounding only).

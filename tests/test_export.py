@@ -16,11 +16,11 @@ import optax
 import pytest
 
 from jaxlm import checkpoint as checkpoint_lib
-from jaxlm import export
-from jaxlm import import_hf
+from jaxlm.hf import export
+from jaxlm.hf import import_llama as import_hf
 from jaxlm import model as model_lib
 from jaxlm import sharding
-from jaxlm import tokenizer as tokenizer_lib
+from jaxlm.data import tokenizer as tokenizer_lib
 from tests.helpers import load_config, plain_program
 
 # Small, distinct sizes so a wrong transpose or head split fails loudly: V 397, D 48, H 4, F 100, L 2.

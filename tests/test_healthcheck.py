@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxlm import healthcheck
+from jaxlm.cluster import healthcheck
 from tests.conftest import ROOT
 from tests.helpers import train_env
 
@@ -41,7 +41,7 @@ def test_judge_compares_with_the_median():
 
 
 def test_cli_exit_code_and_message():
-  result = subprocess.run([sys.executable, '-m', 'jaxlm.healthcheck', '--iters=5', '--slow-factor=10',
+  result = subprocess.run([sys.executable, '-m', 'jaxlm.cluster.healthcheck', '--iters=5', '--slow_factor=10',
                            '--inject=slow:7'], cwd=ROOT, env=train_env(8), capture_output=True, text=True, timeout=120)
   assert result.returncode == 1, result.stderr
   assert 'healthcheck: BAD process 0' in result.stdout and 'device 7: SLOW matmul' in result.stdout
@@ -49,8 +49,8 @@ def test_cli_exit_code_and_message():
 
 @pytest.mark.slow
 def test_two_processes_name_the_slow_host():
-  result = subprocess.run(['launch/local.sh', '-n', '2', '-d', '4', '--', sys.executable, '-m', 'jaxlm.healthcheck',
-                           '--iters=5', '--slow-factor=10',
+  result = subprocess.run(['launch/local.sh', '-n', '2', '-d', '4', '--', sys.executable, '-m', 'jaxlm.cluster.healthcheck',
+                           '--iters=5', '--slow_factor=10',
                            '--inject=slowhost:1'], cwd=ROOT, env=train_env(4), capture_output=True,
                           text=True, timeout=180)
   assert result.returncode == 1, result.stderr[-3000:]

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from jaxlm import config as config_lib
-from jaxlm import data as data_lib
+from jaxlm.data import pipeline as data_lib
 from jaxlm import distributed
 from jaxlm import sharding
 from jaxlm import step
@@ -180,7 +180,7 @@ def test_supervised_job_survives_a_hung_and_a_lost_peer_and_matches_one_process(
   workdir, log = tmp_path / 'run', tmp_path / 'out.log'
   train_args = overrides(data_cache, '--config.mesh.dcn_data=2', '--config.dist.stall=1:12,1:22',
                          '--config.dist.step_timeout_s=20')
-  command = [sys.executable, '-m', 'jaxlm.supervise', '--backoff=1', '--max-restarts=2', '--',
+  command = [sys.executable, '-m', 'jaxlm.cluster.supervise', '--backoff=1', '--max_restarts=2', '--',
              *local_command(workdir, *train_args)]
   with open(log, 'w') as out:
     supervisor = subprocess.Popen(command, cwd=ROOT, env=train_env(DEVICES), stdout=out, stderr=subprocess.STDOUT)
@@ -198,7 +198,7 @@ def test_supervised_job_survives_a_hung_and_a_lost_peer_and_matches_one_process(
     if supervisor.poll() is None:
       os.killpg(supervisor.pid, signal.SIGKILL)  # never leave training processes behind
   text = log.read_text()
-  attempts = text.split('jaxlm.supervise: attempt ')
+  attempts = text.split('jaxlm.cluster.supervise: attempt ')
   # Attempt 1, the hang: the first process to exit is ended by its watchdog (the other's may fire too, unless
   # JAX ends it first for losing its peer).
   assert 'of 2: no training step finished for 20s (the last was step 12)' in attempts[1], attempts[1][-5000:]

@@ -1,4 +1,4 @@
-"""`python -m jaxlm.prepare`: readers, cleaning, tokenizer training, shards, resume, split, errors."""
+"""`python -m jaxlm.data.prepare`: readers, cleaning, tokenizer training, shards, resume, split, errors."""
 
 import gzip
 import json
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from array_record.python import array_record_module
 
-from jaxlm import prepare as prepare_lib
-from jaxlm import tokenizer as tokenizer_lib
+from jaxlm.data import prepare as prepare_lib
+from jaxlm.data import tokenizer as tokenizer_lib
 from tests.conftest import ROOT
 
 VOCAB = 320
@@ -250,7 +250,7 @@ def _model(tmp_path) -> str:
 
 def test_command_line_runs_shows_progress_and_exits_2_on_bad_input(tmp_path):
   d = _write_txt(tmp_path / 'in', TEXTS)
-  cmd = [sys.executable, '-m', 'jaxlm.prepare', f'--inputs={d}', f'--out={tmp_path / "out"}', '--vocab_size=320',
+  cmd = [sys.executable, '-m', 'jaxlm.data.prepare', f'--inputs={d}', f'--out={tmp_path / "out"}', '--vocab_size=320',
          '--workers=2', '--shard_docs=10', '--eval_fraction=0.1']
   done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert done.returncode == 0, done.stderr

@@ -1,4 +1,4 @@
-"""Tests of jaxlm.report: the summary of a synthetic metrics.jsonl, and the PNG."""
+"""Tests of jaxlm.tools.report: the summary of a synthetic metrics.jsonl, and the PNG."""
 
 import json
 import subprocess
@@ -8,7 +8,7 @@ import ml_collections
 import pytest
 
 from jaxlm import metrics
-from jaxlm import report
+from jaxlm.tools import report
 from jaxlm import rundir
 
 PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
@@ -102,7 +102,7 @@ def test_main_without_metrics_fails_cleanly(tmp_path):
 
 
 def test_report_reads_what_the_logger_writes(tmp_path):
-  """Round trip through the real writer and the `python -m jaxlm.report` entry point."""
+  """Round trip through the real writer and the `python -m jaxlm.tools.report` entry point."""
   cfg = ml_collections.ConfigDict(dict(tensorboard=False, wandb=False))
   with metrics.MetricsLogger(str(tmp_path), cfg, total_steps=20) as logger:
     for step in (10, 20):
@@ -110,7 +110,7 @@ def test_report_reads_what_the_logger_writes(tmp_path):
     logger.write(20, {'eval_loss': 3.25}, kind='eval')
     logger.event(20, 'checkpoint_failed', 'disk full')
   out = tmp_path / 'curves.png'
-  result = subprocess.run([sys.executable, '-m', 'jaxlm.report', f'--workdir={tmp_path}', f'--out={out}'],
+  result = subprocess.run([sys.executable, '-m', 'jaxlm.tools.report', f'--workdir={tmp_path}', f'--out={out}'],
                           cwd=report.__file__.rsplit('/jaxlm/', 1)[0], capture_output=True, text=True,
                           timeout=120, check=True)
   assert 'final loss         3.0000' in result.stdout

@@ -1,4 +1,4 @@
-"""Tests of jaxlm.size: the analytic numbers against the model's formulas and PaLM 8B worked by hand, memory
+"""Tests of jaxlm.tools.size: the analytic numbers against the model's formulas and PaLM 8B worked by hand, memory
 from an ahead-of-time compile on fake CPU devices, and the command line."""
 
 import subprocess
@@ -8,13 +8,13 @@ import jax
 import pytest
 
 from jaxlm import model as model_lib
-from jaxlm import size
+from jaxlm.tools import size
 from tests.conftest import ROOT
 from tests.helpers import load_config, train_env
 
 
 def run_size(*args) -> subprocess.CompletedProcess:
-  command = [sys.executable, '-m', 'jaxlm.size', *args]
+  command = [sys.executable, '-m', 'jaxlm.tools.size', *args]
   return subprocess.run(command, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
 
 

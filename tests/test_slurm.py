@@ -75,7 +75,7 @@ def slurm(tmp_path_factory):
     yield dict(env, SLURM_CONF=str(cluster / 'slurm.conf'),
                # `python` in the batch script: the interpreter running the tests.
                PATH=f'{pathlib.Path(sys.executable).parent}{os.pathsep}{env.get("PATH", "")}',
-               SUPERVISE_ARGS='--max-restarts=3 --backoff=1')
+               SUPERVISE_ARGS='--max_restarts=3 --backoff=1')
   finally:
     subprocess.run(['launch/slurm_localhost.sh', 'stop', str(cluster)], cwd=ROOT, timeout=120)
 
@@ -168,7 +168,7 @@ def test_batch_script_trains_as_one_job_like_local_sh(tmp_path, slurm, reference
   state, code, log = wait_job(job, slurm, tmp_path)
   assert (state, code) == ('COMPLETED', '0:0'), log[-5000:]
   assert f'distributed: 2 processes, 8 devices (Slurm job {job}, 2 tasks)' in log, log[-5000:]
-  assert 'jaxlm.supervise: attempt 1 finished (exit code 0)' in log
+  assert 'jaxlm.cluster.supervise: attempt 1 finished (exit code 0)' in log
   assert_trajectory(workdir, reference)
 
 
@@ -204,9 +204,9 @@ def test_a_killed_task_is_restarted_by_the_supervisor_after_a_health_check(tmp_p
     task_process(job, 1).send_signal(signal.SIGKILL)
   state, code, log = wait_job(job, slurm, tmp_path)
   assert (state, code) == ('COMPLETED', '0:0'), log[-5000:]
-  attempts = log.split('jaxlm.supervise: attempt ')
+  attempts = log.split('jaxlm.cluster.supervise: attempt ')
   assert 'task 1: Killed' in attempts[1] and '1 failed with exit code' in attempts[2], log[-5000:]
-  assert 'jaxlm.supervise: health check before attempt 2' in log and 'healthcheck: all healthy' in log, log[-5000:]
+  assert 'jaxlm.cluster.supervise: health check before attempt 2' in log and 'healthcheck: all healthy' in log, log[-5000:]
   assert '2 finished (exit code 0)' in attempts[-1], log[-5000:]
   [resumed] = [r['step'] for r in read_records(workdir, 'event') if r['event'] == 'resumed']
   assert resumed >= CHECKPOINT_EVERY and resumed % CHECKPOINT_EVERY == 0

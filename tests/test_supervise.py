@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from jaxlm import supervise
+from jaxlm.cluster import supervise
 from tests.conftest import ROOT
 
 
@@ -80,7 +80,7 @@ def test_cli_passes_sigterm_to_the_job_and_stops(tmp_path):
          f'signal.signal(signal.SIGTERM, lambda *a: (pathlib.Path({str(marker)!r}).write_text("x"), sys.exit(0)))\n'
          f'print("ready", flush=True)\n'
          f'time.sleep(60)\n')
-  proc = subprocess.Popen([sys.executable, '-m', 'jaxlm.supervise', '--backoff', '0.01', '--', sys.executable, '-c',
+  proc = subprocess.Popen([sys.executable, '-m', 'jaxlm.cluster.supervise', '--backoff', '0.01', '--', sys.executable, '-c',
                            job], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   assert proc.stdout.readline().strip() == 'ready'
   proc.send_signal(signal.SIGTERM)
@@ -92,7 +92,7 @@ def test_cli_passes_sigterm_to_the_job_and_stops(tmp_path):
 
 def test_cli_stops_on_bad_config_exit_code(tmp_path):
   start = time.monotonic()
-  result = subprocess.run([sys.executable, '-m', 'jaxlm.supervise', '--backoff', '5', '--',
+  result = subprocess.run([sys.executable, '-m', 'jaxlm.cluster.supervise', '--backoff', '5', '--',
                            *fake_job(tmp_path, [2])], cwd=ROOT, capture_output=True, text=True, timeout=30)
   assert result.returncode == 2
   assert 'a restart cannot fix that' in result.stderr

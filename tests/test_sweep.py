@@ -1,4 +1,4 @@
-"""Tests of jaxlm.sweep: grid expansion, names, random draws, validation, launch commands, and real sweeps
+"""Tests of jaxlm.tools.sweep: grid expansion, names, random draws, validation, launch commands, and real sweeps
 through the entry point (interrupted and rerun: a finished trial is not rerun, a stopped one resumes; a crashed
 trial is recorded and the sweep goes on)."""
 
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from jaxlm import sweep
+from jaxlm.tools import sweep
 from tests.conftest import ROOT
 from tests.helpers import load_config, read_records, train_env
 
@@ -21,8 +21,8 @@ GRID = ['optim.lr=1e-3,3e-4', 'model.d_model=128,256']
 
 
 def sweep_command(*args, devices: int = 8) -> list[str]:
-  """`python -m jaxlm.sweep` on palm_tiny, validated for `devices` fake CPU devices."""
-  return [sys.executable, '-m', 'jaxlm.sweep', '--config=configs/palm_tiny.py', f'--num_devices={devices}', *args]
+  """`python -m jaxlm.tools.sweep` on palm_tiny, validated for `devices` fake CPU devices."""
+  return [sys.executable, '-m', 'jaxlm.tools.sweep', '--config=configs/palm_tiny.py', f'--num_devices={devices}', *args]
 
 
 def run_sweep(*args, devices: int = 8) -> subprocess.CompletedProcess:

@@ -74,7 +74,7 @@ def test_host_memory_is_kept_so_steps_do_not_refault_their_temporaries():
 
 
 def test_host_memory_left_alone_with_fake_devices_or_when_asked(monkeypatch):
-  from jaxlm import host
+  from jaxlm import malloc as host
   monkeypatch.delenv('JAXLM_KEEP_HOST_MEMORY', raising=False)
   monkeypatch.setenv('XLA_FLAGS', '--xla_force_host_platform_device_count=8')  # one arena would serialise them
   assert host.keep_freed_memory() is False

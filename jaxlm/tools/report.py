@@ -1,6 +1,6 @@
 """Summary of a run from its metrics.jsonl: a table on stdout and a PNG of the curves.
 
-  python -m jaxlm.report --workdir=runs/base [--out=runs/base/report.png]
+  python -m jaxlm.tools.report --workdir=runs/base [--out=runs/base/report.png]
 """
 
 import collections
@@ -117,8 +117,13 @@ def main(argv) -> None:
   report(flags.FLAGS.workdir, flags.FLAGS.out)
 
 
-if __name__ == '__main__':
+def console() -> None:
+  """The `jaxlm-...` console command (pyproject.toml [project.scripts])."""
   flags.DEFINE_string('workdir', None, 'The run directory holding metrics.jsonl.')
   flags.DEFINE_string('out', '', 'PNG path (default <workdir>/report.png).')
   flags.mark_flag_as_required('workdir')
   cli.run(main)
+
+
+if __name__ == '__main__':
+  console()

@@ -1,14 +1,14 @@
-"""Keep a training job running: `python -m jaxlm.supervise [options] -- <train command ...>`.
+"""Keep a training job running: `python -m jaxlm.cluster.supervise [options] -- <train command ...>`.
 
 Runs the command; when it crashes, is killed, or loses a peer, runs it again after an exponential back-off (the
 train command resumes from its newest checkpoint by itself). The child's exit code decides:
   0             done, or preempted after checkpointing: stop, exit 0.
-  --no-restart  (default 2 and 4: a bad config or input; training unstable past its rollbacks) a restart would
+  --no_restart  (default 2 and 4: a bad config or input; training unstable past its rollbacks) a restart would
                 fail the same way: stop, exit with that code.
   anything else (a crash, SIGKILL, a lost peer's SIGABRT, the hang watchdog's 75) restart, at most
-                --max-restarts times in a row; a run that lasted --reset-after seconds made progress, so the
+                --max_restarts times in a row; a run that lasted --reset_after seconds made progress, so the
                 count and the back-off start over.
-With --healthcheck each relaunch is preceded by `python -m jaxlm.healthcheck` (or --healthcheck-cmd): a failed
+With --healthcheck each relaunch is preceded by `python -m jaxlm.cluster.healthcheck` (or --healthcheck_cmd): a failed
 check counts as a failed attempt, so bad devices are retried, then reported, never trained on.
 SIGTERM / SIGINT are passed to the whole child process group (the job checkpoints and exits) and end supervision.
 
@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
-HUNG_EXIT = 75  # jaxlm.distributed.HUNG_EXIT, repeated: importing it would import JAX into the supervisor
+from jaxlm.errors import EXIT_CODES  # a JAX-free module: the supervisor must not import JAX
 
 
 def describe(code: int) -> str:
@@ -36,8 +36,7 @@ def describe(code: int) -> str:
     return f'killed by {signal.Signals(-code).name}'
   if code > 128 and code - 128 in signal.valid_signals():
     return f'exit code {code} ({signal.Signals(code - 128).name})'
-  meaning = {2: 'bad config or input', 3: 'checkpoints failing', 4: 'training unstable',
-             HUNG_EXIT: 'no step finished in time'}.get(code)
+  meaning = EXIT_CODES.get(code) if code else None
   return f'exit code {code}' + (f' ({meaning})' if meaning else '')
 
 
@@ -52,7 +51,7 @@ class Supervisor:
     self.reset_after_s = reset_after_s
     self.no_restart = set(no_restart)
     self.healthcheck = list(healthcheck) if healthcheck else None
-    self.log = log or (lambda m: print(f'jaxlm.supervise: {m}', file=sys.stderr, flush=True))
+    self.log = log or (lambda m: print(f'jaxlm.cluster.supervise: {m}', file=sys.stderr, flush=True))
     self.stopping = threading.Event()  # set by a signal: finish the current child, start no other
     self.child: subprocess.Popen | None = None
     self.delays: list[float] = []  # back-off waits taken, in order (for tests and the log)
@@ -117,7 +116,7 @@ class Supervisor:
   def _wait_or_stop(self, failures: int, code: int) -> int | None:
     """Backs off before the next attempt; returns an exit code instead when there must be none."""
     if failures > self.max_restarts:
-      self.log(f'{failures} failures in a row, more than --max-restarts={self.max_restarts}: giving up with '
+      self.log(f'{failures} failures in a row, more than --max_restarts={self.max_restarts}: giving up with '
                f'{describe(code)}.')
       return code
     delay = min(self.backoff_s * 2 ** (failures - 1), self.max_backoff_s)
@@ -141,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   healthcheck = None
   if args.healthcheck or args.healthcheck_cmd:
     healthcheck = shlex.split(args.healthcheck_cmd) if args.healthcheck_cmd else [
-        sys.executable, '-m', 'jaxlm.healthcheck']
+        sys.executable, '-m', 'jaxlm.cluster.healthcheck']
   supervisor = Supervisor(command, max_restarts=args.max_restarts, backoff_s=args.backoff,
                           max_backoff_s=args.max_backoff, reset_after_s=args.reset_after,
                           no_restart=[int(c) for c in args.no_restart.split(',') if c.strip()],
@@ -152,19 +151,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog='python -m jaxlm.supervise', description=__doc__.split('\n')[0],
+  p = argparse.ArgumentParser(prog='python -m jaxlm.cluster.supervise', description=__doc__.split('\n')[0],
                               usage='%(prog)s [options] -- <train command ...>')
-  p.add_argument('--max-restarts', type=int, default=10, help='failures in a row before giving up (default 10)')
+  p.add_argument('--max_restarts', type=int, default=10, help='failures in a row before giving up (default 10)')
   p.add_argument('--backoff', type=float, default=10.0, help='first wait before a restart, doubled each time (s)')
-  p.add_argument('--max-backoff', type=float, default=600.0, help='longest wait between restarts (s)')
-  p.add_argument('--reset-after', type=float, default=3600.0,
+  p.add_argument('--max_backoff', type=float, default=600.0, help='longest wait between restarts (s)')
+  p.add_argument('--reset_after', type=float, default=3600.0,
                  help='a run lasting this long resets the failure count and the back-off (s)')
-  p.add_argument('--no-restart', default='2,4', help='exit codes a restart cannot fix (default 2,4)')
-  p.add_argument('--healthcheck', action='store_true', help='run python -m jaxlm.healthcheck before each relaunch')
-  p.add_argument('--healthcheck-cmd', default='',
-                 help='the health check command instead (e.g. "srun python -m jaxlm.healthcheck"); implies it')
+  p.add_argument('--no_restart', default='2,4', help='exit codes a restart cannot fix (default 2,4)')
+  p.add_argument('--healthcheck', action='store_true', help='run python -m jaxlm.cluster.healthcheck before each relaunch')
+  p.add_argument('--healthcheck_cmd', default='',
+                 help='the health check command instead (e.g. "srun python -m jaxlm.cluster.healthcheck"); implies it')
   return p
 
 
-if __name__ == '__main__':
+def console() -> None:
+  """The `jaxlm-...` console command (pyproject.toml [project.scripts])."""
   sys.exit(main())
+
+
+if __name__ == '__main__':
+  console()

@@ -1,11 +1,11 @@
-"""Check every device and host before (re)starting a job: `python -m jaxlm.healthcheck [options]`.
+"""Check every device and host before (re)starting a job: `python -m jaxlm.cluster.healthcheck [options]`.
 
 Run by every process of the job, like the train command (the same launcher, the same cluster detection):
   matmul      on each local device: the same float32 product, timed (best of --iters) and checksummed;
   all-reduce  inside each host (its local devices: NVLink / ICI) timed, and across every device of every process
               (the data-centre network) with an exactly known sum.
 Each device is compared with the median device and each host with the median host. A device is bad when its
-checksum differs from the median's (a silently wrong chip), or its matmul takes more than --slow-factor times the
+checksum differs from the median's (a silently wrong chip), or its matmul takes more than --slow_factor times the
 median; a host when its all-reduce is that slow, or the global sum it got is wrong. The bad ones are named
 (process, host name, device id) and the exit code is 1 on every process, so that a supervisor or scheduler can
 cordon them off before a restart; 0 means all healthy. The whole check ends with exit code 1 after --timeout
@@ -158,10 +158,10 @@ def check(*, size: int = 0, iters: int = 5, slow_factor: float = 3.0, rtol: floa
 
 def main(argv: list[str] | None = None) -> int:
   """Joins the job's other processes, checks, prints the verdict from process 0; returns the exit code."""
-  p = argparse.ArgumentParser(prog='python -m jaxlm.healthcheck', description=__doc__.split('\n')[0])
+  p = argparse.ArgumentParser(prog='python -m jaxlm.cluster.healthcheck', description=__doc__.split('\n')[0])
   p.add_argument('--size', type=int, default=0, help='matmul size N (N×N float32); 0 = 256 on CPUs, 4096 else')
   p.add_argument('--iters', type=int, default=5, help='timed repetitions; the fastest counts')
-  p.add_argument('--slow-factor', type=float, default=3.0, help='slower than this many times the median = bad')
+  p.add_argument('--slow_factor', type=float, default=3.0, help='slower than this many times the median = bad')
   p.add_argument('--rtol', type=float, default=1e-3, help='largest checksum difference from the median, relative')
   p.add_argument('--timeout', type=float, default=600.0, help='exit 1 if not finished after this many seconds')
   p.add_argument('--inject', default='', help='tests and drills: slow:<device>, wrong:<device>, slowhost:<process>')
@@ -188,5 +188,10 @@ def main(argv: list[str] | None = None) -> int:
   return 0 if report.healthy else 1
 
 
-if __name__ == '__main__':
+def console() -> None:
+  """The `jaxlm-...` console command (pyproject.toml [project.scripts])."""
   sys.exit(main())
+
+
+if __name__ == '__main__':
+  console()

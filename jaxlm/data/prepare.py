@@ -1,6 +1,6 @@
 """Turns text files into training shards: clean, train or load a SentencePiece model, tokenize, write ArrayRecord.
 
-  python -m jaxlm.prepare --inputs=corpus/,extra/*.jsonl --out=data/mycorpus --vocab_size=8192 --workers=8
+  python -m jaxlm.data.prepare --inputs=corpus/,extra/*.jsonl --out=data/mycorpus --vocab_size=8192 --workers=8
 
 Inputs are .txt (one document per file, or per paragraph / line with --txt_docs), .jsonl (one JSON object per
 line, text in --text_field) and .parquet (a string column named --text_field) files, directories of them
@@ -39,8 +39,8 @@ from absl import flags
 from absl import logging
 
 from jaxlm import cli
-from jaxlm import tokenizer as tokenizer_lib
-from jaxlm.sources import TXT_DOCS, PrepareError, Source, expand_inputs, read_documents
+from jaxlm.data import tokenizer as tokenizer_lib
+from jaxlm.data.readers import TXT_DOCS, PrepareError, Source, expand_inputs, read_documents
 
 FORMAT = 'jaxlm-prepared-1'  # bump when the shard layout changes; part of the stdlib cache key
 SHARD_SUFFIX = '.arrayrecord'
@@ -410,7 +410,7 @@ def _define_flags() -> None:
 
 
 def main(argv: Sequence[str]) -> None:
-  """`python -m jaxlm.prepare`: exit 0 when done, 2 on input or settings it cannot use."""
+  """`python -m jaxlm.data.prepare`: exit 0 when done, 2 on input or settings it cannot use."""
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   if not FLAGS.inputs or not FLAGS.out:
@@ -428,6 +428,11 @@ def main(argv: Sequence[str]) -> None:
   print(json.dumps({k: meta[k] for k in ('documents', 'tokens', 'vocab_size', 'dropped', 'seconds')}))
 
 
-if __name__ == '__main__':
+def console() -> None:
+  """The `jaxlm-...` console command (pyproject.toml [project.scripts])."""
   _define_flags()
   cli.run(main)
+
+
+if __name__ == '__main__':
+  console()

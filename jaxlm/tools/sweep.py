@@ -1,6 +1,6 @@
 """Sweeps and ablations: a grid of config overrides, one training run per trial.
 
-  python -m jaxlm.sweep --config=configs/palm_small.py --grid optim.lr=1e-3,3e-4 --grid model.d_model=128,256 \
+  python -m jaxlm.tools.sweep --config=configs/palm_small.py --grid optim.lr=1e-3,3e-4 --grid model.d_model=128,256 \
       [--random=N --seed=S] [--set train.steps=100 ...] [--workdir=runs/sweep] [--print_commands]
 
 Every trial is the cartesian product of the --grid values (or N distinct random draws from it) on top of the
@@ -35,7 +35,7 @@ from jaxlm import cli
 from jaxlm import config as config_lib
 from jaxlm import errors
 from jaxlm import model as model_lib
-from jaxlm import report
+from jaxlm.tools import report
 from jaxlm import rundir
 from jaxlm.rundir import read_metrics
 
@@ -405,7 +405,12 @@ def main(argv):
   return 0 if all(r['status'].startswith('done') for r in rows) else 1
 
 
-if __name__ == '__main__':
+def console() -> None:
+  """The `jaxlm-...` console command (pyproject.toml [project.scripts])."""
   _define_flags()
   flags.mark_flag_as_required('config')
   cli.run(main)
+
+
+if __name__ == '__main__':
+  console()

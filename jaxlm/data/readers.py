@@ -3,7 +3,7 @@
 Inputs are .txt (one document per file, or per paragraph / line), .jsonl (text in a configurable field) and
 .parquet (a string column) files, directories of them (recursive) and globs; .gz variants of txt/jsonl are read
 too. Cleaning normalises line endings, a leading byte-order mark and invalid UTF-8 (kept as U+FFFD, counted) and
-drops empty documents (counted); it never lower-cases. `jaxlm.prepare` turns the documents into shards.
+drops empty documents (counted); it never lower-cases. `jaxlm.data.prepare` turns the documents into shards.
 """
 
 import dataclasses

@@ -1,6 +1,6 @@
 """Import a local Hugging Face Llama checkpoint as a jaxlm warm start, for continued pre-training or fine-tuning.
 
-  python -m jaxlm.import_hf --hf_dir=path/to/llama --out=runs/llama_import [--config=configs/base.py]
+  python -m jaxlm.hf.import_llama --hf_dir=path/to/llama --out=runs/llama_import [--config=configs/base.py]
 
 Writes <out>/checkpoints/0/ with a `state` item holding {step: 0, params} in the TrainState layout and an `env`
 item with the resolved config, copies a SentencePiece tokenizer.model if the directory has one, and prints the
@@ -167,7 +167,7 @@ def import_hf(hf_dir: str, out: str, cfg: ml_collections.ConfigDict | None = Non
   flags_line = ' '.join(f'--config.model.{k}={v}' for k, v in overrides.items())
   flags_line += f' --config.checkpoint.init_from={os.path.dirname(path)}'
   spm_model = os.path.join(hf_dir, 'tokenizer.model')
-  if os.path.isfile(spm_model):  # beside the checkpoints, where `jaxlm.export` looks first
+  if os.path.isfile(spm_model):  # beside the checkpoints, where `jaxlm.hf.export` looks first
     shutil.copyfile(spm_model, os.path.join(out, 'tokenizer.model'))
     spm_model = os.path.join(os.path.abspath(out), 'tokenizer.model')
   return {'checkpoint': path, 'overrides': overrides, 'flags': flags_line,
@@ -197,7 +197,7 @@ def main(argv):
     print('note: tied embeddings imported untied (lm_head = embed_tokens); jaxlm ties with a 1/sqrt(D) scale.')
   if r['tokenizer']:
     print(f'tokenizer: prepare data with the model\'s own SentencePiece model so token ids match:\n'
-          f'  python -m jaxlm.prepare --tokenizer={r["tokenizer"]} ...')
+          f'  python -m jaxlm.data.prepare --tokenizer={r["tokenizer"]} ...')
   else:
     print('tokenizer: no tokenizer.model in the directory; jaxlm needs the SentencePiece model the weights were '
           'trained with, or the token ids will not match.')
@@ -207,7 +207,12 @@ def main(argv):
   print(f'  {r["flags"]}')
 
 
-if __name__ == '__main__':
+def console() -> None:
+  """The `jaxlm-...` console command (pyproject.toml [project.scripts])."""
   _define_flags()
   flags.mark_flags_as_required(['hf_dir', 'out'])
   cli.run(main)
+
+
+if __name__ == '__main__':
+  console()

@@ -1,6 +1,6 @@
 """Export a checkpoint as a Hugging Face model directory that `transformers` loads with no jaxlm code.
 
-  python -m jaxlm.export --workdir=runs/palm_small [--step=N] --out=hf/palm_small [--dtype=bfloat16]
+  python -m jaxlm.hf.export --workdir=runs/palm_small [--step=N] --out=hf/palm_small [--dtype=bfloat16]
 
 The sequential block (`parallel_block=False`: RMSNorm, attention then SwiGLU) is Llama and is written as
 `LlamaForCausalLM`. PaLM's parallel block (one bias-free LayerNorm feeding attention and SwiGLU side by side) is
@@ -158,7 +158,7 @@ def _write_json(path: str, obj) -> None:
 
 def find_tokenizer(data_cfg, vocab_size: int) -> str | None:
   """The SentencePiece .model the run's data was tokenized with, or None (with the reason logged)."""
-  from jaxlm import data as data_lib  # the data pipeline knows where prepared data keeps its tokenizer
+  from jaxlm.data import pipeline as data_lib  # the data pipeline knows where prepared data keeps its tokenizer
   try:
     return data_lib.tokenizer_path(data_cfg, vocab_size)
   except Exception as e:  # pylint: disable=broad-except  -- a missing tokenizer only skips the tokenizer files
@@ -275,7 +275,7 @@ def export(workdir: str, out: str, *, step: int | None = None, dtype: str = 'flo
   m = model_lib.ModelConfig.from_config(cfg.model)
   arch = architecture(m)  # refuse before reading any weights
   tensors = to_hf(read_params(path), m)
-  beside = os.path.join(workdir, 'tokenizer.model')  # put there by jaxlm.import_hf
+  beside = os.path.join(workdir, 'tokenizer.model')  # put there by jaxlm.hf.import_llama
   tokenizer = tokenizer or (beside if os.path.isfile(beside) else find_tokenizer(cfg.data, m.vocab_size))
   eos_id = 2  # SentencePiece's default, used when the tokenizer is not found
   if tokenizer:
@@ -325,7 +325,12 @@ def main(argv):
     print(f'note: {note}')
 
 
-if __name__ == '__main__':
+def console() -> None:
+  """The `jaxlm-...` console command (pyproject.toml [project.scripts])."""
   _define_flags()
   flags.mark_flags_as_required(['workdir', 'out'])
   cli.run(main)
+
+
+if __name__ == '__main__':
+  console()

@@ -1,6 +1,6 @@
 """How big is a config: parameters, FLOPs per token, per-device memory of the train step, and time to train.
 
-  python -m jaxlm.size --config=configs/palm_8b.py [--mesh=1,64,1] [--chips=256 --mfu=0.4
+  python -m jaxlm.tools.size --config=configs/palm_8b.py [--mesh=1,64,1] [--chips=256 --mfu=0.4
       --device_kind='TPU v5p' | --peak_tflops=459] [--tokens=2e11] [--fake_devices=64] [--config.a.b=v]
 
 Memory comes from an ahead-of-time compile of the real train step on the given mesh (nothing is allocated);
@@ -208,7 +208,12 @@ def main(argv):
   return 0
 
 
-if __name__ == '__main__':
+def console() -> None:
+  """The `jaxlm-...` console command (pyproject.toml [project.scripts])."""
   _define_flags()
   flags.mark_flag_as_required('config')
   cli.run(main)
+
+
+if __name__ == '__main__':
+  console()

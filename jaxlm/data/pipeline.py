@@ -36,15 +36,15 @@ from absl import flags
 from absl import logging
 from grain.experimental import ConcatThenSplitIterDataset
 
-from jaxlm import prepare as prepare_lib
-from jaxlm import tokenizer as tokenizer_lib
+from jaxlm.data import prepare as prepare_lib
+from jaxlm.data import tokenizer as tokenizer_lib
 
 
 from jaxlm.errors import DataError  # noqa: F401  (missing, corrupt, or built with another tokenizer)
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-  """A directory written by `python -m jaxlm.prepare`, with its metadata."""
+  """A directory written by `python -m jaxlm.data.prepare`, with its metadata."""
   path: str
   meta: dict
 
@@ -64,7 +64,7 @@ def dataset_dirs(data_cfg, vocab_size: int) -> list[str]:
     raise DataError(f'data.source={data_cfg.source!r} is unknown; use stdlib or prepared.')
   paths = [os.path.expanduser(p.strip()) for p in data_cfg.paths.split(',') if p.strip()]
   if not paths:
-    raise DataError('data.source=prepared needs data.paths: directories written by `python -m jaxlm.prepare`.')
+    raise DataError('data.source=prepared needs data.paths: directories written by `python -m jaxlm.data.prepare`.')
   return paths
 
 
@@ -73,7 +73,7 @@ def open_prepared(path: str, vocab_size: int) -> Prepared:
   meta_path = os.path.join(path, 'metadata.json')
   if not os.path.isdir(path):
     raise DataError(f'prepared dataset {path} does not exist; create it with '
-                    f'`python -m jaxlm.prepare --inputs=... --out={path}`.')
+                    f'`python -m jaxlm.data.prepare --inputs=... --out={path}`.')
   if not os.path.exists(meta_path):
     raise DataError(f'{path} has no metadata.json: it is not a prepared dataset, or its preparation was '
                     f'interrupted (run the same prepare command again to finish it).')

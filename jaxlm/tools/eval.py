@@ -1,10 +1,10 @@
 """Evaluate a run's checkpoint: held-out loss, perplexity, bits per byte, and a sample continuation.
 
-  python -m jaxlm.eval --workdir=runs/palm_small [--step=N] [--batches=16] [--prompt='def '] [--max_tokens=64]
+  python -m jaxlm.tools.eval --workdir=runs/palm_small [--step=N] [--batches=16] [--prompt='def '] [--max_tokens=64]
                        [--temperature=0]
-  python -m jaxlm.eval --workdir=runs/palm_small --documents=FILE_DIR_OR_GLOB[,...] [--text_field=text]
+  python -m jaxlm.tools.eval --workdir=runs/palm_small --documents=FILE_DIR_OR_GLOB[,...] [--text_field=text]
                        [--txt_docs=file] [--max_documents=N]
-  python -m jaxlm.eval --workdir=runs/palm_small --write_jsonl=heldout.jsonl [--max_documents=N]
+  python -m jaxlm.tools.eval --workdir=runs/palm_small --write_jsonl=heldout.jsonl [--max_documents=N]
 
 The run's own config (saved with every checkpoint) says how to build the model and where its data and tokenizer
 are, so no --config is needed. Loss is on the held-out split the run used: the prepared `eval-*` shards, or the
@@ -16,7 +16,7 @@ Unlike perplexity it does not depend on the tokenizer, so runs with different vo
 that starts mid-document can drop one leading space or split a multi-byte character: an error below 0.1% at
 typical row lengths.
 
---documents scores given .txt / .jsonl / .parquet documents instead, read and cleaned as `jaxlm.prepare` reads
+--documents scores given .txt / .jsonl / .parquet documents instead, read and cleaned as `jaxlm.data.prepare` reads
 them, each on its own exactly as lm-evaluation-harness's `loglikelihood_rolling` scores it (`rolling_windows`):
 the start token the model was trained with (EOS) then the document's tokens, in windows of the run's sequence
 length. Bits per byte there use the documents' own UTF-8 bytes, so the shipped lm-eval task (TASKS_DIR) on the
@@ -39,11 +39,11 @@ from absl import flags
 from jaxlm import checkpoint as checkpoint_lib
 from jaxlm import cli
 from jaxlm import config as config_lib
-from jaxlm import data as data_lib
+from jaxlm.data import pipeline as data_lib
 from jaxlm import errors
-from jaxlm import export as export_lib
+from jaxlm.hf import export as export_lib
 from jaxlm import sharding
-from jaxlm import sources as sources_lib
+from jaxlm.data import readers as sources_lib
 from jaxlm import step as step_lib
 
 # lm-evaluation-harness tasks shipped with jaxlm (`lm_eval --include_path`): bits per byte of a jsonl of documents
@@ -345,7 +345,12 @@ def main(argv):
     print(r['prompt'] + r['continuation'])
 
 
-if __name__ == '__main__':
+def console() -> None:
+  """The `jaxlm-...` console command (pyproject.toml [project.scripts])."""
   _define_flags()
   flags.mark_flag_as_required('workdir')
   cli.run(main)
+
+
+if __name__ == '__main__':
+  console()

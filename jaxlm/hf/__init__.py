@@ -1,0 +1,1 @@
+"""Hugging Face conversion: export to and import from transformers checkpoints."""
