@@ -5,7 +5,7 @@
 Builds the step exactly as `python -m jaxlm.train` does (step.build_program on the configured mesh, compiled
 ahead of time), feeds random batches already on the device (so data loading is not what is measured), runs
 `--warmup` untimed steps and then `--steps` timed ones, each waited for. MFU follows PaLM appendix B (model
-FLOPs, not hardware FLOPs: remat does not count) against the dense bf16 peak in jaxlm.metrics.PEAK_FLOPS; it
+FLOPs, not hardware FLOPs: remat does not count) against the dense bf16 peak in jaxlm.perf.PEAK_FLOPS; it
 is 'n/a' on a device whose peak is unknown, a CPU included.
 """
 
@@ -22,20 +22,20 @@ sys.path.insert(0, str(pathlib.Path(__file__).absolute().parents[1]))
 import jaxlm  # noqa: E402,F401  first, as in `python -m jaxlm.train`: sets up malloc before JAX (jaxlm/malloc.py)
 
 from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxlm import attention as attention_lib  # noqa: E402
 from jaxlm import config as config_lib  # noqa: E402
-from jaxlm import metrics as metrics_lib  # noqa: E402
+from jaxlm import perf  # noqa: E402
 from jaxlm import model as model_lib  # noqa: E402
 from jaxlm import sharding  # noqa: E402
 from jaxlm import step  # noqa: E402
-from jaxlm import train  # noqa: E402
 
-# jaxlm.train defines --config (with --config.a.b=v overrides) when imported: the same flag serves here.
-_CONFIG = train._CONFIG  # pylint: disable=protected-access
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file, e.g. configs/palm_1b.py (with --config.a.b=v).')
 FLAGS = flags.FLAGS
 
 
@@ -65,12 +65,12 @@ class Bench:
     with self._context():
       self.program = step.build_program(cfg, self.mesh)  # the step `python -m jaxlm.train` would run
       start = time.perf_counter()
-      batch = train.abstract_batch(t.batch_size, cfg.data.seq_len, self.program.batch_sharding)
+      batch = step.abstract_batch(t.batch_size, cfg.data.seq_len, self.program.batch_sharding)
       lowered = self.program.train_step.lower(self.program.abstract_state, batch)
       self.compiled = lowered.compile()
       self.compile_s = time.perf_counter() - start
       self.state = self.program.init()
-      self.batches = [train.global_batch(b, self.program.batch_sharding) for b in
+      self.batches = [step.global_batch(b, self.program.batch_sharding) for b in
                       random_batches(4, t.batch_size, cfg.data.seq_len, cfg.model.vocab_size, docs, t.seed)]
     self.steps_run = 0
     self.out = None
@@ -109,11 +109,11 @@ class Bench:
         params=model_lib.param_count(m), step_s=step_s, step_s_mean=statistics.fmean(times),
         step_s_min=min(times), tokens_per_s=tokens_per_s, flops_per_token=flops,
         model_flops_per_s=tokens_per_s * flops,
-        mfu=metrics_lib.mfu(tokens_per_s, flops, self.mesh.size, device.device_kind),
-        mfu_causal=metrics_lib.mfu(tokens_per_s, flops_causal, self.mesh.size, device.device_kind),
+        mfu=perf.mfu(tokens_per_s, flops, self.mesh.size, device.device_kind),
+        mfu_causal=perf.mfu(tokens_per_s, flops_causal, self.mesh.size, device.device_kind),
         compile_s=self.compile_s, loss=float(self.out['loss']),
-        compiled_memory=metrics_lib.compiled_memory(self.compiled),
-        runtime_memory=metrics_lib.device_memory_stats(), xla_flags=os.environ.get('XLA_FLAGS', ''),
+        compiled_memory=perf.compiled_memory(self.compiled),
+        runtime_memory=perf.device_memory_stats(), xla_flags=os.environ.get('XLA_FLAGS', ''),
         host=platform.node(), load_average=os.getloadavg()[0])
 
 
@@ -144,8 +144,8 @@ def table(r: dict) -> str:
       ('MFU', _percent(r['mfu'])),
       ('MFU (causal attention)', _percent(r['mfu_causal'])),
       ('peak device memory',
-       metrics_lib.format_bytes(peak_runtime) if peak_runtime else 'n/a (backend keeps no stats)'),
-      ('compiled memory', metrics_lib.format_memory(r['compiled_memory'])),
+       perf.format_bytes(peak_runtime) if peak_runtime else 'n/a (backend keeps no stats)'),
+      ('compiled memory', perf.format_memory(r['compiled_memory'])),
       ('compile', f'{r["compile_s"]:.1f} s'),
       ('loss after the timed steps', f'{r["loss"]:.3f}'),
       ('XLA_FLAGS', r['xla_flags'] or '(none)'),

@@ -22,6 +22,7 @@ from jaxlm import config as config_lib
 from jaxlm.data import pipeline as data_lib
 from jaxlm import distributed
 from jaxlm import faults as faults_lib
+from jaxlm import perf
 from jaxlm import metrics as metrics_lib
 from jaxlm import model as model_lib
 from jaxlm import rundir
@@ -43,15 +44,15 @@ class Run:
   mesh: jax.sharding.Mesh
   program: step_lib.Program
   log: metrics_lib.MetricsLogger
-  acct: metrics_lib.TimeAccounting
+  acct: perf.TimeAccounting
   ramp: 'BatchRamp'
   train_iter: Any
   eval_data: list
   ckpt: checkpoint_lib.Checkpointer
   guard: stability_lib.Guard
   faults: faults_lib.Faults
-  profiler: metrics_lib.Profiler
-  slow: metrics_lib.SlowStepDetector
+  profiler: perf.Profiler
+  slow: perf.SlowStepDetector
   env: dict
   compiled: dict = dataclasses.field(default_factory=dict)
   stop: list = dataclasses.field(default_factory=list)  # names of the stop signals received
@@ -76,9 +77,9 @@ def run(cfg, workdir: str) -> dict:
 
 def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
   """Everything before the first step; each piece registers its own shutdown on `shutdown`."""
-  acct = metrics_lib.TimeAccounting()  # wall time from process start: start-up counts against goodput
+  acct = perf.TimeAccounting()  # wall time from process start: start-up counts against goodput
   t = cfg.train
-  metrics_lib.enable_compilation_cache(cfg.log)
+  perf.enable_compilation_cache(cfg.log)
   mesh = sharding.make_mesh(cfg.mesh)
   primary = jax.process_index() == 0
   log = metrics_lib.MetricsLogger(workdir, cfg.log, total_steps=t.steps, is_primary=primary, config=cfg)
@@ -102,7 +103,7 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
                                     vocab_size=vocab)
   ckpt = checkpoint_lib.Checkpointer(rundir.path(workdir, rundir.CHECKPOINTS), cfg.checkpoint, log.event)
   shutdown.callback(_quietly, ckpt.close)
-  profiler = metrics_lib.Profiler(cfg.log, workdir, is_primary=primary)
+  profiler = perf.Profiler(cfg.log, workdir, is_primary=primary)
   shutdown.callback(_quietly, profiler.stop)
   shutdown.callback(distributed.disarm)
   r = Run(cfg=cfg, workdir=workdir, mesh=mesh, program=program, log=log, acct=acct, ramp=ramp,
@@ -110,11 +111,11 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
           guard=stability_lib.Guard(cfg.stability, log.event, log_every=t.log_every,
                                     ledger=rundir.path(workdir, rundir.ROLLBACKS), writes_ledger=primary),
           faults=faults_lib.Faults(cfg.faults, vocab, log.event), profiler=profiler,
-          slow=metrics_lib.SlowStepDetector(cfg.log.slow_step_factor, cfg.log.slow_step_count),
+          slow=perf.SlowStepDetector(cfg.log.slow_step_factor, cfg.log.slow_step_count),
           env=checkpoint_lib.environment(cfg, mesh))
-  memory = metrics_lib.compiled_memory(r.step_for(t.batch_size))
-  say(f'compiled the train step in {acct.last_s:.1f}s; per device: {metrics_lib.format_memory(memory)}')
-  log.write(0, {**memory, **metrics_lib.device_memory_stats(), 'compile_s': acct.last_s}, kind='system')
+  memory = perf.compiled_memory(r.step_for(t.batch_size))
+  say(f'compiled the train step in {acct.last_s:.1f}s; per device: {perf.format_memory(memory)}')
+  log.write(0, {**memory, **perf.device_memory_stats(), 'compile_s': acct.last_s}, kind='system')
   # Preemption: SIGTERM / SIGINT let the current step finish, then a checkpoint is written before exit.
   for sig in (signal.SIGTERM, signal.SIGINT):
     previous = signal.signal(sig, lambda signum, _: r.stop.append(signal.Signals(signum).name))
@@ -221,8 +222,8 @@ def log_step(r: Run, step: int, metrics: dict, window: Window, size: int) -> dic
   values = {k: float(v) for k, v in jax.device_get(metrics).items()}
   values.update(tokens_per_s=tokens_per_s, step_time_s=seconds / steps, tokens=r.ramp.tokens(step),
                 batch_size=size,
-                mfu=metrics_lib.mfu(tokens_per_s, model_lib.flops_per_token(m, seq_len), devices, kind),
-                mfu_causal=metrics_lib.mfu(tokens_per_s, model_lib.flops_per_token(m, seq_len, causal=True),
+                mfu=perf.mfu(tokens_per_s, model_lib.flops_per_token(m, seq_len), devices, kind),
+                mfu_causal=perf.mfu(tokens_per_s, model_lib.flops_per_token(m, seq_len, causal=True),
                                            devices, kind))
   r.log.write(step, values)
   return values
@@ -233,7 +234,7 @@ def evaluate_and_log(r: Run, step: int, state) -> float:
   with r.acct.track('eval'):
     loss = evaluate(r.program, state.params, r.eval_data)
   r.log.write(step, {'eval_loss': loss}, kind='eval')
-  r.log.write(step, {**r.acct.summary(), **metrics_lib.device_memory_stats()}, kind='system')
+  r.log.write(step, {**r.acct.summary(), **perf.device_memory_stats()}, kind='system')
   return loss
 
 

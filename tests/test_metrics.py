@@ -1,4 +1,4 @@
-"""Tests of jaxlm.metrics: MFU, sinks, time accounting, slow steps, profiling, memory, compilation cache."""
+"""Tests of jaxlm.metrics and jaxlm.perf: MFU, sinks, time accounting, slow steps, profiling, memory, compilation cache."""
 
 import glob
 import json
@@ -15,6 +15,7 @@ import ml_collections
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
+from jaxlm import perf
 from jaxlm import metrics
 from jaxlm.config import ConfigError
 
@@ -48,12 +49,12 @@ def palm_flops_per_token(causal: bool) -> float:
 
 
 def test_mfu_palm_540b_conformance():
-  value = metrics.mfu(PALM['tokens_per_s'], palm_flops_per_token(False), PALM['chips'], 'TPU v4')
+  value = perf.mfu(PALM['tokens_per_s'], palm_flops_per_token(False), PALM['chips'], 'TPU v4')
   assert abs(100 * value - 46.2) <= 0.1
 
 
 def test_mfu_causal_is_lower_by_half_the_attention_term():
-  value = metrics.mfu(PALM['tokens_per_s'], palm_flops_per_token(True), PALM['chips'], 'TPU v4')
+  value = perf.mfu(PALM['tokens_per_s'], palm_flops_per_token(True), PALM['chips'], 'TPU v4')
   assert abs(100 * value - 45.95) <= 0.01  # 238.3e3 * (6N + 6LHQT) / (6144 * 275e12)
 
 
@@ -65,13 +66,13 @@ def test_mfu_causal_is_lower_by_half_the_attention_term():
     ('cpu', None), ('TPU v4 lite', None), ('NVIDIA H800', None), ('TPU7x', None), ('Tesla V100-SXM2-16GB', None),
 ])
 def test_peak_flops_by_device_kind(kind, peak):
-  assert metrics.peak_flops(kind) == peak
+  assert perf.peak_flops(kind) == peak
 
 
 def test_unknown_device_gives_none_and_one_message(monkeypatch, caplog):
-  monkeypatch.setattr(metrics, '_unknown_kinds_reported', set())
-  with caplog.at_level(logging.INFO, logger='jaxlm.metrics'):
-    values = [metrics.mfu(1e6, 1e9, 8, 'cpu') for _ in range(5)]
+  monkeypatch.setattr(perf, '_unknown_kinds_reported', set())
+  with caplog.at_level(logging.INFO, logger='jaxlm.perf'):
+    values = [perf.mfu(1e6, 1e9, 8, 'cpu') for _ in range(5)]
   assert values == [None] * 5
   assert len(caplog.records) == 1 and "'cpu'" in caplog.records[0].getMessage()
 
@@ -179,7 +180,7 @@ def test_wandb_offline_run(tmp_path, monkeypatch):
 
 
 def test_slow_step_detector_fires_exactly_when_expected():
-  d = metrics.SlowStepDetector(factor=3.0, count=3, window=50)
+  d = perf.SlowStepDetector(factor=3.0, count=3, window=50)
   fired = {}
   times = [1.0] * 20 + [10.0] + [1.0] * 5 + [4.0, 4.0, 1.0] + [5.0] * 5 + [1.0] * 3 + [3.5] * 3
   for step, seconds in enumerate(times):
@@ -193,14 +194,14 @@ def test_slow_step_detector_fires_exactly_when_expected():
 
 
 def test_slow_step_detector_waits_for_history():
-  d = metrics.SlowStepDetector(factor=2.0, count=1, window=10, min_history=5)
+  d = perf.SlowStepDetector(factor=2.0, count=1, window=10, min_history=5)
   assert [d.update(i, s) for i, s in enumerate([1.0, 9.0, 1.0, 1.0, 1.0])] == [None] * 5
   assert d.update(5, 9.0) is not None
 
 
 def test_time_accounting_on_a_fake_clock():
   clock = FakeClock(100.0)
-  acct = metrics.TimeAccounting(clock=clock, start=95.0)  # the process started 5 s before
+  acct = perf.TimeAccounting(clock=clock, start=95.0)  # the process started 5 s before
   clock.advance(1.0)  # untracked start-up: 6 s in all
   with acct.track('compile'):
     clock.advance(10.0)
@@ -235,7 +236,7 @@ def test_time_accounting_on_a_fake_clock():
 
 def test_time_accounting_before_the_first_step_is_startup():
   clock = FakeClock()
-  acct = metrics.TimeAccounting(clock=clock, start=0.0)
+  acct = perf.TimeAccounting(clock=clock, start=0.0)
   clock.advance(7.0)
   s = acct.summary()
   assert s['startup_s'] == 7.0 and s['other_s'] == 0.0 and s['goodput'] == 0.0
@@ -245,12 +246,12 @@ def test_time_accounting_before_the_first_step_is_startup():
 
 
 def test_time_accounting_defaults_to_process_start():
-  acct = metrics.TimeAccounting()
+  acct = perf.TimeAccounting()
   assert acct.summary()['wall_s'] > 0.1  # this process has been up at least as long as importing jax took
 
 
 def test_profiler_traces_the_requested_steps(tmp_path):
-  profiler = metrics.Profiler(log_cfg(profile_steps='2,3'), str(tmp_path))
+  profiler = perf.Profiler(log_cfg(profile_steps='2,3'), str(tmp_path))
   f = jax.jit(lambda x: jnp.tanh(x @ x))
   x = jnp.ones((32, 32))
   active = []
@@ -265,8 +266,8 @@ def test_profiler_traces_the_requested_steps(tmp_path):
 
 
 def test_profiler_off_does_nothing(tmp_path):
-  for profiler in (metrics.Profiler(log_cfg(), str(tmp_path)),
-                   metrics.Profiler(log_cfg(profile_steps='0,1'), str(tmp_path), is_primary=False)):
+  for profiler in (perf.Profiler(log_cfg(), str(tmp_path)),
+                   perf.Profiler(log_cfg(profile_steps='0,1'), str(tmp_path), is_primary=False)):
     for step in range(3):
       profiler.step(step, block_on=lambda: None)
       assert not profiler.active
@@ -275,29 +276,29 @@ def test_profiler_off_does_nothing(tmp_path):
 
 def test_compiled_memory():
   compiled = jax.jit(lambda x: x @ x).lower(jnp.ones((64, 64), jnp.float32)).compile()
-  mem = metrics.compiled_memory(compiled)
+  mem = perf.compiled_memory(compiled)
   assert mem['argument_bytes'] == 64 * 64 * 4 and mem['output_bytes'] == 64 * 64 * 4
   assert mem['total_bytes'] >= 2 * 64 * 64 * 4
-  assert metrics.compiled_memory(types.SimpleNamespace(memory_analysis=lambda: None)) == {}
+  assert perf.compiled_memory(types.SimpleNamespace(memory_analysis=lambda: None)) == {}
 
   def unsupported():
     raise NotImplementedError
-  assert metrics.compiled_memory(types.SimpleNamespace(memory_analysis=unsupported)) == {}
-  assert 'argument 16.00 KiB' in metrics.format_memory(mem)
+  assert perf.compiled_memory(types.SimpleNamespace(memory_analysis=unsupported)) == {}
+  assert 'argument 16.00 KiB' in perf.format_memory(mem)
 
 
 def test_device_memory_stats():
-  assert metrics.device_memory_stats() == {}  # CPU reports none: omitted, not zeros
+  assert perf.device_memory_stats() == {}  # CPU reports none: omitted, not zeros
   devices = [types.SimpleNamespace(memory_stats=lambda: {'bytes_in_use': 5, 'peak_bytes_in_use': 9,
                                                           'bytes_limit': 80}),
              types.SimpleNamespace(memory_stats=lambda: {'bytes_in_use': 7, 'peak_bytes_in_use': 8,
                                                           'bytes_limit': 80})]
-  assert metrics.device_memory_stats(devices) == {'hbm_bytes_in_use': 7, 'hbm_peak_bytes': 9,
+  assert perf.device_memory_stats(devices) == {'hbm_bytes_in_use': 7, 'hbm_peak_bytes': 9,
                                                   'hbm_bytes_limit': 80}
 
 
 def test_compilation_cache_off():
-  assert metrics.enable_compilation_cache(log_cfg(compilation_cache='')) is None
+  assert perf.enable_compilation_cache(log_cfg(compilation_cache='')) is None
 
 
 def test_compilation_cache_writes_entries(tmp_path):
@@ -305,7 +306,7 @@ def test_compilation_cache_writes_entries(tmp_path):
   script = '''
 import jax, jax.numpy as jnp, ml_collections
 from jaxlm import metrics
-path = metrics.enable_compilation_cache(ml_collections.ConfigDict({'compilation_cache': '~/xla'}))
+path = perf.enable_compilation_cache(ml_collections.ConfigDict({'compilation_cache': '~/xla'}))
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)  # cache even this tiny program
 jax.jit(lambda x: jnp.sin(x) * 2).lower(jnp.ones(3)).compile()
 print(path)

@@ -37,6 +37,7 @@ os.environ.pop('XLA_FLAGS', None)  # one device (the setting's own case): all th
 import jaxlm  # first, as `python -m jaxlm.train` does: before JAX starts a thread
 sys.path.insert(0, 'bench')
 import mfu
+from jaxlm import perf
 from jaxlm import metrics
 cfg = runpy.run_path('configs/palm_small.py')['get_config']()
 cfg.train.batch_size = 4
@@ -49,7 +50,7 @@ for _ in range(5):
   bench.step()
   per_step.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 faults = sorted(per_step)[2]  # the median step: one late growth of the heap is not the steady state
-pages = metrics.compiled_memory(bench.compiled)['temp_bytes'] / 4096
+pages = perf.compiled_memory(bench.compiled)['temp_bytes'] / 4096
 print(json.dumps(dict(kept=jaxlm.HOST_MEMORY_KEPT, faults=faults, pages=pages)))
 '''
 

@@ -287,7 +287,8 @@ FLAGS = flags.FLAGS
 
 
 def _define_flags() -> None:
-  # Defined only when run as a program; --workdir is the trainer's flag (jaxlm.train, imported above, defines it).
+  # Defined only when run as a program (importing this module defines no flags).
+  flags.DEFINE_string('workdir', None, 'Run directory (holds checkpoints/).')
   flags.DEFINE_integer('step', None, 'Checkpoint step (default: the newest).')
   flags.DEFINE_integer('batches', None, 'Held-out batches (default: the run\'s train.eval_batches).')
   flags.DEFINE_integer('batch_size', None, 'Sequences per batch (default: the run\'s).')

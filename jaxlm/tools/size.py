@@ -6,7 +6,7 @@
 Memory comes from an ahead-of-time compile of the real train step on the given mesh (nothing is allocated);
 when the mesh needs more devices than this host has, the state memory is still exact (shapes and shardings on
 an abstract mesh) but the compiled numbers are left out; --fake_devices=N compiles on N fake CPU devices.
-Time to train uses PaLM's FLOPs per token, the definition MFU is measured against (jaxlm.metrics.mfu).
+Time to train uses PaLM's FLOPs per token, the definition MFU is measured against (jaxlm.perf.mfu).
 """
 
 import math
@@ -17,7 +17,7 @@ import jax
 
 from jaxlm import cli
 from jaxlm import config as config_lib
-from jaxlm import metrics as metrics_lib
+from jaxlm import perf
 from jaxlm import model as model_lib
 from jaxlm import sharding
 from jaxlm import step as step_lib
@@ -93,7 +93,7 @@ def memory(cfg, devices=None) -> dict:
       with jax.sharding.set_mesh(mesh):
         batch = step_lib.abstract_batch(t.batch_size, cfg.data.seq_len, program.batch_sharding)
         compiled = program.train_step.lower(state, batch).compile()
-      out.update(metrics_lib.compiled_memory(compiled))
+      out.update(perf.compiled_memory(compiled))
   return out
 
 
@@ -129,7 +129,7 @@ def model_rows(a: dict, cfg) -> list[tuple[str, str]]:
 
 def memory_rows(mem: dict) -> list[tuple[str, str]]:
   """Rows of `memory`'s per-device bytes."""
-  b = metrics_lib.format_bytes
+  b = perf.format_bytes
   rows = [('parameters', b(mem['param_bytes'])), ('optimizer state', b(mem['opt_state_bytes']))]
   # XLA's peak_memory_in_bytes is left out: on the CPU backend it comes out below the arguments alone.
   for key, label in (('argument_bytes', 'step arguments (state + batch)'), ('temp_bytes', 'step temporaries'),
@@ -189,7 +189,7 @@ def main(argv):
 
   chips = FLAGS.chips or needed
   device_kind = FLAGS.device_kind or kind
-  peak = FLAGS.peak_tflops * 1e12 if FLAGS.peak_tflops else metrics_lib.peak_flops(device_kind)
+  peak = FLAGS.peak_tflops * 1e12 if FLAGS.peak_tflops else perf.peak_flops(device_kind)
   budgets = [('Chinchilla', a['chinchilla_tokens']), ('configured run', a['run_tokens'])]
   if FLAGS.tokens:
     budgets.append(('--tokens', FLAGS.tokens))
