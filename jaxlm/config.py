@@ -5,80 +5,24 @@ JAX. `validate` collects every problem it finds, so one run shows them all.
 """
 
 import math
-import re
 
 import ml_collections
 
-DTYPES = ('bfloat16', 'float32', 'float16')
-REMAT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch', 'attn_out')
-ATTENTION_IMPLS = ('xla', 'cudnn', 'splash', 'auto')
-DATA_SOURCES = ('stdlib', 'prepared')
-STABILITY_POLICIES = ('off', 'skip', 'rollback')
-DIST_MODES = ('auto', 'always', 'never')
+from jaxlm import attention
+from jaxlm import distributed
+from jaxlm import model
+from jaxlm import optimizer
+from jaxlm import sharding
+from jaxlm import stability
+from jaxlm.data import pipeline
+from jaxlm.errors import ConfigError  # noqa: F401
 
-
-from jaxlm.errors import ConfigError  # noqa: E402,F401
-
-def mesh_shapes(mesh_cfg, num_devices: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-  """(ici, dcn): per-host (or per-slice) (data, fsdp, tensor) with a single -1 filled, and the dcn_* factors.
-
-  The dcn_* factors split an axis across hosts or TPU slices (the slow data-centre network); the plain sizes
-  split it inside one host or slice (ICI / NVLink). Unchecked: see mesh_layout_errors.
-  """
-  # .get: configs saved before the dcn_* keys existed (old checkpoints) mean one host.
-  dcn = tuple(mesh_cfg.get(f'dcn_{axis}', 1) for axis in ('data', 'fsdp', 'tensor'))
-  hosts = math.prod(dcn)
-  per_host = num_devices // hosts if hosts > 0 and num_devices % hosts == 0 else 0
-  sizes = [mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor]
-  if sizes.count(-1) == 1:
-    rest = math.prod(s for s in sizes if s != -1)
-    sizes[sizes.index(-1)] = per_host // rest if rest > 0 and per_host % rest == 0 else 0
-  return tuple(sizes), dcn
-
-
-def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
-  """The whole mesh's (data, fsdp, tensor): each axis is its dcn_* factor times its per-host size."""
-  ici, dcn = mesh_shapes(mesh_cfg, num_devices)
-  return tuple(i * d for i, d in zip(ici, dcn))
-
-
-def mesh_layout_errors(mesh_cfg, num_devices: int, num_processes: int = 1, num_slices: int = 1) -> list[str]:
-  """Problems with the mesh sizes on `num_devices` devices in `num_processes` processes / `num_slices` slices."""
-  s = mesh_cfg
-  sizes = (s.data, s.fsdp, s.tensor)
-  if any(x == 0 or x < -1 for x in sizes) or sizes.count(-1) > 1:
-    return [f'mesh (data={s.data}, fsdp={s.fsdp}, tensor={s.tensor}): each must be positive, with at most one '
-            f'-1 meaning "the remaining devices".']
-  _, dcn = mesh_shapes(s, num_devices)
-  if any(not isinstance(x, int) or x < 1 for x in dcn):
-    return [f'mesh (dcn_data, dcn_fsdp, dcn_tensor) = {dcn}: each must be a positive integer (1 = not split '
-            f'across hosts).']
-  hosts = math.prod(dcn)
-  dcn_text = '×'.join(map(str, dcn))
-  if hosts > 1 and hosts not in (num_processes, num_slices):
-    return [f'mesh dcn_data×dcn_fsdp×dcn_tensor = {dcn_text} = {hosts} must equal the number of processes '
-            f'({num_processes}) or of TPU slices ({num_slices}): the dcn_* axes run across hosts, each host '
-            f'holding a data×fsdp×tensor block. Set them so, or all to 1 for a single host.']
-  if math.prod(mesh_shape(s, num_devices)) != num_devices:
-    if hosts == 1:
-      return [f'mesh data×fsdp×tensor = {s.data}×{s.fsdp}×{s.tensor} does not match the {num_devices} devices '
-              f'available; make the product {num_devices}, or set one axis to -1 (e.g. --config.mesh.fsdp=-1).']
-    return [f'mesh (data×fsdp×tensor) × (dcn_data×dcn_fsdp×dcn_tensor) = ({s.data}×{s.fsdp}×{s.tensor}) × '
-            f'({dcn_text}) does not match the {num_devices} devices available: each of the {hosts} hosts/slices '
-            f'has {num_devices / hosts:g} devices, so make data×fsdp×tensor {num_devices / hosts:g}, or set one '
-            f'axis to -1.']
-  return []
-
-
-def head_dim(model_cfg) -> int:
-  """E: the configured head size, or D // H."""
-  return model_cfg.head_dim or model_cfg.d_model // model_cfg.num_heads
-
-
-def mlp_dim(model_cfg) -> int:
-  """F: the configured SwiGLU width, or 4 * D as in PaLM."""
-  return model_cfg.mlp_dim or 4 * model_cfg.d_model
-
+# Each list of allowed values is declared once, in the module that acts on it; validation reads it there.
+DTYPES = model.DTYPES
+REMAT_POLICIES = model.REMAT_CHOICES
+ATTENTION_IMPLS = attention.IMPLS
+DATA_SOURCES = pipeline.SOURCES
+STABILITY_POLICIES = stability.POLICIES
 
 def _model_errors(m) -> list[str]:
   e = []
@@ -96,8 +40,8 @@ def _model_errors(m) -> list[str]:
   if not m.head_dim and m.d_model % m.num_heads:
     e.append(f'model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; change one, '
              f'or set model.head_dim explicitly.')
-  elif head_dim(m) % 2:
-    e.append(f'model.head_dim resolves to {head_dim(m)}; rotary embeddings need an even head size.')
+  elif model.head_dim(m) % 2:
+    e.append(f'model.head_dim resolves to {model.head_dim(m)}; rotary embeddings need an even head size.')
   for key in ('dtype', 'param_dtype'):
     if m[key] not in DTYPES:
       e.append(f'model.{key}={m[key]!r} is unknown; use one of {", ".join(DTYPES)}.')
@@ -159,9 +103,9 @@ def _train_errors(t, o) -> list[str]:
     e.append(f'train.eval_every={t.eval_every} must be >= 0 (0 = evaluate only at the end).')
   if o.lr <= 0:
     e.append(f'optim.lr={o.lr} must be positive.')
-  if o.name not in ('adamw', 'adafactor'):
+  if o.name not in optimizer.OPTIMIZERS:
     e.append(f'optim.name={o.name!r} is unknown; use adamw or adafactor.')
-  if o.schedule not in ('cosine', 'linear', 'wsd', 'constant'):
+  if o.schedule not in optimizer.SCHEDULES:
     e.append(f'optim.schedule={o.schedule!r} is unknown; use one of cosine, linear, wsd, constant.')
   if not 0.0 < o.decay_fraction <= 1.0:
     e.append(f'optim.decay_fraction={o.decay_fraction} must be in (0, 1].')
@@ -180,9 +124,9 @@ def _train_errors(t, o) -> list[str]:
 
 
 def _mesh_errors(c, num_devices: int, num_processes: int, num_slices: int) -> list[str]:
-  if layout := mesh_layout_errors(c.mesh, num_devices, num_processes, num_slices):
+  if layout := sharding.MeshShape.errors(c.mesh, num_devices, num_processes, num_slices):
     return layout
-  data, fsdp, tensor = mesh_shape(c.mesh, num_devices)
+  data, fsdp, tensor = sharding.MeshShape.resolve(c.mesh, num_devices).sizes
   e = []
   if c.train.batch_size % num_processes:
     e.append(f'train.batch_size={c.train.batch_size} is not divisible by the {num_processes} processes; each '
@@ -207,8 +151,8 @@ def _mesh_errors(c, num_devices: int, num_processes: int, num_slices: int) -> li
   if m.vocab_size > 0 and m.vocab_size % tensor:
     e.append(f'model.vocab_size={m.vocab_size} is not divisible by mesh.tensor={tensor}; round the vocabulary '
              f'up to a multiple of {tensor} (extra entries are never produced by the tokenizer).')
-  if m.d_model > 0 and mlp_dim(m) % tensor:
-    e.append(f'model.mlp_dim={mlp_dim(m)} is not divisible by mesh.tensor={tensor}.')
+  if m.d_model > 0 and model.mlp_dim(m) % tensor:
+    e.append(f'model.mlp_dim={model.mlp_dim(m)} is not divisible by mesh.tensor={tensor}.')
   return e
 
 
@@ -247,26 +191,9 @@ def _other_errors(c) -> list[str]:
   return e
 
 
-def dist_errors(n) -> list[str]:
-  """Problems with the `dist` section (checked by distributed.initialize too, before any device work)."""
-  e = []
-  if n.initialize not in DIST_MODES:
-    e.append(f'dist.initialize={n.initialize!r} is unknown; use one of {", ".join(DIST_MODES)}.')
-  if n.num_processes < 0 or n.process_id < -1 or (n.num_processes and n.process_id >= n.num_processes):
-    e.append(f'dist.process_id={n.process_id} must be in [0, dist.num_processes={n.num_processes}) '
-             f'(or -1 and 0 to take both from the environment).')
-  if n.coordinator and ':' not in n.coordinator:
-    e.append(f'dist.coordinator={n.coordinator!r} must be host:port (process 0\'s address, a free port).')
-  if n.init_timeout_s < 1 or n.peer_timeout_s < 1 or n.step_timeout_s < 0:
-    e.append('dist.init_timeout_s and dist.peer_timeout_s must be >= 1; dist.step_timeout_s >= 0 (0 = off).')
-  if not re.fullmatch(r'(\d+:\d+)?(,(\d+:\d+)?)*', n.stall):
-    e.append(f'dist.stall={n.stall!r} must be comma-separated "process:step" (one per attempt), e.g. "1:12,,0:5".')
-  return e
-
-
 def validate(c: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1, num_slices: int = 1) -> None:
   """Raises ConfigError listing every problem with `c` on `num_devices` devices in `num_processes` processes."""
   errors = (_model_errors(c.model) + _data_errors(c.data) + _train_errors(c.train, c.optim)
-            + _mesh_errors(c, num_devices, num_processes, num_slices) + dist_errors(c.dist) + _other_errors(c))
+            + _mesh_errors(c, num_devices, num_processes, num_slices) + distributed.dist_errors(c.dist) + _other_errors(c))
   if errors:
     raise ConfigError('invalid config:\n  - ' + '\n  - '.join(errors))

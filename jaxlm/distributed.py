@@ -30,6 +30,7 @@ import dataclasses
 import faulthandler
 import glob
 import os
+import re
 import sys
 import threading
 import time
@@ -39,7 +40,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxlm import config as config_lib
+from jaxlm import errors
 
 from jaxlm.errors import HUNG_EXIT  # no step finished in time; a restart from the checkpoint may work
 COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV = 'JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID'
@@ -47,6 +48,26 @@ _SLURM_ENV = ('SLURM_JOB_ID', 'SLURM_STEP_NODELIST', 'SLURM_NTASKS', 'SLURM_PROC
 
 
 from jaxlm.errors import DistributedError  # noqa: F401  (joining failed: a peer never came up, ...)
+
+MODES = ('auto', 'always', 'never')  # dist.initialize
+
+
+def dist_errors(n) -> list[str]:
+  """Problems with the `dist` section (checked by distributed.initialize too, before any device work)."""
+  e = []
+  if n.initialize not in MODES:
+    e.append(f'dist.initialize={n.initialize!r} is unknown; use one of {", ".join(MODES)}.')
+  if n.num_processes < 0 or n.process_id < -1 or (n.num_processes and n.process_id >= n.num_processes):
+    e.append(f'dist.process_id={n.process_id} must be in [0, dist.num_processes={n.num_processes}) '
+             f'(or -1 and 0 to take both from the environment).')
+  if n.coordinator and ':' not in n.coordinator:
+    e.append(f'dist.coordinator={n.coordinator!r} must be host:port (process 0\'s address, a free port).')
+  if n.init_timeout_s < 1 or n.peer_timeout_s < 1 or n.step_timeout_s < 0:
+    e.append('dist.init_timeout_s and dist.peer_timeout_s must be >= 1; dist.step_timeout_s >= 0 (0 = off).')
+  if not re.fullmatch(r'(\d+:\d+)?(,(\d+:\d+)?)*', n.stall):
+    e.append(f'dist.stall={n.stall!r} must be comma-separated "process:step" (one per attempt), e.g. "1:12,,0:5".')
+  return e
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -59,7 +80,7 @@ def _int_env(environ: Mapping[str, str], name: str, default: int) -> int:
   try:
     return int(environ.get(name, default))
   except ValueError:
-    raise config_lib.ConfigError(f'{name}={environ[name]!r} must be an integer.') from None
+    raise errors.ConfigError(f'{name}={environ[name]!r} must be an integer.') from None
 
 
 def _gpus_for_one_process_per_host(environ: Mapping[str, str], per_host: int) -> list[int] | None:
@@ -80,8 +101,8 @@ def _gpus_for_one_process_per_host(environ: Mapping[str, str], per_host: int) ->
 
 def plan(dist_cfg, environ: Mapping[str, str] = os.environ) -> Plan:
   """Decides from `dist_cfg` and the environment whether and how this process joins a multi-process job."""
-  if errors := config_lib.dist_errors(dist_cfg):
-    raise config_lib.ConfigError('invalid config:\n  - ' + '\n  - '.join(errors))
+  if problems := dist_errors(dist_cfg):
+    raise errors.ConfigError('invalid config:\n  - ' + '\n  - '.join(problems))
   if dist_cfg.initialize == 'never':
     return Plan(None, 'dist.initialize=never')
   timeouts = dict(initialization_timeout=int(dist_cfg.init_timeout_s),
@@ -106,7 +127,7 @@ def plan(dist_cfg, environ: Mapping[str, str] = os.environ) -> Plan:
                 f'Slurm job {environ["SLURM_JOB_ID"]}, {tasks} tasks')
   if _int_env(environ, 'OMPI_COMM_WORLD_SIZE', 1) > 1:
     if not coordinator and 'OMPI_MCA_orte_hnp_uri' not in environ:
-      raise config_lib.ConfigError(
+      raise errors.ConfigError(
           'Open MPI job without OMPI_MCA_orte_hnp_uri (Open MPI 5 / PRRTE): JAX cannot find process 0 by itself. '
           f'Set {COORDINATOR_ENV}=<host of rank 0>:<free port> (or --config.dist.coordinator) for every rank.')
     per_host = _int_env(environ, 'OMPI_COMM_WORLD_LOCAL_SIZE', 0)
@@ -122,7 +143,7 @@ def plan(dist_cfg, environ: Mapping[str, str] = os.environ) -> Plan:
   if any(v is not None for v in given.values()):
     missing = [name for name, key in (('coordinator', 'coordinator_address'), ('num_processes', 'num_processes'),
                                       ('process_id', 'process_id')) if given[key] is None]
-    raise config_lib.ConfigError(
+    raise errors.ConfigError(
         f'a multi-process job needs dist.coordinator, dist.num_processes and dist.process_id (or '
         f'{COORDINATOR_ENV}, {NUM_PROCESSES_ENV}, {PROCESS_ID_ENV}); missing: {", ".join(missing)}.')
   return Plan(None, 'no cluster detected: single process')

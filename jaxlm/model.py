@@ -17,7 +17,19 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxlm import attention as attention_lib
-from jaxlm import config as config_lib
+
+
+DTYPES = ('bfloat16', 'float32', 'float16')  # model.dtype and model.param_dtype
+
+
+def head_dim(model_cfg) -> int:
+  """E: the configured head size, or D // H."""
+  return model_cfg.head_dim or model_cfg.d_model // model_cfg.num_heads
+
+
+def mlp_dim(model_cfg) -> int:
+  """F: the configured SwiGLU width, or 4 * D as in PaLM."""
+  return model_cfg.mlp_dim or 4 * model_cfg.d_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +59,7 @@ class ModelConfig:
   def from_config(cls, model_cfg) -> 'ModelConfig':
     """Builds the frozen config from `cfg.model`, filling the derived sizes (head_dim, mlp_dim)."""
     fields = {f.name: model_cfg[f.name] for f in dataclasses.fields(cls)}
-    fields.update(head_dim=config_lib.head_dim(model_cfg), mlp_dim=config_lib.mlp_dim(model_cfg))
+    fields.update(head_dim=head_dim(model_cfg), mlp_dim=mlp_dim(model_cfg))
     return cls(**fields)
 
 
@@ -254,6 +266,7 @@ REMAT_POLICIES = {
     'dots_no_batch': jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,  # keep weight matmuls only
     'attn_out': jax.checkpoint_policies.save_only_these_names('attn_out'),  # keep attention outputs only
 }
+REMAT_CHOICES = ('none', *REMAT_POLICIES)  # model.remat: 'none' keeps every activation
 
 
 class Decoder(nn.Module):

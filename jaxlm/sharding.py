@@ -11,6 +11,7 @@ differently (parameters over fsdp, activations over the batch).
 """
 
 import contextlib
+import dataclasses
 import math
 
 import flax.linen as nn
@@ -19,7 +20,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxlm import config as config_lib
+from jaxlm import errors
 
 AXES = ('data', 'fsdp', 'tensor')
 
@@ -50,6 +51,73 @@ def activate(mesh: Mesh):
     yield
 
 
+@dataclasses.dataclass(frozen=True)
+class MeshShape:
+  """The mesh's shape, resolved once: per-host (or per-slice) sizes and the dcn_* factors across hosts.
+
+  The dcn_* factors split an axis across hosts or TPU slices (the slow data-centre network); the plain sizes
+  split it inside one host or slice (ICI / NVLink). Config validation, the trainer, eval and size all use this.
+  """
+  ici: tuple[int, int, int]  # (data, fsdp, tensor) inside one host or slice, a -1 filled in (0: cannot be)
+  dcn: tuple[int, int, int]  # (dcn_data, dcn_fsdp, dcn_tensor)
+
+  @classmethod
+  def resolve(cls, mesh_cfg, num_devices: int) -> 'MeshShape':
+    """The shape `mesh_cfg` asks for on `num_devices` devices (unchecked: see `errors`)."""
+    # .get: configs saved before the dcn_* keys existed (old checkpoints) mean one host.
+    dcn = tuple(mesh_cfg.get(f'dcn_{axis}', 1) for axis in AXES)
+    hosts = math.prod(dcn)
+    per_host = num_devices // hosts if hosts > 0 and num_devices % hosts == 0 else 0
+    sizes = [mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor]
+    if sizes.count(-1) == 1:
+      rest = math.prod(s for s in sizes if s != -1)
+      sizes[sizes.index(-1)] = per_host // rest if rest > 0 and per_host % rest == 0 else 0
+    return cls(tuple(sizes), dcn)
+
+  @property
+  def sizes(self) -> tuple[int, int, int]:
+    """The whole mesh's (data, fsdp, tensor): each axis is its dcn_* factor times its per-host size."""
+    return tuple(i * d for i, d in zip(self.ici, self.dcn))
+
+  @staticmethod
+  def errors(mesh_cfg, num_devices: int, num_processes: int = 1, num_slices: int = 1) -> list[str]:
+    """Problems with the mesh sizes on `num_devices` devices in `num_processes` processes / `num_slices` slices."""
+    s = mesh_cfg
+    sizes = (s.data, s.fsdp, s.tensor)
+    if any(x == 0 or x < -1 for x in sizes) or sizes.count(-1) > 1:
+      return [f'mesh (data={s.data}, fsdp={s.fsdp}, tensor={s.tensor}): each must be positive, with at most one '
+              f'-1 meaning "the remaining devices".']
+    shape = MeshShape.resolve(s, num_devices)
+    dcn = shape.dcn
+    if any(not isinstance(x, int) or x < 1 for x in dcn):
+      return [f'mesh (dcn_data, dcn_fsdp, dcn_tensor) = {dcn}: each must be a positive integer (1 = not split '
+              f'across hosts).']
+    hosts = math.prod(dcn)
+    dcn_text = '×'.join(map(str, dcn))
+    if hosts > 1 and hosts not in (num_processes, num_slices):
+      return [f'mesh dcn_data×dcn_fsdp×dcn_tensor = {dcn_text} = {hosts} must equal the number of processes '
+              f'({num_processes}) or of TPU slices ({num_slices}): the dcn_* axes run across hosts, each host '
+              f'holding a data×fsdp×tensor block. Set them so, or all to 1 for a single host.']
+    if math.prod(shape.sizes) != num_devices:
+      if hosts == 1:
+        return [f'mesh data×fsdp×tensor = {s.data}×{s.fsdp}×{s.tensor} does not match the {num_devices} devices '
+                f'available; make the product {num_devices}, or set one axis to -1 (e.g. --config.mesh.fsdp=-1).']
+      return [f'mesh (data×fsdp×tensor) × (dcn_data×dcn_fsdp×dcn_tensor) = ({s.data}×{s.fsdp}×{s.tensor}) × '
+              f'({dcn_text}) does not match the {num_devices} devices available: each of the {hosts} hosts/slices '
+              f'has {num_devices / hosts:g} devices, so make data×fsdp×tensor {num_devices / hosts:g}, or set one '
+              f'axis to -1.']
+    return []
+
+
+def single_host_mesh_cfg(mesh_cfg, num_devices: int, num_processes: int):
+  """`mesh_cfg` if it fits here, else all `num_devices` as FSDP on one host (eval of a multi-host run's checkpoint)."""
+  multi_host = math.prod(MeshShape.resolve(mesh_cfg, num_devices).dcn) > 1
+  if (multi_host and num_processes == 1) or math.prod(MeshShape.resolve(mesh_cfg, num_devices).sizes) != num_devices:
+    mesh_cfg = mesh_cfg.copy_and_resolve_references()
+    mesh_cfg.update(data=1, fsdp=-1, tensor=1, dcn_data=1, dcn_fsdp=1, dcn_tensor=1)
+  return mesh_cfg
+
+
 def make_mesh(mesh_cfg, devices=None) -> Mesh:
   """A (data, fsdp, tensor) mesh over `devices` (default: all), one axis possibly given as -1.
 
@@ -59,9 +127,10 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
   """
   devices = jax.devices() if devices is None else devices
   processes, slices = num_processes(devices), num_slices(devices)
-  if errors := config_lib.mesh_layout_errors(mesh_cfg, len(devices), processes, slices):
-    raise config_lib.ConfigError('invalid config:\n  - ' + '\n  - '.join(errors))
-  ici, dcn = config_lib.mesh_shapes(mesh_cfg, len(devices))
+  if problems := MeshShape.errors(mesh_cfg, len(devices), processes, slices):
+    raise errors.ConfigError('invalid config:\n  - ' + '\n  - '.join(problems))
+  shape = MeshShape.resolve(mesh_cfg, len(devices))
+  ici, dcn = shape.ici, shape.dcn
   # Auto axis types: shardings come from jit in/out shardings and with_sharding_constraint (JAX >= 0.7 would
   # otherwise default to explicit-sharding mode).
   axis_types = (jax.sharding.AxisType.Auto,) * len(AXES)

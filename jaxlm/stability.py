@@ -19,6 +19,8 @@ import statistics
 
 from jaxlm.errors import StabilityError  # noqa: F401  (raised here, re-exported for callers)
 
+POLICIES = ('off', 'skip', 'rollback')  # stability.policy
+
 @dataclasses.dataclass
 class Rollback:
   """What the loop must do: restore a checkpoint that predates every update that could have caused it.

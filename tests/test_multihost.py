@@ -141,7 +141,7 @@ def test_plan_detects_clusters():
 def test_dcn_mesh_sizes_are_validated():
   cfg = load_config('palm_tiny')
   cfg.mesh.update(dcn_data=2, fsdp=-1)
-  assert config_lib.mesh_shape(cfg.mesh, 8) == (2, 4, 1)  # the dcn factor times the per-host size
+  assert sharding.MeshShape.resolve(cfg.mesh, 8).sizes == (2, 4, 1)  # the dcn factor times the per-host size
   config_lib.validate(cfg, 8, num_processes=2)
   with pytest.raises(config_lib.ConfigError, match=r'dcn_data×dcn_fsdp×dcn_tensor = 2×1×1 = 2 must equal the '
                                                    r'number of processes \(1\)'):

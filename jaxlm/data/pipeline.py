@@ -42,6 +42,8 @@ from jaxlm.data import tokenizer as tokenizer_lib
 
 from jaxlm.errors import DataError  # noqa: F401  (missing, corrupt, or built with another tokenizer)
 
+SOURCES = ('stdlib', 'prepared')  # data.source
+
 @dataclasses.dataclass(frozen=True)
 class Prepared:
   """A directory written by `python -m jaxlm.data.prepare`, with its metadata."""

@@ -38,7 +38,6 @@ from absl import flags
 
 from jaxlm import checkpoint as checkpoint_lib
 from jaxlm import cli
-from jaxlm import config as config_lib
 from jaxlm.data import pipeline as data_lib
 from jaxlm import errors
 from jaxlm.hf import export as export_lib
@@ -112,13 +111,7 @@ def summarize(nats: float, tokens: float, num_bytes: int) -> dict:
 
 def _mesh_cfg(cfg):
   """The run's mesh if it fits the devices here, else all devices as FSDP (one host: no dcn axes)."""
-  mesh_cfg = cfg.mesh
-  multi_host = max(mesh_cfg.dcn_data, mesh_cfg.dcn_fsdp, mesh_cfg.dcn_tensor) > 1
-  if (multi_host and jax.process_count() == 1) or (
-      math.prod(config_lib.mesh_shape(mesh_cfg, jax.device_count())) != jax.device_count()):
-    mesh_cfg = mesh_cfg.copy_and_resolve_references()
-    mesh_cfg.update(data=1, fsdp=-1, tensor=1, dcn_data=1, dcn_fsdp=1, dcn_tensor=1)
-  return mesh_cfg
+  return sharding.single_host_mesh_cfg(cfg.mesh, jax.device_count(), jax.process_count())
 
 
 def _restore(path: str, cfg, mesh):

@@ -163,7 +163,7 @@ def main(argv):
     if FLAGS.mesh:
       cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = parse_mesh(FLAGS.mesh)
     available = jax.device_count()
-    sizes = config_lib.mesh_shape(cfg.mesh, FLAGS.chips or available)
+    sizes = sharding.MeshShape.resolve(cfg.mesh, FLAGS.chips or available).sizes
     needed = math.prod(sizes)
     # One mesh of the whole size, a -1 resolved: what a device holds depends on each axis's total ways, not on
     # which network (dcn_* across hosts, or inside one) carries them.
