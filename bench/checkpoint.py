@@ -9,7 +9,6 @@ synchronous time), and the checkpoint's size on disk against parameter + optimiz
 import argparse
 import os
 import pathlib
-import runpy
 import shutil
 import sys
 import time
@@ -22,6 +21,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxlm import checkpoint as checkpoint_lib  # noqa: E402
+from jaxlm import cli  # noqa: E402
 from jaxlm import sharding, step, train  # noqa: E402
 
 
@@ -37,7 +37,7 @@ def main():
   p.add_argument('--dir', default='/tmp/jaxlm_bench_ckpt')
   args = p.parse_args()
 
-  cfg = runpy.run_path(str(ROOT / 'configs' / 'palm_small.py'))['get_config']()
+  cfg = cli.load_file(ROOT / 'configs' / 'palm_small.py')
   cfg.model.update(d_model=args.d_model, num_layers=args.num_layers, vocab_size=32768)
   mesh = sharding.make_mesh(cfg.mesh)
   with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):

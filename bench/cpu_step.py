@@ -56,7 +56,7 @@ def jaxlm_phases(jaxlm) -> dict:
 
   def loss(params, b):
     logits = model.apply({'params': params}, b['inputs'], b['segment_ids'], b['positions'])
-    return model_lib.loss_fn(logits, b['targets'], b['weights'], model.m.z_loss)[0]
+    return model_lib.loss_fn(logits, b['targets'], b['weights'], model.config.z_loss)[0]
 
   with jaxlm._context():  # pylint: disable=protected-access
     batch = jaxlm.batches[0]

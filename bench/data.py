@@ -12,7 +12,6 @@ sequence length through `jaxlm.data.make_train_iterator` for each worker count a
 import json
 import os
 import pathlib
-import runpy
 import sys
 import tempfile
 import time
@@ -22,6 +21,7 @@ from absl import flags
 from absl import logging
 
 sys.path.insert(0, str(pathlib.Path(__file__).absolute().parents[1]))
+from jaxlm import cli  # noqa: E402
 from jaxlm.data import pipeline as data_lib  # noqa: E402
 from jaxlm.data import prepare as prepare_lib  # noqa: E402
 
@@ -49,7 +49,7 @@ def _pipeline_tokens_per_s(data_cfg, batch_size: int, vocab: int, batches: int) 
 
 def main(argv) -> None:
   del argv
-  cfg = runpy.run_path(_CONFIG.value)['get_config']()
+  cfg = cli.load_file(_CONFIG.value)
   d, vocab, batch_size = cfg.data, cfg.model.vocab_size, cfg.train.batch_size
   results = {'config': cfg.name, 'batch_size': batch_size, 'seq_len': d.seq_len, 'vocab_size': vocab,
              'cpus': os.cpu_count()}

@@ -94,7 +94,7 @@ class Bench:
   def result(self, times: list[float]) -> dict:
     """Throughput, MFU and memory of the timed steps `times`."""
     cfg, t = self.cfg, self.cfg.train
-    m = self.program.model.m
+    m = self.program.model.config
     device = jax.devices()[0]
     step_s = statistics.median(times)
     tokens_per_s = t.batch_size * cfg.data.seq_len / step_s

@@ -1,13 +1,14 @@
 """palm_1b: ~1B parameters in PaLM's shape, sized for one 80 GB GPU (the MFU benchmark's model)."""
 
 import pathlib
-import runpy
 
-_base = runpy.run_path(str(pathlib.Path(__file__).with_name('base.py')))
+from jaxlm.cli import load_file
+
+_BASE = pathlib.Path(__file__).with_name('base.py')
 
 
 def get_config():
-  c = _base['get_config']()
+  c = load_file(_BASE)
   c.name = 'palm_1b'
   c.model.update(vocab_size=32768, d_model=2048, num_layers=16, num_heads=16, num_kv_heads=1, head_dim=128,
                  remat='dots', attention='auto')

@@ -1,13 +1,14 @@
 """palm_62b: the PaLM paper's 62B shapes, for reference — loads, validates and sizes here; train it on a pod slice."""
 
 import pathlib
-import runpy
 
-_base = runpy.run_path(str(pathlib.Path(__file__).with_name('base.py')))
+from jaxlm.cli import load_file
+
+_BASE = pathlib.Path(__file__).with_name('base.py')
 
 
 def get_config():
-  c = _base['get_config']()
+  c = load_file(_BASE)
   c.name = 'palm_62b'
   # PaLM 62B (paper, table 1): 64 layers, d 8192, 32 heads of 256, multi-query, 256k vocab
   c.model.update(vocab_size=256_000, d_model=8192, num_layers=64, num_heads=32, num_kv_heads=1, head_dim=256,

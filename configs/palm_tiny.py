@@ -1,13 +1,14 @@
 """palm_tiny: a few seconds per run on a CPU; used by the tests and for smoke runs."""
 
 import pathlib
-import runpy
 
-_base = runpy.run_path(str(pathlib.Path(__file__).with_name('base.py')))
+from jaxlm.cli import load_file
+
+_BASE = pathlib.Path(__file__).with_name('base.py')
 
 
 def get_config():
-  c = _base['get_config']()
+  c = load_file(_BASE)
   c.name = 'palm_tiny'
   c.model.update(vocab_size=512, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=128,
                  dtype='float32', remat='none')

@@ -53,7 +53,7 @@ class ModelConfig:
   remat: str = 'full'
   scan_layers: bool = True
   attention: str = 'xla'
-  nn_weight_grads: bool = False
+  explicit_transpose_grads: bool = False
 
   @classmethod
   def from_config(cls, model_cfg) -> 'ModelConfig':
@@ -93,18 +93,18 @@ def _param(module, name, names, shape, std, m: ModelConfig):
 
 class Norm(nn.Module):
   """LayerNorm without bias (PaLM) or RMSNorm (Llama); statistics in float32 whatever the compute dtype."""
-  m: ModelConfig
+  config: ModelConfig
   rms: bool
 
   @nn.compact
   def __call__(self, x):  # (B, T, D)
     scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, ('embed',)),
-                       (self.m.d_model,), jnp.dtype(self.m.param_dtype))
+                       (self.config.d_model,), jnp.dtype(self.config.param_dtype))
     x32 = x.astype(jnp.float32)
     if not self.rms:
       x32 = x32 - x32.mean(-1, keepdims=True)
-    x32 = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.m.norm_eps)
-    return (x32 * scale).astype(self.m.dtype)
+    x32 = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.config.norm_eps)
+    return (x32 * scale).astype(self.config.dtype)
 
 
 def rope(x, positions, theta: float):
@@ -193,11 +193,11 @@ def tokens(x):
 
 class Attention(nn.Module):
   """Multi-query / grouped-query self-attention with rotary positions, no biases."""
-  m: ModelConfig
+  config: ModelConfig
 
   @nn.compact
   def __call__(self, x, segment_ids, positions):  # x: (B, T, D)
-    m = self.m
+    m = self.config
     D, H, K, E = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim
     wq = _param(self, 'query', ('embed', 'heads', 'kv'), (D, H, E), D ** -0.5, m)
     wk = _param(self, 'key', ('embed', 'kv_heads', 'kv'), (D, K, E), D ** -0.5, m)
@@ -207,7 +207,7 @@ class Attention(nn.Module):
     B, T, _ = x.shape
     x = tokens(x)  # (N, D)
     # Heads folded into the weights' columns, (D, H·E): a plain matrix product, for the reason in `tokens`.
-    nn_grad = m.nn_weight_grads
+    nn_grad = m.explicit_transpose_grads
     q = dense(x, wq.astype(dt).reshape(D, H * E), nn_grad).reshape(B, T, H, E)
     k = dense(x, wk.astype(dt).reshape(D, K * E), nn_grad).reshape(B, T, K, E)
     v = dense(x, wv.astype(dt).reshape(D, K * E), nn_grad).reshape(B, T, K, E)
@@ -222,11 +222,11 @@ class Attention(nn.Module):
 
 class SwiGLU(nn.Module):
   """MLP: down(silu(gate(x)) * up(x)) (Shazeer 2020, used by PaLM), no biases."""
-  m: ModelConfig
+  config: ModelConfig
 
   @nn.compact
   def __call__(self, x):  # (B, T, D)
-    m = self.m
+    m = self.config
     D, F = m.d_model, m.mlp_dim
     dt = jnp.dtype(m.dtype)
     w_gate = _param(self, 'gate', ('embed', 'mlp'), (D, F), D ** -0.5, m)
@@ -234,7 +234,7 @@ class SwiGLU(nn.Module):
     w_down = _param(self, 'down', ('mlp', 'embed'), (F, D), F ** -0.5, m)
     B, T, _ = x.shape
     x = tokens(x)  # (N, D)
-    nn_grad = m.nn_weight_grads
+    nn_grad = m.explicit_transpose_grads
     h = swiglu(dense(x, w_gate.astype(dt), nn_grad), dense(x, w_up.astype(dt), nn_grad))  # (N, F)
     h = nn.with_logical_constraint(h.reshape(B, T, F), ('act_batch', 'act_seq', 'act_mlp'))
     return dense(tokens(h), w_down.astype(dt), nn_grad).reshape(B, T, D)
@@ -242,12 +242,12 @@ class SwiGLU(nn.Module):
 
 class Block(nn.Module):
   """One decoder layer: PaLM's parallel block, or the sequential pre-norm block when parallel_block=False."""
-  m: ModelConfig
+  config: ModelConfig
   deterministic: bool = True
 
   @nn.compact
   def __call__(self, x, segment_ids, positions):  # x: (B, T, D)
-    m = self.m
+    m = self.config
     drop = nn.Dropout(m.dropout_rate, deterministic=self.deterministic)
     if m.parallel_block:
       # PaLM: y = x + Attn(LN(x)) + MLP(LN(x)); the two input matmuls can fuse, ~15% faster at scale.
@@ -271,12 +271,12 @@ REMAT_CHOICES = ('none', *REMAT_POLICIES)  # model.remat: 'none' keeps every act
 
 class Decoder(nn.Module):
   """The language model: embeddings, L blocks (scanned or unrolled), final norm, (tied) output projection."""
-  m: ModelConfig
+  config: ModelConfig
 
   @nn.compact
   def __call__(self, inputs, segment_ids, positions, deterministic: bool = True):
     """inputs, segment_ids, positions: (B, T) int32 -> logits (B, T, V) in the compute dtype."""
-    m = self.m
+    m = self.config
     D, V = m.d_model, m.vocab_size
     # PaLM: N(0, 1) embeddings, since no norm follows the lookup; logits are then scaled by 1/sqrt(D) when tied.
     embedding = _param(self, 'embedding', ('vocab', 'embed'), (V, D), 1.0, m)
@@ -304,10 +304,10 @@ class Decoder(nn.Module):
     if m.tie_embeddings:
       # The 1/sqrt(D) goes on the (N, D) input, not the (N, V) logits: the same product, one pass fewer over
       # the largest activation (forward and backward).
-      logits = dense(tokens(x) * (1 / math.sqrt(D)), embedding.astype(m.dtype).T, m.nn_weight_grads)  # (N, V)
+      logits = dense(tokens(x) * (1 / math.sqrt(D)), embedding.astype(m.dtype).T, m.explicit_transpose_grads)  # (N, V)
     else:
       unembed = _param(self, 'unembed', ('embed', 'vocab'), (D, V), D ** -0.5, m)
-      logits = dense(tokens(x), unembed.astype(m.dtype), m.nn_weight_grads)
+      logits = dense(tokens(x), unembed.astype(m.dtype), m.explicit_transpose_grads)
     return nn.with_logical_constraint(logits.reshape(B, T, V), ('act_batch', 'act_seq', 'act_vocab'))
 
 

@@ -89,7 +89,7 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
   say(f'mesh: {dict(mesh.shape)} on {mesh.size} {jax.devices()[0].device_kind} devices')
   say(f'bit-reproducible: {reproducibility(t, jax.devices()[0].platform)}')
   program = step_lib.build_program(cfg, mesh)
-  say(f'parameters ({model_lib.param_count(program.model.m):,}):\n'
+  say(f'parameters ({model_lib.param_count(program.model.config):,}):\n'
       + sharding.param_table(program.abstract_state.params, program.state_shardings.params))
   sharding.check_sharded(program.abstract_state.params, program.state_shardings.params, mesh)
   ramp = BatchRamp(t, cfg.data.seq_len)
@@ -216,7 +216,7 @@ class Window:
 def log_step(r: Run, step: int, metrics: dict, window: Window, size: int) -> dict:
   """One train record: the step's metrics, throughput and MFU over the window since the last record."""
   seconds, steps, tokens = window.take()
-  m, seq_len = r.program.model.m, r.cfg.data.seq_len
+  m, seq_len = r.program.model.config, r.cfg.data.seq_len
   tokens_per_s = tokens / seconds
   kind, devices = jax.devices()[0].device_kind, r.mesh.size
   values = {k: float(v) for k, v in jax.device_get(metrics).items()}

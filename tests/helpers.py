@@ -1,15 +1,15 @@
 """Small shared pieces for the tests: configs and synthetic batches."""
 
-import runpy
 
 import numpy as np
 
+from jaxlm import cli
 from tests.conftest import ROOT
 
 
 def load_config(name: str = 'palm_tiny'):
   """A config from configs/<name>.py, unlocked so tests can override fields."""
-  return runpy.run_path(str(ROOT / 'configs' / f'{name}.py'))['get_config']()
+  return cli.load_file(ROOT / 'configs' / f'{name}.py')
 
 
 def plain_program(cfg, mesh, steps: int = 10, microbatches: int = 1):

@@ -24,7 +24,7 @@ def test_config_builds_abstract_state_without_allocating(name):
   program = step.build_program(cfg, mesh)  # needs no mesh or rules context from its caller
   params = program.abstract_state.params
   assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(program.abstract_state))
-  assert sum(x.size for x in jax.tree.leaves(params)) == model_lib.param_count(program.model.m)
+  assert sum(x.size for x in jax.tree.leaves(params)) == model_lib.param_count(program.model.config)
   sharding.check_sharded(params, program.state_shardings.params, mesh)
 
 

@@ -84,8 +84,8 @@ def test_remat_and_unrolled_layers_change_nothing():
     np.testing.assert_allclose(loss_and_grad(remat=policy), reference, rtol=1e-5, err_msg=policy)
   # Plain-product weight gradients (the CPU layout) are the same math, with and without remat.
   for policy in ('none', 'full', 'dots'):
-    np.testing.assert_allclose(loss_and_grad(remat=policy, nn_weight_grads=True), reference, rtol=1e-5,
-                               err_msg=f'nn_weight_grads, remat={policy}')
+    np.testing.assert_allclose(loss_and_grad(remat=policy, explicit_transpose_grads=True), reference, rtol=1e-5,
+                               err_msg=f'explicit_transpose_grads, remat={policy}')
   # Unrolled layers get other parameter names (layers_0, ...) and so other random values: compare counts only.
   m, _, params, _ = _model(scan_layers=False)
   assert 'layers_1' in params and model_lib.param_count(m) == sum(x.size for x in jax.tree.leaves(params))

@@ -36,12 +36,12 @@ def test_sharded_steps_match_single_device(parallel_block):
     np.testing.assert_allclose(got, reference, rtol=1e-5, err_msg=f'mesh {shape}')
 
 
-def test_nn_weight_grads_sharded_match_single_device():
+def test_explicit_transpose_grads_sharded_match_single_device():
   # Transposed copies of FSDP-sharded activations: the weight gradients must still reduce over every shard.
   cfg = odd_config()
   batch = random_batch(8, 24, cfg.model.vocab_size, docs=2)
   reference, _ = _two_steps(cfg, (1, 1, 1), batch)
-  cfg.model.nn_weight_grads = True
+  cfg.model.explicit_transpose_grads = True
   for shape in [(1, 1, 1), (1, 8, 1), (2, 2, 2)]:
     got, _ = _two_steps(cfg, shape, batch)
     np.testing.assert_allclose(got, reference, rtol=1e-5, err_msg=f'mesh {shape}')

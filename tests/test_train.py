@@ -31,7 +31,7 @@ def test_entry_point_trains_palm_tiny_and_loss_falls(tmp_path, data_cache):
 
 
 _FAULTS = '''
-import json, os, resource, runpy, sys
+import json, os, resource, sys
 os.environ['JAX_PLATFORMS'] = 'cpu'
 os.environ.pop('XLA_FLAGS', None)  # one device (the setting's own case): all the step's temporaries in one block
 import jaxlm  # first, as `python -m jaxlm.train` does: before JAX starts a thread
@@ -39,7 +39,8 @@ sys.path.insert(0, 'bench')
 import mfu
 from jaxlm import perf
 from jaxlm import metrics
-cfg = runpy.run_path('configs/palm_small.py')['get_config']()
+from jaxlm.cli import load_file
+cfg = load_file('configs/palm_small.py')
 cfg.train.batch_size = 4
 bench = mfu.Bench(cfg)
 for _ in range(4):  # the heap grows to its working size in the first steps

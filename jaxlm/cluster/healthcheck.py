@@ -15,7 +15,6 @@ cordon them off before a restart; 0 means all healthy. The whole check ends with
 import argparse
 import dataclasses
 import pathlib
-import runpy
 import socket
 import sys
 import time
@@ -26,6 +25,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxlm import cli
 from jaxlm import distributed
 
 _HOST_BYTES = 64  # host names travel between processes as fixed-size byte arrays
@@ -169,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                  help='join the other processes as dist.initialize says (always: on TPU VMs made with gcloud)')
   args = p.parse_args(argv)
   # The dist section of the base config: the same cluster detection and timeouts as training.
-  base = pathlib.Path(__file__).resolve().parents[1] / 'configs' / 'base.py'
-  dist_cfg = runpy.run_path(str(base))['get_config']().dist
+  base = pathlib.Path(__file__).resolve().parents[2] / 'configs' / 'base.py'
+  dist_cfg = cli.load_file(base).dist
   dist_cfg.initialize = args.initialize
   dist_cfg.step_timeout_s = 0  # no training steps here: the check's own watchdog below bounds it
   distributed.initialize(dist_cfg)

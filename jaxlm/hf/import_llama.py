@@ -144,7 +144,7 @@ def write_checkpoint(workdir: str, state, config: dict, step: int = 0) -> str:
 
 def _default_config() -> ml_collections.ConfigDict:
   """configs/base.py of this checkout."""
-  base = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, 'configs', 'base.py')
+  base = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, 'configs', 'base.py')
   if not os.path.isfile(base):
     raise HFImportError('configs/base.py not found beside the jaxlm package; pass --config=FILE.')
   return cli.load_file(base)

@@ -47,7 +47,7 @@ from jaxlm import step as step_lib
 
 # lm-evaluation-harness tasks shipped with jaxlm (`lm_eval --include_path`): bits per byte of a jsonl of documents
 # and a small multiple-choice check.
-TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'lm_eval_tasks')
+TASKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'lm_eval_tasks')
 
 
 class EvalError(errors.JaxlmError, ValueError):

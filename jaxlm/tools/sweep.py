@@ -21,7 +21,6 @@ import json
 import math
 import os
 import random
-import runpy
 import shlex
 import signal
 import subprocess
@@ -82,7 +81,7 @@ def load_config(path: str) -> ml_collections.ConfigDict:
   """The ConfigDict of a config file (its get_config()), unlocked so overrides can be applied."""
   if not os.path.isfile(path):
     raise SweepError(f'--config={path}: no such file.')
-  return runpy.run_path(path)['get_config']()
+  return cli.load_file(path)
 
 
 def parse_override(cfg, flag: str, text: str, many: bool) -> tuple[str, list]:
