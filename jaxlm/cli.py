@@ -8,6 +8,7 @@ traceback.
 import difflib
 import importlib.util
 import os
+import re
 import sys
 from typing import Callable, NoReturn
 
@@ -79,12 +80,23 @@ def _parse_flags(argv: list[str]) -> list[str]:
       message = None
     if message is None:
       text = ' '.join(str(e).split())
-      message = f'bad command line: {text}; see --helpshort'
+      missing = re.findall(r'Flag (--\w+) must have a value other than None', text)
+      message = (f'missing {", ".join(missing)}; pass {" ".join(f"{m}=..." for m in missing)} (see --helpshort)'
+                 if missing else f'bad command line: {text}; see --helpshort')
     fail(errors.ConfigError(message))
 
 
-def run(main: Callable[[list[str]], int | None]) -> None:
-  """Runs `main(argv)` as an absl app: quiet libraries, and every JaxlmError as one line and its exit code."""
+def run(main: Callable[[list[str]], int | None], *, define: Callable[[], None] | None = None,
+        required: tuple[str, ...] = ()) -> None:
+  """Runs `main(argv)` as an absl app: quiet libraries, and every JaxlmError as one line and its exit code.
+
+  define: defines the command's flags (only when run as a command: importing a tool defines none);
+  required: flags that must be given.
+  """
+  if define:
+    define()
+  if required:
+    flags.mark_flags_as_required(list(required))
 
   def wrapped(argv):
     if not flags.FLAGS['verbosity'].present:

@@ -364,9 +364,8 @@ def main(argv):
 
 
 def console() -> None:
-  """The `jaxlm-...` console command (pyproject.toml [project.scripts])."""
-  flags.mark_flag_as_required('config')
-  cli.run(main)
+  """The command line (also the console script in pyproject.toml)."""
+  cli.run(main, required=('config',))
 
 
 if __name__ == '__main__':

@@ -137,16 +137,21 @@ def test_unwritable_directory_stops_loudly(tmp_path, data_cache):
   assert all('free space' in e['message'] and str(tmp_path) in e['message'] for e in failed)
 
 
-@pytest.fixture
-def tiny_disk(tmp_path):
+def _small_disk(tmp_path, size: str):
+  """A real tmpfs of `size` mounted under tmp_path (skips where mounting is refused); unmounted afterwards."""
   mount = tmp_path / 'disk'
   mount.mkdir()
-  if subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=2m', 'tmpfs', str(mount)],
+  if subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={size}', 'tmpfs', str(mount)],
                     capture_output=True).returncode != 0:
     pytest.skip('cannot mount a tmpfs here (needs root and mount rights); the unwritable-directory test '
                 'still covers failed saves')
   yield mount
   subprocess.run(['umount', '-l', str(mount)], check=False)
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+  yield from _small_disk(tmp_path, '2m')
 
 
 def test_full_disk_is_detected_never_newest_and_resumable(tmp_path, tiny_disk, data_cache):
@@ -289,13 +294,7 @@ def test_a_poisoned_checkpoint_without_checksums_is_rolled_back_past(reference, 
 
 @pytest.fixture
 def tiny_workdir(tmp_path):
-  mount = tmp_path / 'disk'
-  mount.mkdir()
-  if subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=96k', 'tmpfs', str(mount)],
-                    capture_output=True).returncode != 0:
-    pytest.skip('cannot mount a tmpfs here (needs root and mount rights)')
-  yield mount
-  subprocess.run(['umount', '-l', str(mount)], check=False)
+  yield from _small_disk(tmp_path, '96k')
 
 
 def test_a_full_disk_stops_every_writer_the_same_way(tiny_workdir, data_cache):

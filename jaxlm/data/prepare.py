@@ -429,9 +429,8 @@ def main(argv: Sequence[str]) -> None:
 
 
 def console() -> None:
-  """The `jaxlm-...` console command (pyproject.toml [project.scripts])."""
-  _define_flags()
-  cli.run(main)
+  """The command line (also the console script in pyproject.toml)."""
+  cli.run(main, define=_define_flags)
 
 
 if __name__ == '__main__':

@@ -326,10 +326,8 @@ def main(argv):
 
 
 def console() -> None:
-  """The `jaxlm-...` console command (pyproject.toml [project.scripts])."""
-  _define_flags()
-  flags.mark_flags_as_required(['workdir', 'out'])
-  cli.run(main)
+  """The command line (also the console script in pyproject.toml)."""
+  cli.run(main, define=_define_flags, required=('workdir', 'out'))
 
 
 if __name__ == '__main__':

@@ -208,10 +208,8 @@ def main(argv):
 
 
 def console() -> None:
-  """The `jaxlm-...` console command (pyproject.toml [project.scripts])."""
-  _define_flags()
-  flags.mark_flags_as_required(['hf_dir', 'out'])
-  cli.run(main)
+  """The command line (also the console script in pyproject.toml)."""
+  cli.run(main, define=_define_flags, required=('hf_dir', 'out'))
 
 
 if __name__ == '__main__':

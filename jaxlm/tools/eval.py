@@ -340,10 +340,8 @@ def main(argv):
 
 
 def console() -> None:
-  """The `jaxlm-...` console command (pyproject.toml [project.scripts])."""
-  _define_flags()
-  flags.mark_flag_as_required('workdir')
-  cli.run(main)
+  """The command line (also the console script in pyproject.toml)."""
+  cli.run(main, define=_define_flags, required=('workdir',))
 
 
 if __name__ == '__main__':

@@ -117,12 +117,14 @@ def main(argv) -> None:
   report(flags.FLAGS.workdir, flags.FLAGS.out)
 
 
-def console() -> None:
-  """The `jaxlm-...` console command (pyproject.toml [project.scripts])."""
+def _define_flags() -> None:
   flags.DEFINE_string('workdir', None, 'The run directory holding metrics.jsonl.')
   flags.DEFINE_string('out', '', 'PNG path (default <workdir>/report.png).')
-  flags.mark_flag_as_required('workdir')
-  cli.run(main)
+
+
+def console() -> None:
+  """The command line (also the console script in pyproject.toml)."""
+  cli.run(main, define=_define_flags, required=('workdir',))
 
 
 if __name__ == '__main__':
