@@ -10,6 +10,7 @@ writes anything; the others hold a logger that does nothing, so the loop never b
 import collections
 import contextlib
 import json
+import math
 import logging
 import os
 import secrets
@@ -20,7 +21,6 @@ import numpy as np
 
 from jaxlm import rundir
 from jaxlm.errors import ConfigError, StorageError
-from jaxlm.perf import duration as _duration
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,37 @@ KINDS = ('train', 'eval', 'system')  # system: memory, time accounting, compile 
 RESERVED = ('kind', 'step', 'time', 'event', 'message')  # keys every record sets itself; `time` is Unix time
 
 read_metrics = rundir.read_metrics  # moved; kept for callers of metrics.read_metrics
+
+
+def duration(seconds: float | None) -> str:
+  """Seconds as 12m05s or 3h07m (? when unknown)."""
+  if seconds is None or not math.isfinite(seconds) or seconds < 0:
+    return '?'
+  s = round(seconds)
+  if s >= 3600:
+    return f'{s // 3600}h{s % 3600 // 60:02d}m'
+  return f'{s // 60}m{s % 60:02d}s'
+
+
+def format_table(rows, header=None, right=(), indent: str = '', widths=None, rule: bool = False) -> str:
+  """Aligned text columns, the one renderer of every table jaxlm prints.
+
+  right: which columns are right-aligned; widths: minimum widths (to align several tables); rule: dashes
+  under the header.
+  """
+  lines = [tuple(map(str, r)) for r in ([header] if header else []) + list(rows)]
+  cols = max(len(r) for r in lines)
+  minimum = tuple(widths or ()) + (0,) * cols
+  widths = [max([len(r[i]) for r in lines if i < len(r)] + [minimum[i]]) for i in range(cols)]
+  right = tuple(right) + (False,) * cols
+
+  def fmt(r):
+    return (indent + '  '.join(c.rjust(w) if right[i] else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+
+  out = [fmt(r).rstrip() for r in lines]
+  if header and rule:
+    out.insert(1, indent + '  '.join('-' * w for w in widths))
+  return '\n'.join(out)
 
 
 def _si(x: float) -> str:
@@ -50,7 +81,7 @@ def progress_line(step: int, total_steps: int | None, values: dict, eta_s: float
   if values.get('mfu') is not None:
     parts.append(f'MFU {100 * values["mfu"]:.1f}%')
   if total_steps:
-    parts.append(f'ETA {_duration(eta_s)}')
+    parts.append(f'ETA {duration(eta_s)}')
   return ' | '.join(parts)
 
 

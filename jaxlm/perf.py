@@ -5,13 +5,14 @@ memory statistics of the compiled step and the devices, and the persistent compi
 import collections
 import contextlib
 import logging
-import math
 import os
 import re
 import statistics
 import time
 
 import jax
+
+from jaxlm.metrics import duration, format_table
 
 
 log = logging.getLogger(__name__)
@@ -55,15 +56,6 @@ def mfu(tokens_per_s: float, flops_per_token: float, num_devices: int, device_ki
                   'jaxlm.perf.PEAK_FLOPS).', device_kind)
     return None
   return tokens_per_s * flops_per_token / (num_devices * peak)
-
-
-def duration(seconds: float | None) -> str:
-  if seconds is None or not math.isfinite(seconds) or seconds < 0:
-    return '?'
-  s = round(seconds)
-  if s >= 3600:
-    return f'{s // 3600}h{s % 3600 // 60:02d}m'
-  return f'{s // 60}m{s % 60:02d}s'
 
 
 # Where time goes. 'step' is productive; everything else is badput. 'startup' is untracked time before the
@@ -146,12 +138,11 @@ class TimeAccounting:
     """The summary as a table, largest bucket first."""
     s = self.summary()
     rows = sorted(BUCKETS, key=lambda k: -s[f'{k}_s'])
-    lines = [f'time accounting: wall {duration(s["wall_s"])}, goodput {100 * s["goodput"]:.1f}%']
-    for k in rows:
-      label = 'step (productive)' if k == 'step' else k
-      share = s[f'{k}_s'] / s['wall_s'] if s['wall_s'] > 0 else 0.0
-      lines.append(f'  {label:<18} {s[f"{k}_s"]:>10.1f}s {100 * share:6.1f}%')
-    return '\n'.join(lines)
+    share = lambda k: s[f'{k}_s'] / s['wall_s'] if s['wall_s'] > 0 else 0.0  # noqa: E731
+    body = [('step (productive)' if k == 'step' else k, f'{s[f"{k}_s"]:.1f}s', f'{100 * share(k):.1f}%')
+            for k in rows]
+    return (f'time accounting: wall {duration(s["wall_s"])}, goodput {100 * s["goodput"]:.1f}%\n'
+            + format_table(body, right=(False, True, True), indent='  '))
 
 
 class SlowStepDetector:

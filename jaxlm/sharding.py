@@ -21,6 +21,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxlm import errors
+from jaxlm.metrics import format_table
 
 AXES = ('data', 'fsdp', 'tensor')
 
@@ -47,8 +48,12 @@ RULES = (
 @contextlib.contextmanager
 def activate(mesh: Mesh):
   """The mesh and the logical-axis rules that model code's logical names resolve through."""
-  with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(RULES):
-    yield
+  if isinstance(mesh, Mesh):
+    with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(RULES):
+      yield
+  else:  # an AbstractMesh (jaxlm.tools.size on more devices than this host has): shapes only
+    with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(RULES):
+      yield
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,10 +178,7 @@ def param_table(params, shardings) -> str:
     shard_shape = sharding.shard_shape(leaf.shape)
     per_device = math.prod(shard_shape) * np.dtype(leaf.dtype).itemsize
     rows.append((name, str(tuple(leaf.shape)), str(sharding.spec), f'{per_device:,}'))
-  header = ('parameter', 'shape', 'partition', 'bytes/device')
-  widths = [max(len(r[i]) for r in rows + [header]) for i in range(4)]
-  fmt = '  '.join(f'{{:<{w}}}' for w in widths)
-  return '\n'.join([fmt.format(*header)] + [fmt.format(*r) for r in rows])
+  return format_table(rows, header=('parameter', 'shape', 'partition', 'bytes/device'))
 
 
 def bytes_per_device(tree, shardings) -> int:

@@ -12,6 +12,7 @@ from absl import flags
 
 from jaxlm import cli
 from jaxlm import errors
+from jaxlm import metrics
 from jaxlm import rundir
 from jaxlm.rundir import latest_by_step as _by_step, read_metrics
 
@@ -68,8 +69,7 @@ def summary_table(s: dict) -> str:
                                                          if s['processes'] > 1 else '')),
       ('events', ', '.join(f'{k} {v}' for k, v in sorted(s['events'].items())) or 'none'),
   ]
-  width = max(len(name) for name, _ in rows)
-  return '\n'.join(f'{name:<{width}}  {value}' for name, value in rows)
+  return metrics.format_table(rows)
 
 
 def plot(records: list[dict], out: str) -> None:

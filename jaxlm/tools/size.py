@@ -17,6 +17,7 @@ import jax
 
 from jaxlm import cli
 from jaxlm import config as config_lib
+from jaxlm import metrics
 from jaxlm import perf
 from jaxlm import model as model_lib
 from jaxlm import sharding
@@ -141,12 +142,9 @@ def memory_rows(mem: dict) -> list[tuple[str, str]]:
 
 def render(sections: list[tuple[str, list[tuple[str, str]]]]) -> str:
   """Titled sections of aligned 'quantity  value' rows."""
-  width = max(len(k) for _, rows in sections for k, _ in rows)
-  out = []
-  for title, rows in sections:
-    out.append(title)
-    out += [f'  {k:<{width}}  {v}' for k, v in rows]
-  return '\n'.join(out)
+  width = max(len(k) for _, rows in sections for k, _ in rows)  # one key column across the sections
+  return '\n'.join(f'{title}\n' + metrics.format_table(rows, indent='  ', widths=(width, 0))
+                   for title, rows in sections)
 
 
 def main(argv):

@@ -35,6 +35,7 @@ from jaxlm import config as config_lib
 from jaxlm import errors
 from jaxlm import model as model_lib
 from jaxlm.tools import report
+from jaxlm import metrics
 from jaxlm import rundir
 from jaxlm.rundir import read_metrics
 
@@ -322,10 +323,8 @@ def table(rows: list[dict]) -> str:
   lines = [(str(r['trial']), r['overrides'], f'{r["params"]:,}', _fmt(r['final_loss'], '.4f'),
             _fmt(r['eval_loss'], '.4f') + (' *' if best is not None and r['eval_loss'] == best else ''),
             _fmt(r['tokens_per_s'], ',.0f'), r['status']) for r in rows]
-  widths = [max(len(x[i]) for x in [header] + lines) for i in range(len(header))]
   right = (True, False, True, True, False, True, False)  # numbers right-aligned; eval loss keeps its '*' last
-  fmt = lambda x: '  '.join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(x, widths, right)).rstrip()
-  out = [fmt(header), '  '.join('-' * w for w in widths)] + [fmt(x) for x in lines]
+  out = [metrics.format_table(lines, header=header, right=right, rule=True)]
   if best is not None:
     out.append('* lowest held-out loss')
   return '\n'.join(out)
