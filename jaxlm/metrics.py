@@ -33,9 +33,12 @@ read_metrics = rundir.read_metrics  # moved; kept for callers of metrics.read_me
 
 
 def duration(seconds: float | None) -> str:
-  """Seconds as 12m05s or 3h07m (? when unknown)."""
+  """Seconds for a person: '12m05s', '3h07m', or past two days '12.5 days' ('?' when unknown)."""
   if seconds is None or not math.isfinite(seconds) or seconds < 0:
     return '?'
+  for unit, scale in (('years', 365 * 86400), ('days', 86400)):
+    if seconds >= 2 * scale:
+      return f'{seconds / scale:.1f} {unit}'
   s = round(seconds)
   if s >= 3600:
     return f'{s // 3600}h{s % 3600 // 60:02d}m'

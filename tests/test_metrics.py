@@ -305,7 +305,7 @@ def test_compilation_cache_writes_entries(tmp_path):
   # A fresh process: JAX reads the cache directory once, at its first compile.
   script = '''
 import jax, jax.numpy as jnp, ml_collections
-from jaxlm import metrics
+from jaxlm import perf
 path = perf.enable_compilation_cache(ml_collections.ConfigDict({'compilation_cache': '~/xla'}))
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)  # cache even this tiny program
 jax.jit(lambda x: jnp.sin(x) * 2).lower(jnp.ones(3)).compile()

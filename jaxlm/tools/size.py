@@ -106,14 +106,6 @@ def _count(x: float) -> str:
   return f'{x:,.0f}'
 
 
-def duration(seconds: float) -> str:
-  """Seconds in the largest unit that leaves at least 2 of them: '12.5 days', '3.2 hours', '41.0 min'."""
-  for unit, scale in (('years', 365 * 86400), ('days', 86400), ('hours', 3600), ('min', 60)):
-    if seconds >= 2 * scale:
-      return f'{seconds / scale:.1f} {unit}'
-  return f'{seconds:.2g} s'
-
-
 def model_rows(a: dict, cfg) -> list[tuple[str, str]]:
   """Rows of the analytic numbers."""
   tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
@@ -195,7 +187,7 @@ def main(argv):
     chip = 'chips' if FLAGS.peak_tflops else device_kind
     time_title = f'time to train on {chips} × {chip} ({peak / 1e12:.0f} TFLOP/s peak each) at {FLAGS.mfu:.0%} MFU'
     timing = [(f'{label}: {_count(tokens)} tokens, {tokens * a["flops_per_token"]:.2e} FLOPs',
-               duration(train_seconds(tokens, a['flops_per_token'], chips, peak, FLAGS.mfu)))
+               metrics.duration(train_seconds(tokens, a['flops_per_token'], chips, peak, FLAGS.mfu)))
               for label, tokens in budgets]
   else:
     time_title = 'time to train'
