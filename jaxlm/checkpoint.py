@@ -38,6 +38,7 @@ EventFn = Callable[..., None]  # event(step, name, message, **fields), e.g. Metr
 
 
 from jaxlm.errors import CheckpointError  # noqa: F401
+from jaxlm.data import format as format_lib
 
 def environment(cfg, mesh) -> dict:
   """A JSON record of the training environment, saved with every checkpoint."""
@@ -236,10 +237,7 @@ class Checkpointer:
     step_dir = os.path.join(self.directory, str(step))
     try:
       sums = file_checksums(step_dir)
-      tmp = os.path.join(step_dir, f'.{CHECKSUMS}.tmp')
-      with open(tmp, 'w') as f:
-        json.dump({'sha256': sums, 'written': time.time()}, f)
-      os.replace(tmp, os.path.join(step_dir, CHECKSUMS))
+      format_lib.write_json(os.path.join(step_dir, CHECKSUMS), {'sha256': sums, 'written': time.time()})
     except OSError as e:  # deleted meanwhile (keep policy, rollback) or disk full: the step stays unverified
       logging.warning('checksums of checkpoint %d not written: %s', step, e)
 

@@ -4,7 +4,7 @@
 JAXLM_KEEP_HOST_MEMORY=0 leaves malloc as it is, =1 tunes it always; unset, it is tuned unless a GPU or TPU
 plugin for JAX is installed (there the step's temporaries live in device memory, not in malloc's) or XLA_FLAGS
 fakes several CPU devices (their threads allocate at once, and one arena serialises them: the 8-device test
-mesh ran 37 % slower with it).
+mesh ran slower with it; bench/RESULTS.md, "Reaching 1.0×").
 """
 
 import ctypes
@@ -19,10 +19,10 @@ M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
 def keep_freed_memory() -> bool:
   """Has glibc keep freed host memory for reuse: one malloc arena, no mmap, no trimming. False without glibc.
 
-  Why: XLA:CPU allocates a step's temporaries as one block (320 MiB for palm_small) from a worker thread's malloc
-  arena. A thread arena serves a block that large with a fresh mmap, whatever the thresholds, and munmaps it when
-  the step ends, so every step page-faults and zeroes the whole block again: 16 % of the CPU step's time was in
-  the kernel (perf), 13 % of the step's wall time. From the main heap, with mmap off, the block is reused. It
+  Why: XLA:CPU allocates a step's temporaries as one block from a worker thread's malloc arena. A thread arena
+  serves a block that large with a fresh mmap, whatever the thresholds, and munmaps it when the step ends, so
+  every step page-faults and zeroes the whole block again (the kernel time this cost is measured in
+  bench/RESULTS.md, "Reaching 1.0×"). From the main heap, with mmap off, the block is reused. It
   must happen before any thread but the main one allocates (importing JAX starts one), because a thread keeps
   the arena it first got. Costs: the process keeps its peak host memory, and its threads share one arena.
   """

@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from jaxlm import rundir
+from jaxlm.data import format as format_lib
 from jaxlm.errors import ConfigError, StorageError
 
 log = logging.getLogger(__name__)
@@ -178,8 +179,7 @@ def _start_wandb(workdir: str, log_cfg, config):
       run_id = f.read().strip()
   else:
     run_id = secrets.token_hex(4)
-    with open(id_path, 'w') as f:
-      f.write(run_id)
+    format_lib.write_atomic(id_path, run_id)
   name = config.get('name') if config is not None else None
   run = wandb.init(project=log_cfg.wandb_project, name=name or os.path.basename(os.path.abspath(workdir)),
                    id=run_id, resume='allow', dir=workdir,

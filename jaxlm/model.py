@@ -127,7 +127,7 @@ def swiglu(g, u):
 
   Autodiff of the plain formula keeps sigmoid(g) and silu(g) as well, each its own pass over (N, F) in the
   forward; this forward is one pass, and the backward recomputes the sigmoid (as torch.compile does). Same
-  values; two fewer (N, F) residuals per layer. Measured +4 % on the CPU step.
+  values; two fewer (N, F) residuals per layer (its effect on the step: bench/RESULTS.md, "Reaching 1.0×").
   """
   return jax.nn.silu(g) * u
 
@@ -170,15 +170,17 @@ def _dense_nn_bwd(residuals, dy):
 _dense_nn.defvjp(_dense_nn_fwd, _dense_nn_bwd)
 
 
-def dense(x, w, nn_weight_grad: bool):
-  """x (N, I) · w (I, O) -> (N, O); with `nn_weight_grad` the weight gradient runs as a plain (NN) product.
+def dense(x, w, plain_weight_grad: bool):
+  """x (N, I) · w (I, O) -> (N, O); with `plain_weight_grad` the weight gradient runs as a plain (NN) product.
+
+  model.explicit_transpose_grads turns this on.
 
   The weight gradient xᵀ·dy contracts both operands over their leading token axis. XLA:CPU hands such a
-  transposed-operand product to Eigen at 0.4–0.9× the speed of a plain one (bench/cpu_matmul.py), so on a
-  CPU it pays to copy the smaller of x and dy transposed and multiply plainly (measured +2–4 % on the CPU step).
+  transposed-operand product to a slower Eigen path (bench/cpu_matmul.py), so on a CPU it pays to copy the
+  smaller of x and dy transposed and multiply plainly (bench/RESULTS.md, "Reaching 1.0×").
   GPUs and TPUs take transposed operands at full speed: there the copy would only cost memory traffic.
   """
-  return _dense_nn(x, w) if nn_weight_grad else jnp.dot(x, w)
+  return _dense_nn(x, w) if plain_weight_grad else jnp.dot(x, w)
 
 
 def tokens(x):
@@ -207,17 +209,17 @@ class Attention(nn.Module):
     B, T, _ = x.shape
     x = tokens(x)  # (N, D)
     # Heads folded into the weights' columns, (D, H·E): a plain matrix product, for the reason in `tokens`.
-    nn_grad = m.explicit_transpose_grads
-    q = dense(x, wq.astype(dt).reshape(D, H * E), nn_grad).reshape(B, T, H, E)
-    k = dense(x, wk.astype(dt).reshape(D, K * E), nn_grad).reshape(B, T, K, E)
-    v = dense(x, wv.astype(dt).reshape(D, K * E), nn_grad).reshape(B, T, K, E)
+    plain_grad = m.explicit_transpose_grads
+    q = dense(x, wq.astype(dt).reshape(D, H * E), plain_grad).reshape(B, T, H, E)
+    k = dense(x, wk.astype(dt).reshape(D, K * E), plain_grad).reshape(B, T, K, E)
+    v = dense(x, wv.astype(dt).reshape(D, K * E), plain_grad).reshape(B, T, K, E)
     q = nn.with_logical_constraint(q, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
     q, k = rope(q, positions, m.rope_theta), rope(k, positions, m.rope_theta)
     out = attention_lib.attention(q, k, v, segment_ids, impl=m.attention)  # (B, T, H, E)
     out = nn.with_logical_constraint(out, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
     # Named so the `attn_out` remat policy can keep it instead of recomputing the whole attention.
     out = checkpoint_name(out, 'attn_out')
-    return dense(out.reshape(B * T, H * E), wo.astype(dt).reshape(H * E, D), nn_grad).reshape(B, T, D)
+    return dense(out.reshape(B * T, H * E), wo.astype(dt).reshape(H * E, D), plain_grad).reshape(B, T, D)
 
 
 class SwiGLU(nn.Module):
@@ -234,10 +236,10 @@ class SwiGLU(nn.Module):
     w_down = _param(self, 'down', ('mlp', 'embed'), (F, D), F ** -0.5, m)
     B, T, _ = x.shape
     x = tokens(x)  # (N, D)
-    nn_grad = m.explicit_transpose_grads
-    h = swiglu(dense(x, w_gate.astype(dt), nn_grad), dense(x, w_up.astype(dt), nn_grad))  # (N, F)
+    plain_grad = m.explicit_transpose_grads
+    h = swiglu(dense(x, w_gate.astype(dt), plain_grad), dense(x, w_up.astype(dt), plain_grad))  # (N, F)
     h = nn.with_logical_constraint(h.reshape(B, T, F), ('act_batch', 'act_seq', 'act_mlp'))
-    return dense(tokens(h), w_down.astype(dt), nn_grad).reshape(B, T, D)
+    return dense(tokens(h), w_down.astype(dt), plain_grad).reshape(B, T, D)
 
 
 class Block(nn.Module):
@@ -250,7 +252,7 @@ class Block(nn.Module):
     m = self.config
     drop = nn.Dropout(m.dropout_rate, deterministic=self.deterministic)
     if m.parallel_block:
-      # PaLM: y = x + Attn(LN(x)) + MLP(LN(x)); the two input matmuls can fuse, ~15% faster at scale.
+      # PaLM: y = x + Attn(LN(x)) + MLP(LN(x)); the two input matmuls can fuse (PaLM reports it faster at scale).
       h = Norm(m, rms=False, name='norm')(x)
       x = x + drop(Attention(m, name='attention')(h, segment_ids, positions)) + drop(SwiGLU(m, name='mlp')(h))
     else:

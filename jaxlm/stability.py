@@ -18,6 +18,7 @@ import statistics
 
 
 from jaxlm.errors import StabilityError  # noqa: F401  (raised here, re-exported for callers)
+from jaxlm.data import format as format_lib
 
 POLICIES = ('off', 'skip', 'rollback')  # stability.policy
 
@@ -162,7 +163,7 @@ class Guard:
     self.rollbacks += 1
     self.restores[to_step] = self.restores.get(to_step, 0) + 1
     if self.ledger and self.writes_ledger:
-      write_json_atomic(self.ledger, {'rollbacks': self.rollbacks,
+      format_lib.write_json(self.ledger, {'rollbacks': self.rollbacks,
                                       'restores': {str(k): v for k, v in self.restores.items()}})
     if self.rollbacks > self.cfg.max_rollbacks:
       raise StabilityError(f'{self.rollbacks - 1} rollbacks already (stability.max_rollbacks); instability keeps '
@@ -186,10 +187,3 @@ def _read_json(path: str) -> dict | None:
     return None
 
 
-def write_json_atomic(path: str, value) -> None:
-  """Writes JSON to a temporary file and renames it: readers see the old file or the new one, never half."""
-  tmp = f'{path}.tmp-{os.getpid()}'
-  with open(tmp, 'w') as f:
-    json.dump(value, f)
-    f.write('\n')
-  os.replace(tmp, path)

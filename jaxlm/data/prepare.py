@@ -39,6 +39,7 @@ from absl import flags
 from absl import logging
 
 from jaxlm import cli
+from jaxlm.data import format as format_lib
 from jaxlm.data import tokenizer as tokenizer_lib
 from jaxlm.data.readers import TXT_DOCS, PrepareError, Source, expand_inputs, read_documents
 
@@ -123,10 +124,7 @@ def _shard_done(out: str, split: str, index: int) -> dict | None:
 
 
 def _write_json(path: str, obj) -> None:
-  tmp = f'{path}.tmp-{os.getpid()}'
-  with open(tmp, 'w') as f:
-    json.dump(obj, f, indent=1)
-  os.replace(tmp, path)
+  format_lib.write_json(path, obj, indent=1)
 
 
 class _Progress:
@@ -201,8 +199,8 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
   model_path = os.path.join(out, 'tokenizer.model')
   if tokenizer:
     if not os.path.exists(model_path):
-      shutil.copyfile(tokenizer, model_path + '.tmp-copy')
-      os.replace(model_path + '.tmp-copy', model_path)
+      with format_lib.replacing(model_path) as tmp:
+        shutil.copyfile(tokenizer, tmp)
   elif not os.path.exists(model_path):
     t0 = time.time()
     lines = _sample_lines(sources, _new_counts(), text_field=text_field, txt_docs=txt_docs,

@@ -12,6 +12,8 @@ from collections.abc import Iterable, Sequence
 
 import sentencepiece as spm
 
+from jaxlm.data import format as format_lib
+
 MODEL_TYPES = ('bpe', 'unigram')
 
 
@@ -48,10 +50,7 @@ def train(sentences: Iterable[str], out_path: str, *, vocab_size: int, model_typ
     raise ValueError(f'SentencePiece training failed (vocab_size={vocab_size}, model_type={model_type}): {e}; '
                      f'the vocabulary must hold the 256 byte pieces, the special pieces and every distinct character '
                      f'of the sample.') from e
-  tmp = f'{out_path}.tmp-{os.getpid()}'
-  with open(tmp, 'wb') as f:
-    f.write(model.getvalue())
-  os.replace(tmp, out_path)
+  format_lib.write_atomic(out_path, model.getvalue())
   return out_path
 
 

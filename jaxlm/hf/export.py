@@ -18,7 +18,6 @@ Mappings that need care, each exact up to float rounding (the tests check logits
 A model that none of these covers is refused (ExportError), never exported approximately.
 """
 
-import json
 import math
 import os
 import shutil
@@ -29,6 +28,7 @@ from absl import flags, logging
 
 from jaxlm import cli
 from jaxlm import errors
+from jaxlm.data import format as format_lib
 from jaxlm import model as model_lib
 from jaxlm import rundir
 
@@ -137,19 +137,16 @@ def save_safetensors(tensors: dict[str, np.ndarray], path: str, dtype: str = 'fl
   except ImportError as e:
     raise ExportError(f'export needs the safetensors package: pip install safetensors ({e}).') from e
   np_dtype = {'float32': np.float32, 'float16': np.float16, 'bfloat16': ml_dtypes.bfloat16}[dtype]
-  tmp = f'{path}.tmp-{os.getpid()}'
-  save_file({k: np.ascontiguousarray(v.astype(np_dtype)) for k, v in tensors.items()}, tmp,
-            metadata={'format': 'pt'})
-  umask = os.umask(0)
-  os.umask(umask)
-  os.chmod(tmp, 0o666 & ~umask)  # the writer creates the file owner-only; give it the usual permissions
-  os.replace(tmp, path)
+  with format_lib.replacing(path) as tmp:
+    save_file({k: np.ascontiguousarray(v.astype(np_dtype)) for k, v in tensors.items()}, tmp,
+              metadata={'format': 'pt'})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # the writer creates the file owner-only; give it the usual permissions
 
 
 def _write_json(path: str, obj) -> None:
-  with open(path, 'w') as f:
-    json.dump(obj, f, indent=2, sort_keys=True)
-    f.write('\n')
+  format_lib.write_json(path, obj, indent=2, sort_keys=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ import collections
 import csv
 import dataclasses
 import itertools
-import json
 import math
 import os
 import random
@@ -37,6 +36,7 @@ from jaxlm import model as model_lib
 from jaxlm.tools import report
 from jaxlm import metrics
 from jaxlm import rundir
+from jaxlm.data import format as format_lib
 from jaxlm.rundir import read_metrics
 
 FLAGS = flags.FLAGS
@@ -363,8 +363,7 @@ def plot(rows: list[dict], out: str, title: str) -> None:
 
 def write_results(rows: list[dict], keys: list[str], trials: list[Trial], sweep_dir: str, spec: dict) -> None:
   """results.json (the sweep's flags and every row) and results.csv (one column per swept field)."""
-  with open(os.path.join(sweep_dir, 'results.json'), 'w') as f:
-    json.dump({**spec, 'trials': rows}, f, indent=2)
+  format_lib.write_json(os.path.join(sweep_dir, 'results.json'), {**spec, 'trials': rows}, indent=2)
   columns = ['trial', 'name', *keys, 'params', 'final_loss', 'eval_loss', 'tokens_per_s', 'steps', 'status',
              'workdir']
   with open(os.path.join(sweep_dir, 'results.csv'), 'w', newline='') as f:
