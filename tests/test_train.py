@@ -24,7 +24,7 @@ def test_entry_point_trains_palm_tiny_and_loss_falls(tmp_path, data_cache):
   assert all(r['tokens_per_s'] > 0 and r['lr'] > 0 and r['grad_norm'] > 0 for r in train)
   # The start-up report: resolved config, mesh, the parameter table, the compiled step's memory.
   for text in ("mesh: {'data': 1, 'fsdp': 8, 'tensor': 1}", 'layers/attention/query', "P(None, 'fsdp', 'tensor', None)",
-               'compiled the train step', 'goodput', 'ETA'):
+               'compiled the train step', 'goodput', 'ETA', 'bit-reproducible: yes (cpu'):
     assert text in out.stdout, text
   assert (tmp_path / 'checkpoints' / '40').is_dir() and list((tmp_path / 'tb').iterdir())
 
@@ -83,3 +83,21 @@ def test_host_memory_left_alone_with_fake_devices_or_when_asked(monkeypatch):
   monkeypatch.delenv('XLA_FLAGS')
   monkeypatch.setenv('JAXLM_KEEP_HOST_MEMORY', '0')
   assert host.keep_freed_memory() is False
+
+
+def test_deterministic_sets_xla_flags_and_the_report_says_when_runs_are_bit_for_bit(monkeypatch):
+  from jaxlm import train
+  from tests.helpers import load_config
+  t = load_config('palm_tiny').train
+  monkeypatch.setenv('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+  train.set_deterministic(t)  # off by default: nothing changes
+  assert os.environ['XLA_FLAGS'] == '--xla_force_host_platform_device_count=8'
+  assert train.reproducibility(t, 'gpu').startswith('no: ') and 'train.deterministic=True' in train.reproducibility(
+      t, 'gpu')
+  assert train.reproducibility(t, 'cpu').startswith('yes') and train.reproducibility(t, 'tpu').startswith('yes')
+  t.deterministic = True
+  train.set_deterministic(t)
+  train.set_deterministic(t)  # once only
+  assert os.environ['XLA_FLAGS'].split() == ['--xla_force_host_platform_device_count=8',
+                                             '--xla_gpu_deterministic_ops=true']
+  assert train.reproducibility(t, 'gpu').startswith('yes')
