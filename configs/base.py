@@ -97,6 +97,7 @@ def get_config() -> ml_collections.ConfigDict:
   k.async_save = True  # write in the background while training continues
   k.max_failures = 3  # consecutive failed saves before training stops
   k.init_from = ''  # warm start: load params only from this checkpoint directory (fresh optimizer, step 0)
+  k.allow_data_change = False  # resume even if batch size, seq_len, data or tokenizer changed (logs what is skipped)
 
   c.stability = y = ml_collections.ConfigDict()
   y.policy = 'rollback'  # off | skip (log spikes, skip non-finite updates) | rollback (PaLM's remedy, automated)

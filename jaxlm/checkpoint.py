@@ -1,7 +1,8 @@
 """Checkpoints on Orbax's CheckpointManager: async saves, exact resume, and no silent save failure.
 
-One checkpoint step holds four items: `state` (params, optimizer state, step, RNG), `data` (the Grain
-iterator's position), `guard` (the stability guard's history, so a resume judges spikes as the run it continues)
+One checkpoint step holds four items: `state` (params, optimizer state, step, RNG), `data` (the training
+stream's global row position, readable on any number of processes), `guard` (the stability guard's history,
+so a resume judges spikes as the run it continues)
 and `env` (a JSON record of how the run was made). Orbax writes each step to a temporary directory and renames it
 only when complete, so a partial save is never listed as a step.
 
@@ -318,10 +319,11 @@ class Checkpointer:
       try:
         if problem := verify_checksums(step_dir):
           raise CheckpointError(problem)
-        items = dict(state=ocp.args.StandardRestore(target), **self._data_args(data_iter, restore=True))
+        items = dict(state=ocp.args.StandardRestore(target))
         if os.path.isdir(os.path.join(step_dir, 'guard')):  # absent in checkpoints older than the guard item
           items['guard'] = ocp.args.JsonRestore()
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        data_state = self._read_data(step_dir) if data_iter is not None else None
       except Exception as e:  # pylint: disable=broad-except  -- corrupt: fall back to an older step
         unreadable += 1
         aside = self._move_aside(step)
@@ -329,6 +331,8 @@ class Checkpointer:
                    f'checkpoint {step} in {self.directory} cannot be used ({type(e).__name__}: {e}); '
                    f'trying an older one. It is kept for inspection in {aside}.')
         continue
+      if data_state is not None:
+        data_iter.set_state(data_state)  # outside the try: a refused data change is the user's to fix, not corrupt
       self.last_good = step
       return restored['state'], (dict(restored['guard']) if 'guard' in items else {})
     if unreadable and before is None:
@@ -353,11 +357,30 @@ class Checkpointer:
     return target
 
   @staticmethod
-  def _data_args(data_iter, restore: bool = False) -> dict:
-    """The data item, when there is an iterator to save (library users may checkpoint state alone)."""
+  def _data_args(data_iter) -> dict:
+    """The data item, when there is an iterator to save (library users may checkpoint state alone).
+
+    Grain's handler writes `data/process_<i>-of-<n>.json` from every process; jaxlm's training iterator saves the
+    global row position, the same in every file, so `_read_data` reads it back on any number of processes.
+    """
     if data_iter is None:
       return {}
-    return {'data': (grain.checkpoint.CheckpointRestore if restore else grain.checkpoint.CheckpointSave)(data_iter)}
+    return {'data': grain.checkpoint.CheckpointSave(data_iter)}
+
+  @staticmethod
+  def _read_data(step_dir: str) -> dict:
+    """The saved data position: this process's file if the process count is unchanged, else process 0's."""
+    directory = os.path.join(step_dir, 'data')
+    names = sorted(n for n in os.listdir(directory) if n.startswith('process_') and n.endswith('.json')) \
+        if os.path.isdir(directory) else []
+    if not names:
+      raise CheckpointError(f'{directory} holds no data position')
+    mine = f'process_{jax.process_index()}-of-{jax.process_count()}.json'
+    name = mine if mine in names else next((n for n in names if n.startswith('process_0-of-')), names[0])
+    with open(os.path.join(directory, name)) as f:
+      state = json.load(f)
+    # Global positions are the same in every file; per-process ones (older checkpoints) only fit their process.
+    return state
 
   def delete_after(self, step: int) -> list[int]:
     """Deletes checkpoints newer than `step` (after a rollback they hold the abandoned trajectory)."""

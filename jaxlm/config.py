@@ -163,6 +163,8 @@ def _other_errors(c) -> list[str]:
     e.append('checkpoint.every and checkpoint.keep_every must be >= 0 (0 = off).')
   if k.keep < 1 or k.max_failures < 1:
     e.append('checkpoint.keep and checkpoint.max_failures must be >= 1.')
+  if not isinstance(k.get('allow_data_change', False), bool):
+    e.append(f'checkpoint.allow_data_change={k.allow_data_change!r} must be True or False.')
   if c.log.profile_steps:
     try:
       first, last = (int(x) for x in c.log.profile_steps.split(','))

@@ -125,12 +125,17 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
 
 def restore_or_init(r: Run) -> step_lib.TrainState:
   """The newest intact checkpoint (with its data position and guard state), else a fresh or warm start."""
-  program = r.program
+  program, t = r.program, r.cfg.train
+  topology = {'processes': jax.process_count(), 'devices': jax.device_count(), 'mesh': dict(r.mesh.shape)}
+  if hasattr(r.train_iter, 'expect'):  # saved with the data position; a resume checks them (data/pipeline.py)
+    r.train_iter.expect(allow_change=r.cfg.checkpoint.allow_data_change, topology=topology,
+                        **{'train.batch_size': t.batch_size, 'train.batch_ramp': t.batch_ramp})
   with r.acct.track('checkpoint'):
     state, guard_state = r.ckpt.restore(program.abstract_state, program.state_shardings, r.train_iter)
   if state is not None:
     r.guard.load(guard_state)
     start = int(state.step)
+    report_data_resume(r, start, topology)
     logged = [x['step'] for x in rundir.read_metrics(r.workdir) if x.get('kind') == 'train']
     redone = max(logged + [start]) - start  # steps the killed process had done past the checkpoint
     r.acct.redo_steps(redone)
@@ -145,6 +150,20 @@ def restore_or_init(r: Run) -> step_lib.TrainState:
     if jax.process_index() == 0:
       print(f'warm start: parameters from {init_from}, fresh optimizer at step 0')
   return state
+
+
+def report_data_resume(r: Run, step: int, topology: dict) -> None:
+  """Says what changed since the checkpoint (processes, devices, mesh) and where the data stream continues."""
+  saved = (getattr(r.train_iter, 'restored', None) or {})
+  was = saved.get('topology', {})
+  changed = [f'{k} {was[k]} -> {v}' for k, v in topology.items() if k in was and was[k] != v]
+  if 'rows' in saved:
+    r.log.event(step, 'data_resumed', f'data position carried over: global row {r.train_iter.rows:,} '
+                f'(token {r.train_iter.rows * r.cfg.data.seq_len:,})'
+                + (f'; topology changed since the checkpoint: {", ".join(changed)}' if changed else ''),
+                rows=r.train_iter.rows, changed=changed)
+  for note in getattr(r.train_iter, 'notes', []):
+    r.log.event(step, 'data_change', f'checkpoint.allow_data_change: {note}')
 
 
 def loop(r: Run, state: step_lib.TrainState) -> dict:
@@ -336,7 +355,9 @@ class BatchRamp:
     return tokens + (steps - first) * size * self.seq_len
 
   def draw(self, it, size: int) -> dict:
-    """One local batch of `size` (global) rows: size // unit consecutive draws from the iterator."""
+    """This process's rows of the next global batch of `size` rows."""
+    if hasattr(it, 'take'):  # the global stream (data/pipeline.py): any size, rows in the global order
+      return it.take(size)
     parts = [next(it) for _ in range(size // self.unit)]
     return parts[0] if len(parts) == 1 else {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 

@@ -157,19 +157,24 @@ def test_state_saved_by_orbax_checkpoint_manager(prepared, tmp_path):
 
 @pytest.mark.parametrize('process_count', [2, 4])
 def test_processes_are_disjoint_and_cover_one_epoch(prepared, process_count):
-  per_process = []
-  for p in range(process_count):
-    # One row per process and batch so nothing is dropped: the epoch's last, padded row is included.
-    it = data_lib.make_train_iterator(_cfg(prepared), batch_size=process_count, seed=5, vocab_size=VOCAB,
-                                      process_index=p, process_count=process_count, num_epochs=1)
-    per_process.append(_documents(list(it)))
+  # Each process holds its contiguous block of every global batch; together the blocks are the whole stream.
+  size = 2 * process_count
+  per_process = [list(data_lib.make_train_iterator(_cfg(prepared), batch_size=size, seed=5, vocab_size=VOCAB,
+                                                   process_index=p, process_count=process_count, num_epochs=1))
+                 for p in range(process_count)]
+  assert len({len(b) for b in per_process}) == 1  # every process gets the same number of batches
+  glued = [{k: np.concatenate([b[i][k] for b in per_process]) for k in per_process[0][i]}
+           for i in range(len(per_process[0]))]
   stored = _stored(prepared, 'train')
-  together = [d for docs in per_process for d in docs]
-  assert sorted(together) == sorted(stored)  # every training document exactly once
-  for p, docs in enumerate(per_process):
-    assert abs(len(docs) - len(stored) / process_count) < 1  # shards balanced to within one document
+  assert sorted(_documents(glued)) == sorted(stored)  # every training document exactly once, none dropped
+  one = list(data_lib.make_train_iterator(_cfg(prepared), batch_size=size, seed=5, vocab_size=VOCAB,
+                                          process_index=0, process_count=1, num_epochs=1))
+  assert _equal(glued, one) and len(glued) == len(one)  # the processes' blocks are the 1-process batches
+  for p, batches in enumerate(per_process):
+    assert all(len(b['inputs']) == size // process_count for b in batches)  # balanced to the row
+    rows = {r['inputs'].tobytes() for b in batches for r in _rows(b) if r['weights'].any()}
     for q in range(p):
-      assert not set(docs) & set(per_process[q])
+      assert not rows & {r['inputs'].tobytes() for b in per_process[q] for r in _rows(b) if r['weights'].any()}
 
 
 def test_each_epoch_is_reshuffled(prepared):
@@ -390,3 +395,130 @@ def test_stdlib_preparation_is_safe_when_two_processes_start_together(tmp_path):
   assert not [n for n in os.listdir(tmp_path) if n.endswith('.partial')]
   path = outs[0][0].strip()
   assert data_lib.open_prepared(path, 400).meta['documents'] > 0
+
+
+# --- The global stream: the same batches on any number of processes and workers; exact, checked resume. -----
+
+def _global(cfg, process_count: int, batches: int, size: int = 8, sizes=None, **kw) -> list[dict]:
+  """The first global batches, assembled from every process's rows as make_array_from_process_local_data does."""
+  its = [data_lib.make_train_iterator(cfg, batch_size=size, seed=11, vocab_size=VOCAB, process_index=p,
+                                      process_count=process_count, **kw) for p in range(process_count)]
+  out = []
+  for i in range(batches):
+    parts = [it.take(sizes[i]) if sizes else next(it) for it in its]
+    out.append({k: np.concatenate([part[k] for part in parts]) for k in parts[0]})
+  for it in its:
+    it.close()
+  return out
+
+
+@pytest.mark.parametrize('process_count, num_workers', [(2, 0), (4, 0), (1, 2), (2, 2)])
+def test_global_batches_do_not_depend_on_processes_or_workers(prepared, process_count, num_workers):
+  want = _global(_cfg(prepared), 1, 12)
+  got = _global(_cfg(prepared, num_workers=num_workers), process_count, 12)
+  assert _equal(got, want) and len(got) == 12
+  # A batch ramp cuts the same rows into other batch sizes: 4, 4, 8, 8, ... rows, in the stream's order.
+  sizes = [4, 4, 8, 8, 8]
+  ramp = _global(_cfg(prepared), process_count, 5, size=4, sizes=sizes)
+  rows = np.concatenate([b['inputs'] for b in want])[:sum(sizes)]
+  np.testing.assert_array_equal(np.concatenate([b['inputs'] for b in ramp]), rows)
+
+
+def test_mixture_is_a_function_of_the_row_position(prepared, tmp_path):
+  a = _write_prepared(str(tmp_path / 'a'), prepared, [list(range(10, 10 + n)) for n in range(3, 40)])
+  b = _write_prepared(str(tmp_path / 'b'), prepared, [list(range(200, 200 + n)) for n in range(3, 30)])
+  cfg = _cfg(f'{a},{b}', weights='2,1')
+  want = _global(cfg, 1, 10)
+  assert _equal(_global(cfg, 4, 10), want) and _equal(_global(_cfg(f'{a},{b}', weights='2,1', num_workers=2), 2, 10),
+                                                      want)
+  rows = np.concatenate([x['inputs'] for x in want])
+  from_b = (rows >= 200).any(axis=1)
+  assert from_b.mean() == pytest.approx(1 / 3, abs=0.02)
+
+
+def test_rows_are_what_concat_then_split_packs(prepared):
+  # The stream packs exactly as the Grain packer would the same documents in the same order (format unchanged).
+  import grain
+  for cross in (False, True):
+    cfg = _cfg(prepared, cross_document_attention=cross)
+    rows, _ = data_lib.make_train_rows(cfg, seed=4, vocab_size=VOCAB, num_epochs=1)
+    stream = rows.streams[0]
+    order, _ = stream.epoch(0)
+    p = data_lib.open_prepared(prepared, VOCAB)
+    ds = grain.MapDataset.source([stream.source[int(i)] for i in order])
+    packed = list(data_lib._packed(ds, p, 32, cross, read_threads=1))
+    assert len(packed) == len(rows)
+    assert _equal([rows[k] for k in range(len(rows))], packed)
+
+
+def test_state_is_the_global_row_position(prepared):
+  one = data_lib.make_train_iterator(_cfg(prepared), batch_size=8, seed=2, vocab_size=VOCAB, process_index=0,
+                                     process_count=1)
+  _take(one, 3)
+  state = json.loads(json.dumps(one.get_state()))
+  assert state['rows'] == 24 and state['tokens'] == 24 * 32
+  want = _take(one, 2)
+  # Saved by one process, continued by four: their blocks are the rows the one process reads next.
+  parts = []
+  for p in range(4):
+    it = data_lib.make_train_iterator(_cfg(prepared), batch_size=8, seed=2, vocab_size=VOCAB, process_index=p,
+                                      process_count=4)
+    it.set_state(state)
+    parts.append(_take(it, 2))
+  assert _equal([{k: np.concatenate([parts[p][i][k] for p in range(4)]) for k in want[i]} for i in range(2)], want)
+
+
+def _resume(cfg, state, allow=False, **fields):
+  it = data_lib.make_train_iterator(cfg, batch_size=8, seed=fields.pop('seed', 2), vocab_size=VOCAB,
+                                    process_index=0, process_count=1)
+  it.expect(allow_change=allow, **fields)
+  it.set_state(state)
+  return it
+
+
+@pytest.mark.parametrize('change, message', [
+    ('seq_len', r'data\.seq_len was 32 when the checkpoint was written, now 16\. Fix: set --config\.data\.seq_len=32'),
+    ('batch_size', r'train\.batch_size was 8 when the checkpoint was written, now 16\. Fix: set '
+                   r'--config\.train\.batch_size=8'),
+    ('dataset', r'data\.paths was \[\[.*\]\] when the checkpoint was written, now \[\[.*\]\]\. Fix: use the original'),
+    ('tokenizer', r'tokenizer was .* now .*Fix: use the original data'),
+    ('old_format', r'the data position was .*per-process Grain iterator'),
+])
+def test_a_resume_that_cannot_be_exact_is_refused_or_logged(prepared, tmp_path, change, message):
+  cfg = _cfg(prepared)
+  it = data_lib.make_train_iterator(cfg, batch_size=8, seed=2, vocab_size=VOCAB, process_index=0, process_count=1)
+  it.expect(**{'train.batch_size': 8})
+  _take(it, 3)
+  state, fields = it.get_state(), {'train.batch_size': 8}
+  if change == 'seq_len':
+    cfg = _cfg(prepared, seq_len=16)
+  elif change == 'batch_size':
+    fields = {'train.batch_size': 16}
+  elif change == 'dataset':
+    cfg = _cfg(_write_prepared(str(tmp_path / 'd'), prepared, [[10, 11, 12]] * 9))
+  elif change == 'tokenizer':
+    other = str(tmp_path / 'other.model')
+    tokenizer_lib.train(_docs(80, seed=1), other, vocab_size=300)
+    cfg = _cfg(_write_prepared(str(tmp_path / 't'), prepared, _stored(prepared, 'train'), tokenizer=other))
+  elif change == 'old_format':
+    state = {'parents': {}, 'inputs': 3}  # what the per-process Grain pipeline saved
+  with pytest.raises(data_lib.DataError, match=message) as e:
+    _resume(cfg, state, **fields)
+  assert 'allow_data_change=True' in str(e.value) and '\n' not in str(e.value)
+  resumed = _resume(cfg, state, allow=True, **fields)  # allowed: continued, and the notes say how
+  rows = resumed.rows
+  assert resumed.notes and next(resumed)['inputs'].shape == (8, cfg.seq_len)
+  if change == 'seq_len':
+    assert rows == 48 and 'at most one row is skipped' in resumed.notes[0]  # token 768 = row 48 of 16
+  elif change == 'batch_size':
+    assert rows == 24 and 'no row is skipped or repeated' in resumed.notes[0]
+  elif change == 'old_format':
+    assert rows == 0 and 'starts again at row 0' in resumed.notes[-1]
+
+
+def test_document_index_is_cached(prepared, tmp_path):
+  cfg = _cfg(prepared, cache_dir=str(tmp_path / 'cache'))
+  a = _global(cfg, 1, 2)
+  (cached,) = os.listdir(tmp_path / 'cache' / 'index')
+  assert cached.endswith('.npy')
+  assert _equal(_global(cfg, 1, 2), a)  # read back from the cache: the same stream

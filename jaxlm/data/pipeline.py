@@ -1,25 +1,24 @@
 """Training and evaluation input: prepared ArrayRecord shards → a Grain pipeline → packed batches.
 
-Per prepared dataset, every process builds the same pipeline and keeps its own slice of it:
+Training reads one global stream (jaxlm/data/stream.py), the same on any number of processes:
 
-  ArrayRecordDataSource(train shards)            one record = one document's token ids
-  → MapDataset.shuffle(seed)                     global shuffle; `repeat` re-seeds it each epoch
-  → [process_index::process_count]               disjoint per process; together exactly one epoch
-  → repeat()                                     endless epochs, each shuffled differently
-  → {'inputs': [EOS] + doc, 'targets': doc + [EOS]}
-  → ConcatThenSplitIterDataset(T)                pack documents into rows of T tokens
-→ IterDataset.mix(weights) → contract fields → batch(B // process_count) → mp_prefetch(num_workers).
+  ArrayRecord train shards + a document index     one record = one document's token ids
+  → one seeded order per epoch, packed end to end  row k = tokens [k·T, (k+1)·T) of the stream
+  → mixture by row (data.paths, data.weights)      mixture row k's dataset is a function of k
+  → global batch = the next S rows                 process p keeps rows [p·S/P, (p+1)·S/P) of it
+Per process: MapDataset.source(its rows) → to_iter_dataset → batch(S // P) → mp_prefetch(num_workers).
 
 The document separator: each document contributes [EOS, d1, ..., dn] to the inputs and [d1, ..., dn, EOS] to
 the targets, so a packed row reads `... an EOS b1 b2 ...` with exactly one EOS between documents, every token of a
 document (its first one included) is predicted from inside its own segment, and the EOS that ends a document is
-predicted too. Stored documents carry no BOS/EOS (prepare strips them); `_to_example` strips them again in
-case a shard came from another tool, so a tokenizer that appends its own EOS never yields two.
+predicted too. Stored documents carry no BOS/EOS (prepare strips them); they are stripped again in case a shard
+came from another tool, so a tokenizer that appends its own EOS never yields two.
 
 Batches (numpy, per process): inputs/targets/segment_ids/positions int32 (B, T), weights float32 (B, T);
-see the interface contract. The returned iterator is a Grain `DatasetIterator`: `get_state()` is a JSON-ready
-dict and `set_state(state)` resumes exactly; `grain.checkpoint.CheckpointSave/CheckpointRestore` save it inside
-an Orbax CheckpointManager step.
+see the interface contract. The training iterator's state is the global row position (`get_state()`, JSON, the
+same on every process), so a checkpoint written by N processes resumes on M; `grain.checkpoint.CheckpointSave`
+saves it inside an Orbax CheckpointManager step. Evaluation packs the held-out split in order
+(ConcatThenSplitIterDataset) and gives each process its rows of each global batch.
 """
 
 import dataclasses
@@ -37,6 +36,7 @@ from absl import logging
 from grain.experimental import ConcatThenSplitIterDataset
 
 from jaxlm.data import prepare as prepare_lib
+from jaxlm.data import stream as stream_lib
 from jaxlm.data import tokenizer as tokenizer_lib
 
 
@@ -236,46 +236,176 @@ def _seed(seed: int, k: int) -> int:
   return int.from_bytes(hashlib.sha256(f'{seed}/{k}'.encode()).digest()[:4], 'big')
 
 
-def make_train_dataset(data_cfg, *, batch_size: int, seed: int, vocab_size: int, process_index: int | None = None,
-                       process_count: int | None = None, num_epochs: int | None = None) -> grain.IterDataset:
-  """The Grain pipeline behind `make_train_iterator` (num_epochs=None repeats forever)."""
-  process_index, process_count = _process(process_index, process_count)
-  local = _local_batch(batch_size, process_count)
+def _streams(data_cfg, prepared: Sequence[Prepared], seed: int,
+             num_epochs: int | None) -> list[stream_lib.DocumentStream]:
+  out = []
+  for k, p in enumerate(prepared):
+    meta = p.meta
+    source = _source(p, 'train')
+    lengths = stream_lib.document_lengths(p.shards('train'), meta, data_cfg.get('cache_dir') or None)
+    if len(lengths) != len(source):
+      raise DataError(f'{p.path}: the document index lists {len(lengths)} documents but the shards hold '
+                      f'{len(source)}; delete {data_cfg.cache_dir}/index and start again.')
+    out.append(stream_lib.DocumentStream(source, lengths, seed=_seed(seed, k), seq_len=data_cfg.seq_len,
+                                         eos_id=meta['eos_id'], bos_id=meta['bos_id'], dtype=meta['dtype'],
+                                         epochs=num_epochs))
+  return out
+
+
+def fingerprint(data_cfg, prepared: Sequence[Prepared], weights: Sequence[float], seed: int) -> dict:
+  """What the row stream depends on: a saved position continues exactly only where all of it is unchanged."""
+  return {'data.seq_len': data_cfg.seq_len, 'train.seed': seed,
+          'tokenizer': prepared[0].meta['tokenizer_sha256'],
+          'data.paths': [[os.path.basename(os.path.normpath(p.path)), p.meta['splits']['train']['documents'],
+                          p.meta['splits']['train']['tokens']] for p in prepared],
+          'data.weights': stream_lib.Mixture(list(weights)).q}
+
+
+def make_train_rows(data_cfg, *, seed: int, vocab_size: int, num_epochs: int | None = None):
+  """(the global row stream as a random-access source, its fingerprint): the same on every process."""
   prepared = _open_all(data_cfg, vocab_size)
   weights = _weights(data_cfg, prepared)
-  parts = []
-  for k, p in enumerate(prepared):
-    ds = _source(p, 'train').shuffle(seed=_seed(seed, k))
-    ds = ds[process_index::process_count]
-    if len(ds) == 0:
-      raise DataError(f'{p.path} has {p.meta["splits"]["train"]["documents"]} training documents, fewer than the '
-                      f'{process_count} processes; prepare more data.')
-    ds = ds.repeat(num_epochs)
-    # With Grain workers, reading happens in them; in-process, a few threads read ahead.
-    parts.append(_packed(ds, p, data_cfg.seq_len, data_cfg.cross_document_attention,
-                         read_threads=1 if data_cfg.num_workers else 4))
-  ds = parts[0] if len(parts) == 1 else grain.IterDataset.mix(parts, weights)
-  ds = ds.batch(local, drop_remainder=True)
-  if data_cfg.num_workers:
-    if not flags.FLAGS.is_parsed():
-      # Grain's worker start-up reads its absl flags; a caller without absl.app (tests, notebooks) has not
-      # parsed any, so take the defaults rather than fail inside Grain.
-      flags.FLAGS.mark_as_parsed()
-    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=data_cfg.num_workers,
-                                                     per_worker_buffer_size=max(data_cfg.prefetch, 1)))
-  return ds
+  rows = stream_lib.Rows(_streams(data_cfg, prepared, seed, num_epochs), weights,
+                         data_cfg.cross_document_attention)
+  return rows, fingerprint(data_cfg, prepared, weights, seed)
 
 
 def make_train_iterator(data_cfg, *, batch_size: int, seed: int, vocab_size: int, process_index: int | None = None,
-                        process_count: int | None = None, num_epochs: int | None = None) -> grain.DatasetIterator:
-  """Endless iterator of this process's training batches (batch_size // process_count rows); checkpointable."""
+                        process_count: int | None = None, num_epochs: int | None = None) -> 'TrainIterator':
+  """Endless iterator of this process's rows of the global batches (batch_size // process_count rows each).
+
+  `next(it)` gives a batch of `batch_size` global rows; `it.take(size)` one of any multiple of the process count.
+  Checkpointable: `get_state()` is the global row position (JSON), the same on every process.
+  """
   start = time.time()
-  it = iter(make_train_dataset(data_cfg, batch_size=batch_size, seed=seed, vocab_size=vocab_size,
-                               process_index=process_index, process_count=process_count, num_epochs=num_epochs))
+  process_index, process_count = _process(process_index, process_count)
+  _local_batch(batch_size, process_count)
+  rows, fp = make_train_rows(data_cfg, seed=seed, vocab_size=vocab_size, num_epochs=num_epochs)
+  it = TrainIterator(rows, fp, unit=batch_size, process_index=process_index, process_count=process_count,
+                     num_workers=data_cfg.num_workers, prefetch=data_cfg.prefetch)
   logging.info('data: training iterator ready in %.1fs (%s, seq_len %d, %d workers)', time.time() - start,
                data_cfg.source if data_cfg.source == 'stdlib' else data_cfg.paths, data_cfg.seq_len,
                data_cfg.num_workers)
   return it
+
+
+class TrainIterator(grain.DatasetIterator):
+  """This process's rows of each global batch, read ahead by a Grain pipeline; its state is one row counter.
+
+  The pipeline: MapDataset.source(this process's rows of batches of `size` rows from the current position)
+  → batch(size // processes) → to_iter_dataset (threads read batches ahead) → mp_prefetch(data.num_workers).
+  It is rebuilt when a step asks for another batch size (a batch ramp's next stage) or the position is set.
+  """
+
+  def __init__(self, rows: stream_lib.Rows, fp: dict, *, unit: int, process_index: int, process_count: int,
+               num_workers: int = 0, prefetch: int = 2):
+    super().__init__()
+    self.rows_source, self.fingerprint = rows, fp
+    self.unit, self.process_index, self.process_count = unit, process_index, process_count
+    self.num_workers, self.prefetch = num_workers, prefetch
+    self.rows = 0  # global rows drawn so far (every process the same)
+    self.topology = {'processes': process_count}
+    self.expected: dict = {}  # train.batch_size / train.batch_ramp, set by the trainer (see `expect`)
+    self.allow_change = False
+    self.notes: list[str] = []  # what a resume with allowed data changes skipped or repeated
+    self.restored: dict | None = None  # the state last set
+    self._it, self._size = None, None
+
+  def expect(self, *, allow_change: bool = False, topology: dict | None = None, **fields) -> None:
+    """Run fields saved with the position and checked on restore (e.g. train.batch_size), and this topology."""
+    self.expected.update(fields)
+    self.topology.update(topology or {})
+    self.allow_change = allow_change
+
+  def _start(self, size: int) -> None:
+    self._stop()
+    finite = self.rows_source.rows != stream_lib.INFINITE_ROWS
+    batches = -(-(self.rows_source.rows - self.rows) // size) if finite else None
+    ds = grain.MapDataset.source(stream_lib.LocalRows(self.rows_source, self.rows, size, self.process_index,
+                                                      self.process_count, batches))
+    # Batch before leaving random access: Grain's workers (and read threads) then split whole batches, in order.
+    ds = ds.batch(size // self.process_count, drop_remainder=True)
+    ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=1 if self.num_workers else 4, prefetch_buffer_size=8))
+    if self.num_workers:
+      if not flags.FLAGS.is_parsed():
+        # Grain's worker start-up reads its absl flags; a caller without absl.app (tests, notebooks) has not
+        # parsed any, so take the defaults rather than fail inside Grain.
+        flags.FLAGS.mark_as_parsed()
+      ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.num_workers,
+                                                       per_worker_buffer_size=max(self.prefetch, 1)))
+    self._it, self._size = iter(ds), size
+
+  def _stop(self) -> None:
+    if self._it is not None and hasattr(self._it, 'close'):
+      self._it.close()
+    self._it, self._size = None, None
+
+  def take(self, size: int) -> dict:
+    """This process's rows of the next global batch of `size` rows."""
+    if size % self.process_count:
+      raise DataError(f'a batch of {size} rows does not split over {self.process_count} processes; use a '
+                      f'multiple of {self.process_count}.')
+    if size != self._size:
+      self._start(size)
+    batch = next(self._it)  # StopIteration at the end of a finite stream
+    self.rows += size
+    return batch
+
+  def __next__(self) -> dict:
+    return self.take(self.unit)
+
+  def get_state(self) -> dict:
+    return {'format': stream_lib.STATE_FORMAT, 'rows': self.rows, 'tokens': self.rows * self.rows_source.seq_len,
+            'fields': {**self.fingerprint, **self.expected}, 'topology': self.topology}
+
+  def set_state(self, state: dict) -> None:
+    """Continues at the saved global row; refuses (DataError) what cannot continue exactly, unless allowed."""
+    self._stop()
+    self.notes = []
+    self.restored = state
+    if state.get('format') != stream_lib.STATE_FORMAT:
+      self._changed('the data position', 'a per-process Grain iterator (jaxlm before the global stream)',
+                    'the global row stream', 'the old position cannot be mapped onto the global stream')
+      self.rows = 0
+      self.notes.append('the checkpoint holds no global data position: the stream starts again at row 0 '
+                        '(documents seen before are repeated)')
+      return
+    saved, now = state.get('fields', {}), {**self.fingerprint, **self.expected}
+    rows, seq_len = int(state['rows']), self.rows_source.seq_len
+    for field in now:
+      if field in saved and saved[field] != now[field]:
+        self._changed(field, saved[field], now[field], _CHANGE_EFFECT.get(field, _CHANGE_EFFECT['data.paths']))
+    old_seq_len = saved.get('data.seq_len', seq_len)
+    self.rows = -(-rows * old_seq_len // seq_len)  # the same token position (a partial row is skipped)
+    if self.notes:
+      self.notes.append(f'continuing at global row {self.rows} (token {self.rows * seq_len:,}; the checkpoint '
+                        f'was at token {rows * old_seq_len:,})')
+
+  def _changed(self, field: str, old, new, effect: str) -> None:
+    if not self.allow_change:
+      fix = f'set --config.{field}={old}' if field.startswith(('data.', 'train.')) and not isinstance(old, list) \
+          else 'use the original data'
+      raise DataError(f'cannot resume exactly: {field} was {_short(old)} when the checkpoint was written, now '
+                      f'{_short(new)}. Fix: {fix}, or start a new --workdir, or pass '
+                      f'--config.checkpoint.allow_data_change=True to continue ({effect}).')
+    self.notes.append(f'{field} changed from {_short(old)} to {_short(new)}: {effect}')
+
+  def close(self) -> None:
+    self._stop()
+
+
+_CHANGE_EFFECT = {
+    'data.seq_len': 'rows are re-cut at the same token position; at most one row is skipped',
+    'train.batch_size': 'no row is skipped or repeated, but the batches from here are cut at the new size',
+    'train.batch_ramp': 'no row is skipped or repeated, but the batches from here are cut at the new sizes',
+    'data.paths': 'the new stream is entered at the saved row: its rows before it are skipped, and documents '
+                  'trained on before may be repeated',
+}
+
+
+def _short(value) -> str:
+  text = json.dumps(value) if not isinstance(value, str) else repr(value)
+  return text if len(text) <= 80 else text[:77] + '...'
 
 
 def eval_batches(data_cfg, *, batch_size: int, num_batches: int, vocab_size: int, process_index: int | None = None,

@@ -1,0 +1,249 @@
+"""The global training stream: rows of packed tokens numbered from 0, the same on any number of hosts.
+
+Per prepared dataset (its train split):
+
+  documents, in one seeded order per epoch (every epoch reshuffled; empty documents dropped)
+  → one token stream: each document adds [EOS] + doc to the inputs and doc + [EOS] to the targets
+  → row k = stream tokens [k·T, (k+1)·T): segment ids and positions follow the documents inside the row
+Then a mixture picks, for mixture row k, dataset d(k) by a smooth weighted round robin over the weights (a pure
+function of k), and takes that dataset's next row. A global batch of S rows at row position R is mixture rows
+[R, R + S); process p of P holds rows [R + p·S/P, R + (p+1)·S/P), which is the block
+`jax.make_array_from_process_local_data` gives process p for batch sharding P(('data', 'fsdp'), None) (the
+processes' devices are contiguous in the mesh's batch axes: sharding.make_mesh).
+
+So the batches are a function of the data, the seed and the row position only: not of processes, devices, mesh
+or Grain workers, and a checkpoint's data position is one number, `rows`.
+
+The document index: each document's token count is read once from the shards and cached under data.cache_dir
+(keyed by the shards' paths, sizes and mtimes); per epoch, a permutation and its cumulative token offsets find the
+document holding any token with np.searchsorted.
+"""
+
+import collections
+import hashlib
+import json
+import math
+import os
+import time
+from concurrent import futures
+
+import numpy as np
+from absl import logging
+
+from jaxlm.errors import DataError
+
+STATE_FORMAT = 'jaxlm-stream-1'  # the data position's format in checkpoints
+INFINITE_ROWS = 2**48  # an endless stream, as a length Grain can slice
+
+
+def strip(doc: np.ndarray, eos_id: int, bos_id: int) -> np.ndarray:
+  """A stored document without leading BOS/EOS and trailing EOS (a foreign tokenizer may have added them)."""
+  lo, hi = 0, len(doc)
+  while hi > lo and doc[hi - 1] == eos_id:
+    hi -= 1
+  while lo < hi and doc[lo] in (bos_id, eos_id):
+    lo += 1
+  return doc[lo:hi]
+
+
+def _shard_lengths(path: str, dtype: str, eos_id: int, bos_id: int) -> np.ndarray:
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+  reader = array_record_module.ArrayRecordReader(path, 'readahead_buffer_size:0')
+  try:
+    records = reader.read_all()
+  finally:
+    reader.close()
+  itemsize = np.dtype(dtype).itemsize
+  out = np.empty(len(records), np.int64)
+  for i, r in enumerate(records):
+    n = len(r) // itemsize
+    if n and (r[-itemsize:] == _token(eos_id, dtype) or r[:itemsize] in (_token(eos_id, dtype),
+                                                                          _token(bos_id, dtype))):
+      n = len(strip(np.frombuffer(r, dtype), eos_id, bos_id))
+    out[i] = n + 1 if n else 0  # + the separator; an empty document adds nothing
+  return out
+
+
+def _token(token_id: int, dtype: str) -> bytes:
+  return np.asarray([max(token_id, 0)], dtype).tobytes() if token_id >= 0 else b'\xff' * np.dtype(dtype).itemsize
+
+
+def document_lengths(shards: list[str], meta: dict, cache_dir: str | None) -> np.ndarray:
+  """Tokens each document adds to the stream (len + 1 separator; 0 if empty), cached by the shards' identity."""
+  key = json.dumps([[os.path.abspath(s), os.path.getsize(s), os.stat(s).st_mtime_ns] for s in shards]
+                   + [meta['dtype'], meta['eos_id'], meta['bos_id'], STATE_FORMAT])
+  cache = (os.path.join(os.path.expanduser(cache_dir), 'index', hashlib.sha256(key.encode()).hexdigest()[:24]
+                        + '.npy') if cache_dir else None)
+  if cache and os.path.exists(cache):
+    try:
+      return np.load(cache)
+    except (OSError, ValueError):
+      pass  # a damaged cache file: read the shards again
+  start = time.time()
+  with futures.ThreadPoolExecutor(min(8, len(shards))) as pool:
+    lengths = np.concatenate(list(pool.map(
+        lambda s: _shard_lengths(s, meta['dtype'], meta['eos_id'], meta['bos_id']), shards)))
+  logging.info('data: indexed %d documents of %d shards in %.1fs', len(lengths), len(shards), time.time() - start)
+  if cache:
+    try:
+      os.makedirs(os.path.dirname(cache), exist_ok=True)
+      tmp = f'{cache}.{os.getpid()}.tmp.npy'
+      np.save(tmp, lengths)
+      os.replace(tmp, cache)  # atomic: processes indexing at once never read a partial file
+    except OSError as e:
+      logging.warning('data: could not cache the document index in %s (%s); it is rebuilt on every start.',
+                      cache, e)
+  return lengths
+
+
+class DocumentStream:
+  """One dataset's packed rows: `row(k)` is stream tokens [k·T, (k+1)·T), endless unless `epochs` is given."""
+
+  def __init__(self, source, lengths: np.ndarray, *, seed: int, seq_len: int, eos_id: int, bos_id: int,
+               dtype: str, epochs: int | None = None):
+    self.source, self.seed, self.seq_len = source, seed, seq_len
+    self.eos_id, self.bos_id, self.dtype = eos_id, bos_id, dtype
+    self.lengths = lengths
+    self.ids = np.flatnonzero(lengths > 0)
+    self.epoch_tokens = int(lengths.sum())
+    if not self.epoch_tokens:
+      raise DataError('the training split holds only empty documents; prepare it with more data.')
+    self.end = math.inf if epochs is None else epochs * self.epoch_tokens  # tokens in the stream
+    self.rows = INFINITE_ROWS if epochs is None else -(-self.end // seq_len)
+    self._epochs = collections.OrderedDict()  # epoch -> (document order, cumulative token offsets)
+    self._docs = collections.OrderedDict()  # a few decoded documents: a long one spans several rows
+
+  def __getstate__(self):
+    return dict(self.__dict__, _epochs=collections.OrderedDict(), _docs=collections.OrderedDict())
+
+  def epoch(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+    """Epoch e's document order and the stream offset (within the epoch) where each document starts."""
+    if e not in self._epochs:
+      order = np.random.default_rng([self.seed, e]).permutation(self.ids)
+      starts = np.zeros(len(order) + 1, np.int64)
+      np.cumsum(self.lengths[order], out=starts[1:])
+      self._epochs[e] = (order, starts)
+      while len(self._epochs) > 2:  # rows near an epoch's end read two epochs
+        self._epochs.popitem(last=False)
+    return self._epochs[e]
+
+  def _example(self, doc: int) -> tuple[np.ndarray, np.ndarray]:
+    if doc not in self._docs:
+      tokens = strip(np.frombuffer(self.source[int(doc)], self.dtype), self.eos_id, self.bos_id).astype(np.int32)
+      inputs = np.concatenate([[self.eos_id], tokens]).astype(np.int32)  # [EOS] + doc
+      targets = np.concatenate([tokens, [self.eos_id]]).astype(np.int32)  # doc + [EOS]
+      self._docs[doc] = (inputs, targets)
+      while len(self._docs) > 8:
+        self._docs.popitem(last=False)
+    return self._docs[doc]
+
+  def row(self, k: int) -> dict:
+    """Row k: inputs, targets, segment ids (1, 2, … per document piece; 0 = padding) and positions (T,)."""
+    T = self.seq_len
+    out = {key: np.zeros(T, np.int32) for key in ('inputs', 'targets', 'segment_ids', 'positions')}
+    pos, end = k * T, min((k + 1) * T, self.end)
+    fill, segment = 0, 0
+    while pos < end:
+      e, offset = divmod(pos, self.epoch_tokens)
+      order, starts = self.epoch(e)
+      i = int(np.searchsorted(starts, offset, side='right')) - 1
+      inputs, targets = self._example(order[i])
+      first = offset - int(starts[i])  # where the row enters this document
+      n = int(min(len(inputs) - first, end - pos))
+      segment += 1
+      out['inputs'][fill:fill + n] = inputs[first:first + n]
+      out['targets'][fill:fill + n] = targets[first:first + n]
+      out['segment_ids'][fill:fill + n] = segment
+      # A document continued from the previous row restarts its positions (it cannot see its first part).
+      out['positions'][fill:fill + n] = np.arange(n, dtype=np.int32)
+      fill, pos = fill + n, pos + n
+    return out
+
+
+def _quantize(weights: list[float], total: int = 4096) -> list[int]:
+  """Integer weights summing to `total` (largest remainder; a positive weight gets at least 1), gcd-reduced."""
+  w = np.asarray(weights, np.float64) / sum(weights) * total
+  q = np.floor(w).astype(np.int64)
+  for i in np.argsort(-(w - q), kind='stable')[:total - q.sum()]:
+    q[i] += 1
+  q[(q == 0) & (w > 0)] = 1
+  g = math.gcd(*(int(x) for x in q))
+  return [int(x) // g for x in q]
+
+
+class Mixture:
+  """Which dataset mixture row k comes from, and its row number there: a smooth weighted round robin.
+
+  Over each period of sum(q) rows dataset d gets exactly q_d rows, spread evenly (nginx's smooth weighted round
+  robin), so any prefix of the stream follows the weights closely and row k's source is a function of k alone.
+  """
+
+  def __init__(self, weights: list[float]):
+    self.q = _quantize(weights)
+    self.period = sum(self.q)
+    credit = np.zeros(len(self.q), np.int64)
+    labels = np.empty(self.period, np.int64)
+    for r in range(self.period):
+      credit += self.q
+      labels[r] = d = int(np.argmax(credit))
+      credit[d] -= self.period
+    self.labels = labels
+    # before[r, d]: rows of dataset d among the first r rows of a period.
+    self.before = np.zeros((self.period + 1, len(self.q)), np.int64)
+    np.cumsum(np.eye(len(self.q), dtype=np.int64)[labels], axis=0, out=self.before[1:])
+
+  def locate(self, k: int) -> tuple[int, int]:
+    """(dataset, row in that dataset's stream) of mixture row k."""
+    period, r = divmod(k, self.period)
+    d = int(self.labels[r])
+    return d, period * self.q[d] + int(self.before[r, d])
+
+
+class Rows:
+  """Mixture row k (a random-access source); rows past the end of a finite stream are padding."""
+
+  def __init__(self, streams: list[DocumentStream], weights: list[float], cross_document_attention: bool):
+    self.streams, self.cross = streams, cross_document_attention
+    self.mixture = Mixture(weights)
+    self.seq_len = streams[0].seq_len
+    if len(streams) == 1:
+      self.rows = streams[0].rows
+    elif any(s.rows != INFINITE_ROWS for s in streams):
+      raise DataError('num_epochs applies to a single dataset, not to a mixture.')
+    else:
+      self.rows = INFINITE_ROWS
+
+  def __len__(self) -> int:
+    return self.rows
+
+  def __getitem__(self, k: int) -> dict:
+    if k >= self.rows:
+      row = {key: np.zeros(self.seq_len, np.int32) for key in ('inputs', 'targets', 'segment_ids', 'positions')}
+    else:
+      d, j = self.mixture.locate(int(k))
+      row = self.streams[d].row(j)
+    segment_ids, positions = row['segment_ids'], row['positions']
+    if self.cross:
+      # One segment per row: attention crosses documents (the EOS separators remain), positions are plain.
+      segment_ids = (segment_ids > 0).astype(np.int32)
+      positions = np.arange(self.seq_len, dtype=np.int32)
+    return {'inputs': row['inputs'], 'targets': row['targets'], 'segment_ids': segment_ids,
+            'positions': positions, 'weights': (segment_ids > 0).astype(np.float32)}
+
+
+class LocalRows:
+  """This process's rows of the global batches of `size` rows from row `start`, in order (a Grain source)."""
+
+  def __init__(self, rows: Rows, start: int, size: int, process_index: int, process_count: int,
+               batches: int | None = None):
+    self.rows, self.start, self.size = rows, start, size
+    self.local = size // process_count
+    self.offset = process_index * self.local
+    self.length = (INFINITE_ROWS if batches is None else batches) * self.local
+
+  def __len__(self) -> int:
+    return self.length
+
+  def __getitem__(self, j: int) -> dict:
+    batch, i = divmod(int(j), self.local)
+    return self.rows[self.start + batch * self.size + self.offset + i]
