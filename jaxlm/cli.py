@@ -18,10 +18,24 @@ from jaxlm import errors
 
 
 def fail(error: BaseException) -> NoReturn:
-  """Prints the one last line for an expected failure and exits with its code."""
+  """Prints the one last line for an expected failure and exits with its code.
+
+  A message that lists several problems (config validation: 'invalid config:' then '  - ...' lines) prints
+  them first, each naming its field and fix, and ends with the one summary line.
+  """
   code = getattr(error, 'exit_code', 1)
   sys.stdout.flush()
-  print(f'jaxlm: {error}', file=sys.stderr, flush=True)
+  head, *details = [line for line in str(error).splitlines() if line.strip()]
+  if len(details) == 1:
+    last = f'{head.rstrip(": ")}: {details[0].strip().removeprefix("- ")}'
+  elif details:
+    print('\n'.join(details), file=sys.stderr)
+    last = f'{head.rstrip(": ")}: {len(details)} problems; fix each field as the lines above say'
+  else:
+    last = head
+  if '; ' not in last and isinstance(error, errors.ConfigError):
+    last = f'{last.rstrip(".")}; change it and run again'
+  print(f'jaxlm: {last}', file=sys.stderr, flush=True)
   sys.exit(code)
 
 

@@ -31,6 +31,7 @@ import dataclasses
 import faulthandler
 import glob
 import os
+import socket
 import re
 import sys
 import threading
@@ -251,6 +252,22 @@ _peer_watch: 'PeerWatch | None' = None
 _stall: tuple[int, int] | None = None  # (process, step) of the stall drill in this attempt
 
 
+def _wait_for_coordinator(address: str, timeout_s: float, source: str) -> None:
+  """Waits until process 0's coordinator port accepts connections; a DistributedError after `timeout_s`."""
+  host, port = address.rsplit(':', 1)
+  deadline, error = time.monotonic() + timeout_s, None
+  while time.monotonic() < deadline:
+    try:
+      socket.create_connection((host.strip('[]'), int(port)), timeout=2).close()
+      return
+    except OSError as e:
+      error = e
+      time.sleep(0.5)
+  raise DistributedError(f'could not reach the coordinator {address} (process 0, {source}) within '
+                         f'dist.init_timeout_s={timeout_s:g}s ({error}); start every process of the job with the same '
+                         f'command, and make process 0\'s port reachable from this host')
+
+
 def initialize(dist_cfg) -> bool:
   """Joins the job's other processes when there are any; call before any other JAX call. True if it did."""
   global _watchdog, _stall, _peer_watch
@@ -264,6 +281,9 @@ def initialize(dist_cfg) -> bool:
     return False
   # CPU collectives across processes go over TCP with gloo (the default in JAX 0.10; set so it stays explicit).
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  if p.kwargs.get('coordinator_address') and p.kwargs.get('process_id', 0):
+    # JAX aborts the process (SIGABRT, a C++ stack) when it cannot reach the coordinator: find out first.
+    _wait_for_coordinator(p.kwargs['coordinator_address'], dist_cfg.init_timeout_s, p.source)
   try:
     jax.distributed.initialize(**p.kwargs)
   except Exception as e:  # pylint: disable=broad-except  -- JAX raises several types; all mean the same here

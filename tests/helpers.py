@@ -58,6 +58,26 @@ def train_env(devices: int = 8) -> dict:
               PYTHONUNBUFFERED='1')
 
 
+def run_cli(module: str, *args, devices: int = 8, timeout: float = 600, env: dict | None = None):
+  """`python -m <module> args...` from the repository root, as a user runs it; a CompletedProcess with text."""
+  import subprocess
+  import sys
+  return subprocess.run([sys.executable, '-m', module, *map(str, args)], cwd=ROOT,
+                        env=env if env is not None else train_env(devices), capture_output=True, text=True,
+                        timeout=timeout)
+
+
+def assert_fails_with(out, code: int, *says: str) -> str:
+  """An expected failure: exit `code`, no traceback, and one `jaxlm: <what>; <fix>` line last (saying `says`)."""
+  assert out.returncode == code, (out.returncode, out.stdout[-2000:], out.stderr[-2000:])
+  last = out.stderr.strip().splitlines()[-1]
+  assert last.startswith('jaxlm: ') and '; ' in last and 'Traceback' not in out.stdout + out.stderr, \
+      out.stderr[-2000:]
+  for text in says:
+    assert text in last, (text, last)
+  return last
+
+
 def read_records(workdir, kind: str = 'train') -> list[dict]:
   """Records of one kind from <workdir>/metrics.jsonl, in file order."""
   import json

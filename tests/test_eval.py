@@ -4,8 +4,6 @@ trained run, and lm-evaluation-harness on its export against jaxlm's own numbers
 import json
 import math
 import os
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
@@ -16,7 +14,7 @@ from jaxlm.data import pipeline as data_lib
 from jaxlm.tools import eval as eval_lib
 from jaxlm.hf import export as export_lib
 from jaxlm import model as model_lib
-from tests.helpers import load_config, train_env
+from tests.helpers import assert_fails_with, load_config, run_cli
 from tests.conftest import ROOT
 
 
@@ -71,8 +69,7 @@ def tiny_run(tmp_path_factory, data_cache):
 
 def test_eval_entry_point_reproduces_the_trainers_held_out_loss(tiny_run):
   workdir, trained = tiny_run
-  out = subprocess.run([sys.executable, '-m', 'jaxlm.tools.eval', f'--workdir={workdir}', '--json', '--prompt=def ',
-                        '--max_tokens=8'], cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
+  out = run_cli('jaxlm.tools.eval', f'--workdir={workdir}', '--json', '--prompt=def ', '--max_tokens=8', timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   r = json.loads(out.stdout.strip().splitlines()[-1])
   assert r['step'] == 6 and r['batches'] == 2
@@ -86,8 +83,7 @@ def test_eval_entry_point_reproduces_the_trainers_held_out_loss(tiny_run):
 
 def test_export_entry_point_ships_the_runs_tokenizer(tiny_run, tmp_path):
   workdir, _ = tiny_run
-  out = subprocess.run([sys.executable, '-m', 'jaxlm.hf.export', f'--workdir={workdir}', f'--out={tmp_path}'],
-                       cwd=ROOT, env=train_env(1), capture_output=True, text=True, timeout=300)
+  out = run_cli('jaxlm.hf.export', f'--workdir={workdir}', f'--out={tmp_path}', devices=1, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   assert 'CohereForCausalLM' in out.stdout
   for name in ('model.safetensors', 'config.json', 'tokenizer.model', 'tokenizer_config.json'):
@@ -164,8 +160,7 @@ def test_score_documents_equals_each_window_scored_alone(tiny_run):
 
 
 def _eval_cli(*args, timeout=300):
-  return subprocess.run([sys.executable, '-m', 'jaxlm.tools.eval', *args], cwd=ROOT, env=train_env(1),
-                        capture_output=True, text=True, timeout=timeout)
+  return run_cli('jaxlm.tools.eval', *args, devices=1, timeout=timeout)
 
 
 def test_documents_and_write_jsonl_entry_points(tiny_run, tmp_path):
@@ -197,10 +192,7 @@ def test_eval_user_errors_end_with_one_line_and_exit_2(tmp_path, make, args, say
     (tmp_path / make[0]).write_text(make[1])
   workdir = tmp_path / 'no_run'
   out = _eval_cli(f'--workdir={workdir}', *[a.format(file) for a in args], timeout=120)
-  assert out.returncode == 2, (out.stdout, out.stderr[-2000:])
-  last = out.stderr.strip().splitlines()[-1]
-  assert last.startswith('jaxlm: ') and '; ' in last and 'Traceback' not in out.stderr, out.stderr[-2000:]
-  assert says in last
+  assert_fails_with(out, 2, says)
 
 
 @pytest.fixture(scope='module')

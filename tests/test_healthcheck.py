@@ -12,7 +12,7 @@ import pytest
 
 from jaxlm.cluster import healthcheck
 from tests.conftest import ROOT
-from tests.helpers import train_env
+from tests.helpers import run_cli, train_env
 
 
 def test_eight_healthy_devices_pass():
@@ -41,8 +41,7 @@ def test_judge_compares_with_the_median():
 
 
 def test_cli_exit_code_and_message():
-  result = subprocess.run([sys.executable, '-m', 'jaxlm.cluster.healthcheck', '--iters=5', '--slow_factor=10',
-                           '--inject=slow:7'], cwd=ROOT, env=train_env(8), capture_output=True, text=True, timeout=120)
+  result = run_cli('jaxlm.cluster.healthcheck', '--iters=5', '--slow_factor=10', '--inject=slow:7', timeout=120)
   assert result.returncode == 1, result.stderr
   assert 'healthcheck: BAD process 0' in result.stdout and 'device 7: SLOW matmul' in result.stdout
 

@@ -97,7 +97,7 @@ def parse_override(cfg, flag: str, text: str, many: bool) -> tuple[str, list]:
   for part in section.split('.') if section else ():
     node = node.get(part) if isinstance(node, ml_collections.ConfigDict) else None
   if not isinstance(node, ml_collections.ConfigDict) or leaf not in node:
-    raise SweepError(f'--{flag} {key}: there is no such config field (see configs/base.py for every key).')
+    raise SweepError(f'--{flag} {key}: there is no such config field; see configs/base.py for every key')
   kind = type(node[leaf])
   if kind not in _PARSERS:
     raise SweepError(f'--{flag} {key}: a {kind.__name__} field cannot be swept; sweep one of its fields.')

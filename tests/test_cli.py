@@ -1,0 +1,29 @@
+"""One way to fail: every entry point ends an expected failure with one `jaxlm: <what>; <fix>` line and its code."""
+
+import pytest
+
+from tests.helpers import assert_fails_with, run_cli, train_env
+
+TINY = '--config=configs/palm_tiny.py'
+
+
+@pytest.mark.parametrize('module, args, code, says', [
+    ('jaxlm.train', [TINY, '--config.train.stepz=3'], 2, 'has no key train.stepz; did you mean config.train.steps'),
+    ('jaxlm.train', ['--config=configs/no_such_config.py'], 2, 'config file configs/no_such_config.py does not exist'),
+    ('jaxlm.train', [TINY, '--workdir=/proc/jaxlm/run'], 3, 'cannot write /proc/jaxlm/run'),
+    ('jaxlm.train', [TINY, '--config.train.steps=abc'], 2, 'bad command line'),
+    ('jaxlm.tools.eval', [], 2, 'missing --workdir'),
+    ('jaxlm.tools.report', ['--workdir=/nonexistent/run'], 2, 'no metrics.jsonl in /nonexistent/run'),
+    ('jaxlm.hf.export', ['--workdir=/nonexistent/run', '--out=/tmp/jaxlm_export_never'], 2, 'holds no checkpoint'),
+    ('jaxlm.data.prepare', [], 2, '--inputs and --out are required'),
+    ('jaxlm.tools.size', [TINY, '--config.model.d_model=60'], 2, 'invalid config'),
+    ('jaxlm.tools.sweep', [TINY, '--grid=model.no_such_key=1,2'], 2, 'no_such_key'),
+])
+def test_entry_points_fail_with_one_line_and_their_code(module, args, code, says):
+  assert_fails_with(run_cli(module, *args, timeout=300), code, says)
+
+
+def test_a_process_that_cannot_join_its_job_fails_with_the_distributed_code():
+  env = dict(train_env(), JAX_COORDINATOR_ADDRESS='127.0.0.1:9', JAX_NUM_PROCESSES='2', JAX_PROCESS_ID='1')
+  out = run_cli('jaxlm.train', TINY, '--config.dist.init_timeout_s=3', env=env, timeout=300)
+  assert_fails_with(out, 75, 'could not reach the coordinator 127.0.0.1:9')
