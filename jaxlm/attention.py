@@ -85,8 +85,8 @@ def _splash_block(seq_len: int) -> int | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _splash_kernel(heads: int, seq_len: int, mqa: bool, interpret: bool):
-  """A splash kernel for one example: causal over (T, T) for `heads` query heads; built once per shape."""
+def _splash_spec(heads: int, seq_len: int):
+  """The causal mask over (T, T) for `heads` query heads and the kernel's block sizes; pure Python, cached."""
   # Imported here: Pallas TPU is a heavy import and a GPU/CPU run never needs it.
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
@@ -94,11 +94,20 @@ def _splash_kernel(heads: int, seq_len: int, mqa: bool, interpret: bool):
   b = _splash_block(seq_len)
   blocks = kernel_lib.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
                                  block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+  return mask, blocks
+
+
+def _splash_kernel(heads: int, seq_len: int, mqa: bool, interpret: bool):
+  """A splash kernel for one example: causal over (T, T) for `heads` query heads.
+
+  Built inside the trace that uses it, never eagerly: its mask tables (numpy, cached by the library per mask
+  and block shape) become constants of that trace. An eager build would put them on a device, which fails on a
+  compile-only TPU mesh (pre-flight) and would tie a cached kernel to whichever backend built it first.
+  """
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
+  mask, blocks = _splash_spec(heads, seq_len)
   make = kernel_lib.make_splash_mqa if mqa else kernel_lib.make_splash_mha
-  # Built while a model is being traced, but cached across traces: its mask tables must be concrete arrays,
-  # not tracers of whichever trace happened to build it first.
-  with jax.ensure_compile_time_eval():
-    kernel = make(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret)
+  kernel = make(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret)
   return kernel, kernel_lib.SegmentIds
 
 
@@ -190,12 +199,23 @@ def _splash_problem(platform: str, seq_len: int) -> str | None:
   return None
 
 
+def mesh_platform() -> str | None:
+  """The platform of the mesh in context ('tpu', 'gpu', 'cpu'), or None outside any mesh."""
+  abstract = jax.sharding.get_abstract_mesh()
+  abstract_device = None if abstract.empty else getattr(abstract, 'abstract_device', None)
+  return None if abstract_device is None else abstract_device.platform  # None: a mesh of axis sizes alone
+
+
 def select(impl: str, *, dtype, head_dim: int, seq_len: int, platform: str | None = None,
            device=None) -> tuple[str, str]:
-  """(kernel that will run, why) for the configured `impl` on `platform` (default: JAX's default backend)."""
+  """(kernel that will run, why) for the configured `impl` on `platform`.
+
+  `platform` defaults to that of the mesh being traced under (a compile-only TPU mesh built on a CPU host
+  compiles for the TPU), else JAX's default backend.
+  """
   if impl not in IMPLS:
     raise ValueError(f'unknown attention implementation {impl!r}; use one of {", ".join(IMPLS)}')
-  platform = platform or jax.default_backend()
+  platform = platform or mesh_platform() or jax.default_backend()
   if device is None and platform == jax.default_backend():
     device = jax.devices()[0]
   if impl == 'xla':

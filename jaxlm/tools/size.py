@@ -7,18 +7,34 @@ Memory comes from an ahead-of-time compile of the real train step on the given m
 when the mesh needs more devices than this host has, the state memory is still exact (shapes and shardings on
 an abstract mesh) but the compiled numbers are left out; --fake_devices=N compiles on N fake CPU devices.
 Time to train uses PaLM's FLOPs per token, the definition MFU is measured against (jaxlm.perf.mfu).
+
+Pre-flight on a TPU this machine does not have (needs libtpu: pip install 'jax[tpu]'):
+
+  python -m jaxlm.tools.size --config=configs/palm_8b.py --target=v5p:4x4x4 [--slices=2] [--fit]
+
+compiles the exact train step `python -m jaxlm.train` would run on that topology (libtpu's compile-only
+devices: same shardings, same attention kernel, nothing allocated) and prints per chip the parameter,
+optimizer-state and temporary bytes against the chip's HBM with a fits verdict, the attention kernel compiled,
+the collectives in the step, and the compile time. A step that does not fit exits 2 (DoesNotFitError);
+--fit then compiles cheaper settings (more remat, then microbatches) and prints the first that fits.
+No predicted step time or MFU: XLA's cost analysis of a scanned model does not give one.
 """
 
 import math
+import os
+import re
+import time
 
 from absl import flags, logging
 import flax.linen as nn
 import jax
 
+from jaxlm import attention as attention_lib
 from jaxlm import cli
 from jaxlm import config as config_lib
 from jaxlm import metrics
 from jaxlm import perf
+from jaxlm import preflight
 from jaxlm import model as model_lib
 from jaxlm import sharding
 from jaxlm import step as step_lib
@@ -38,6 +54,12 @@ def _define_flags() -> None:
   flags.DEFINE_string('device_kind', '', 'Device kind for the peak FLOP/s, e.g. "TPU v5p" or '
                       '"NVIDIA H100 80GB HBM3"; default: this host\'s.')
   flags.DEFINE_float('peak_tflops', 0, 'Peak dense bf16 TFLOP/s per chip (overrides --device_kind).')
+  flags.DEFINE_string('target', '', 'A TPU topology to compile for without having it, as libtpu names it: '
+                      'v5e:2x2, v5p:4x4x4, v4:2x2x1, v6e:4x4, v5e:1x1 ...')
+  flags.DEFINE_integer('slices', 1, '--target: how many such slices (multi-slice over DCN; mesh.dcn_* spans them, '
+                       'dcn_data=slices unless set).')
+  flags.DEFINE_bool('fit', False, '--target: if the step does not fit, compile cheaper settings (remat, then '
+                    'microbatches) and print the first that fits.')
   flags.DEFINE_integer('fake_devices', 0, "Compile on this many fake CPU devices (e.g. the mesh size) instead "
                        "of this host's devices.")
 
@@ -139,6 +161,234 @@ def render(sections: list[tuple[str, list[tuple[str, str]]]]) -> str:
                    for title, rows in sections)
 
 
+class PreflightError(config_lib.ConfigError):
+  """A --target that cannot be compiled here (libtpu missing, a topology libtpu does not know): exit 2."""
+
+
+# Silences libtpu's two start-up warnings about a missing TPU VM environment; read once, when libtpu loads.
+_TPU_ENV = {'TPU_ACCELERATOR_TYPE': 'v5litepod-4', 'TPU_WORKER_HOSTNAMES': 'localhost'}
+
+
+def tpu_devices(target: str, slices: int = 1) -> list:
+  """Compile-only devices of the TPU topology `target` ('v5e:2x2', 'v5p:4x4x4', 'v4:2x2x1'), `slices` times."""
+  for key, value in _TPU_ENV.items():
+    os.environ.setdefault(key, value)
+  match = re.fullmatch(r'(v\d+[a-z]*):(\d+(?:x\d+)*)', target)
+  if not match:
+    raise PreflightError(f'--target={target!r} is not a TPU topology; write <chip>:<shape>, e.g. '
+                         f'--target=v5e:2x2, v5p:4x4x4, v4:2x2x1, v6e:4x4')
+  dims = [int(x) for x in match.group(2).split('x')]
+  kwargs = {}
+  if dims[0] < 2 or (len(dims) > 1 and dims[1] < 2):
+    # libtpu's default host is 2x2x1 chips; a smaller slice (one chip, 1x2) is one host of its own shape.
+    kwargs['chips_per_host_bounds'] = tuple(dims + [1] * (3 - len(dims)))
+  if slices > 1:
+    kwargs['num_slices'] = slices
+  try:
+    from jax.experimental import topologies
+    desc = topologies.get_topology_desc(topology_name=target, platform='tpu', **kwargs)
+  except Exception as e:  # pylint: disable=broad-except  -- libtpu missing, or a name it rejects
+    text = ' '.join(str(e).split())[:300]
+    if 'tpu' in text.lower() and ('not found' in text.lower() or 'unknown backend' in text.lower()
+                                  or 'plugin' in text.lower()):
+      raise PreflightError(f'cannot load libtpu to compile for {target} ({text}); pip install '
+                           f'"jax[tpu]=={jax.__version__}"') from e
+    raise PreflightError(f'libtpu cannot describe --target={target} --slices={slices} ({text}); use a '
+                         f'topology such as v5e:2x2, v5p:2x2x1, v4:2x2x1, v6e:2x2') from e
+  return list(desc.devices)
+
+
+def build_program(cfg, mesh) -> step_lib.Program:
+  """step.build_program(cfg, mesh), also on compile-only devices.
+
+  build_program enters the concrete mesh while it builds, and optax's tree_map_params runs tx.init eagerly
+  there (jnp.zeros counters); on a compile-only mesh any eager op fails. Until build_program builds under the
+  abstract mesh, it is given one here while it builds; its jitted functions still lower on the real mesh.
+  """
+  if mesh.devices.flat[0].platform == jax.default_backend():
+    return step_lib.build_program(cfg, mesh)
+  real = step_lib.sharding.activate
+
+  def activate_abstract(m):
+    return _abstract_activation(m) if m is mesh else real(m)
+
+  step_lib.sharding.activate = activate_abstract
+  try:
+    program = step_lib.build_program(cfg, mesh)
+  finally:
+    step_lib.sharding.activate = real
+  return program
+
+
+class _abstract_activation:
+  def __init__(self, mesh):
+    self.mesh = mesh
+    self.stack = None
+
+  def __enter__(self):
+    import contextlib
+    self.stack = contextlib.ExitStack()
+    self.stack.enter_context(jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh))
+    self.stack.enter_context(nn.logical_axis_rules(sharding.RULES))
+
+  def __exit__(self, *exc):
+    return self.stack.__exit__(*exc)
+
+
+_SHAPE = re.compile(r'\b(pred|[suf]\d+|bf16|f8\w*)\[([\d,]*)\]')
+_BITS = {'pred': 8, 'bf16': 16}
+_OPS = {'all-gather': 'all-gather', 'all-gather-start': 'all-gather', 'reduce-scatter': 'reduce-scatter',
+        'all-reduce': 'all-reduce', 'all-reduce-start': 'all-reduce', 'all-to-all': 'all-to-all',
+        'collective-permute': 'collective-permute', 'collective-permute-start': 'collective-permute'}
+
+
+def _shape_bytes(text: str, last_only: bool = False) -> int:
+  shapes = _SHAPE.findall(text)
+  if last_only:
+    shapes = shapes[-1:]
+  total = 0
+  for dtype, dims in shapes:
+    bits = _BITS.get(dtype) or int(re.sub(r'\D', '', dtype.split('e')[0]) or 8)
+    total += math.prod(int(d) for d in dims.split(',') if d) * bits // 8
+  return total
+
+
+def collectives(hlo: str) -> dict:
+  """{kind: (ops, bytes)} of the collectives in a compiled module's HLO text (per device, result sizes).
+
+  TPU reduce-scatters are fusions calling an `all-reduce-scatter` computation; the all-reduces inside those
+  computations are part of them and not counted again. Ops in a scanned layer body appear once here and run
+  once per layer.
+  """
+  out, computation = {}, ''
+  for line in hlo.splitlines():
+    if not line.startswith(' ') and line.rstrip().endswith('{'):
+      computation = line.split(' ', 1)[0]
+      continue
+    m = re.match(r'\s+%\S+ = (.*?) ([a-z-]+)\(', line)
+    if not m:
+      continue
+    result, op = m.groups()
+    kind = _OPS.get(op)
+    if op == 'fusion' and 'calls=%all-reduce-scatter' in line:
+      kind = 'reduce-scatter'
+    if kind is None or 'all-reduce-scatter' in computation:
+      continue
+    ops, nbytes = out.get(kind, (0, 0))
+    out[kind] = (ops + 1, nbytes + _shape_bytes(result, last_only=op.endswith('-start')))
+  return out
+
+
+def compile_step(cfg, devices) -> dict:
+  """Compiles cfg's train step on `devices` ahead of time: memory, kernel, collectives, compile seconds."""
+  mesh = sharding.make_mesh(cfg.mesh, devices)
+  started = time.perf_counter()
+  program = build_program(cfg, mesh)
+  state, shardings = program.abstract_state, program.state_shardings
+  batch = step_lib.abstract_batch(cfg.train.batch_size, cfg.data.seq_len, program.batch_sharding)
+  compiled = program.train_step.lower(state, batch).compile()
+  seconds = time.perf_counter() - started
+  hlo = compiled.as_text() or ''
+  m = cfg.model
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    kernel, why = attention_lib.select(m.attention, dtype=m.dtype, head_dim=model_lib.head_dim(m),
+                                       seq_len=cfg.data.seq_len)
+  custom = hlo.count('tpu_custom_call')
+  if kernel == 'splash' and not custom:
+    kernel, why = 'xla', 'splash was selected but the step has no tpu_custom_call: it fell back while tracing'
+  limit, source = preflight.device_memory(devices)
+  memory = preflight.step_memory(compiled)
+  return {'param_bytes': sharding.bytes_per_device(state.params, shardings.params),
+          'opt_state_bytes': sharding.bytes_per_device(state.opt_state, shardings.opt_state),
+          'memory': memory, 'limit_bytes': limit, 'limit_source': source,
+          'fits': preflight.fits(memory, limit), 'kernel': kernel, 'kernel_why': why,
+          'tpu_custom_calls': custom, 'collectives': collectives(hlo), 'compile_s': seconds,
+          'device_kind': devices[0].device_kind, 'devices': len(devices), 'hlo': hlo}
+
+
+def target_config(cfg, devices, slices: int) -> None:
+  """Resolves cfg.mesh (a -1) for `devices`; multi-slice without dcn_* set spans slices with dcn_data."""
+  dcn = [cfg.mesh.get(f'dcn_{a}', 1) for a in sharding.AXES]
+  if slices > 1 and math.prod(dcn) == 1:
+    cfg.mesh.dcn_data = slices
+  config_lib.validate(cfg, len(devices), sharding.num_processes(devices), sharding.num_slices(devices))
+
+
+def fit_search(cfg, devices) -> tuple[dict | None, list]:
+  """The first of preflight.candidates(cfg) whose step fits, compiled; and (setting, report) of every try."""
+  tried = []
+  for setting in preflight.candidates(cfg):
+    trial = cfg.copy_and_resolve_references()
+    trial.model.remat, trial.train.microbatches = setting['remat'], setting['microbatches']
+    try:
+      config_lib.validate(trial, len(devices), sharding.num_processes(devices), sharding.num_slices(devices))
+    except ValueError:
+      continue
+    report = compile_step(trial, devices)
+    tried.append((setting, report))
+    if report['fits']:
+      return setting, tried
+  return None, tried
+
+
+def target_rows(report: dict) -> list[tuple[str, str]]:
+  """Rows of a compile_step report."""
+  b, mem = perf.format_bytes, report['memory']
+  rows = [('parameters', b(report['param_bytes'])), ('optimizer state', b(report['opt_state_bytes']))]
+  if mem:
+    rows += [('step arguments (state + batch)', b(mem['argument_bytes'])),
+             ('step temporaries', b(mem['temp_bytes'])), ('step total', b(mem['total_bytes']))]
+  limit = report['limit_bytes']
+  rows.append(('memory per chip', f'{b(limit)} ({report["limit_source"]})' if limit else report['limit_source']))
+  if report['fits'] is not None:
+    headroom = limit - mem['total_bytes']
+    rows.append(('verdict', f'fits, {b(headroom)} to spare' if report['fits'] else
+                 f'does NOT fit: {b(-headroom)} too much'))
+  rows.append(('attention kernel', f'{report["kernel"]} ({report["kernel_why"]}; '
+                                   f'{report["tpu_custom_calls"]} tpu_custom_call in the HLO)'))
+  for kind, (ops, nbytes) in sorted(report['collectives'].items()):
+    rows.append((f'  {kind}', f'{ops} ops, {b(nbytes)} per device per pass'))
+  rows.append(('compile time', f'{report["compile_s"]:.1f} s'))
+  return rows
+
+
+def main_target(cfg) -> int:
+  """--target: compile for a TPU topology this machine does not have; exit 2 when the step does not fit."""
+  devices = tpu_devices(FLAGS.target, FLAGS.slices)
+  try:
+    if FLAGS.mesh:
+      cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = parse_mesh(FLAGS.mesh)
+    target_config(cfg, devices, FLAGS.slices)
+  except ValueError as e:
+    raise config_lib.ConfigError(str(e)) from e
+  a = analytic(cfg)
+  sizes = sharding.MeshShape.resolve(cfg.mesh, len(devices)).sizes
+  report = compile_step(cfg, devices)
+  where = f'{FLAGS.target}' + (f' × {FLAGS.slices} slices' if FLAGS.slices > 1 else '')
+  title = (f'per chip on {where} ({len(devices)} × {report["device_kind"]}), mesh data={sizes[0]} × '
+           f'fsdp={sizes[1]} × tensor={sizes[2]}, remat={cfg.model.remat}, '
+           f'microbatches={cfg.train.microbatches}')
+  sections = [(f'{cfg.name}: model', model_rows(a, cfg)), (title, target_rows(report))]
+  if report['fits'] is False and FLAGS.fit:
+    setting, tried = fit_search(cfg, devices)
+    rows = [(preflight.describe(s), f'{perf.format_bytes(r["memory"]["total_bytes"])}, '
+             f'{"fits" if r["fits"] else "does not fit"}, compiled in {r["compile_s"]:.1f} s') for s, r in tried]
+    rows.append(('cheapest that fits', preflight.describe(setting) if setting else 'none of these'))
+    sections.append(('--fit: cheaper settings, cheapest first', rows))
+    print(render(sections))
+    if setting is None:
+      raise preflight.DoesNotFitError(
+          f'{cfg.name} does not fit {where} with any remat policy or microbatch count tried; shard wider '
+          f'(a larger --target, more mesh.fsdp or mesh.tensor)')
+    return 0
+  print(render(sections))
+  if report['fits'] is False:
+    raise preflight.DoesNotFitError(preflight.not_fitting_message(
+        cfg, report['memory'], report['limit_bytes'], report['limit_source']).replace(
+        '--config=<this config>', f'--config=<this config> --target={FLAGS.target}'))
+  return 0
+
+
 def main(argv):
   """Prints the size report of --config."""
   del argv
@@ -149,6 +399,8 @@ def main(argv):
     jax.config.update('jax_platforms', 'cpu')
     jax.config.update('jax_num_cpu_devices', FLAGS.fake_devices)
   cfg = FLAGS.config
+  if FLAGS.target:
+    return main_target(cfg)
   try:
     if FLAGS.mesh:
       cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = parse_mesh(FLAGS.mesh)
