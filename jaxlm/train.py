@@ -126,7 +126,8 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
 def restore_or_init(r: Run) -> step_lib.TrainState:
   """The newest intact checkpoint (with its data position and guard state), else a fresh or warm start."""
   program, t = r.program, r.cfg.train
-  topology = {'processes': jax.process_count(), 'devices': jax.device_count(), 'mesh': dict(r.mesh.shape)}
+  topology = {'processes': jax.process_count(), 'devices_per_process': jax.local_device_count(),
+              'mesh': dict(r.mesh.shape)}
   if hasattr(r.train_iter, 'expect'):  # saved with the data position; a resume checks them (data/pipeline.py)
     r.train_iter.expect(allow_change=r.cfg.checkpoint.allow_data_change, topology=topology,
                         **{'train.batch_size': t.batch_size, 'train.batch_ramp': t.batch_ramp})
@@ -161,7 +162,7 @@ def report_data_resume(r: Run, step: int, topology: dict) -> None:
     r.log.event(step, 'data_resumed', f'data position carried over: global row {r.train_iter.rows:,} '
                 f'(token {r.train_iter.rows * r.cfg.data.seq_len:,})'
                 + (f'; topology changed since the checkpoint: {", ".join(changed)}' if changed else ''),
-                rows=r.train_iter.rows, changed=changed)
+                rows=r.train_iter.rows)
   for note in getattr(r.train_iter, 'notes', []):
     r.log.event(step, 'data_change', f'checkpoint.allow_data_change: {note}')
 

@@ -1,0 +1,77 @@
+"""Elastic resume (#19): checkpointed on N processes, continued on M, with the losses of an uninterrupted run.
+
+Each case trains palm_tiny for 12 steps in three segments on three topologies — 2 processes × 4 devices (steps
+1-4), 1 × 8 (5-8), 4 × 2 with another mesh (9-12) — and compares every logged loss with one uninterrupted
+1 × 8 run. The schedule is constant after warmup so that train.steps (the segment's end) does not change the
+learning rate.
+"""
+
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxlm.data import pipeline as data_lib
+from tests.conftest import ROOT
+from tests.helpers import load_config, read_records, train_env
+
+SEGMENTS = [(2, 4, 4, ()), (1, 8, 8, ()), (4, 2, 12, ('--config.mesh.data=2',))]  # processes, devices, steps
+
+
+def overrides(data_cache, *extra) -> list[str]:
+  return [f'--config.data.cache_dir={data_cache}', '--config.stability.policy=off', '--config.log.tensorboard=False',
+          '--config.dist.peer_timeout_s=15', '--config.optim.schedule=constant', '--config.optim.warmup_steps=2',
+          '--config.train.log_every=2', '--config.checkpoint.every=4', *extra]
+
+
+def train(workdir, processes: int, devices: int, *args) -> subprocess.CompletedProcess:
+  command = ['launch/local.sh', '-n', str(processes), '-d', str(devices), '--', sys.executable, '-m', 'jaxlm.train',
+             '--config=configs/palm_tiny.py', f'--workdir={workdir}', *args]
+  return subprocess.run(command, cwd=ROOT, env=train_env(devices), capture_output=True, text=True, timeout=600)
+
+
+def losses(workdir) -> dict[int, float]:
+  return {r['step']: r['loss'] for r in read_records(workdir)}
+
+
+def mixture(data_cache, tmp_path) -> tuple[str, ...]:
+  """Two prepared datasets (the stdlib corpus and a copy, shuffled apart by their seeds), weighted 2:1."""
+  cfg = load_config('palm_tiny').data
+  cfg.cache_dir = str(data_cache)
+  (path,) = data_lib.dataset_dirs(cfg, 512)
+  copy = shutil.copytree(path, tmp_path / 'copy')
+  return '--config.data.source=prepared', f'--config.data.paths={path},{copy}', '--config.data.weights=2,1'
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize('case', ['plain', 'ramp', 'mixture'])
+def test_resume_on_other_topologies_matches_an_uninterrupted_run(tmp_path, data_cache, case):
+  extra = {'plain': (), 'ramp': ('--config.train.batch_size=16', '--config.train.batch_ramp=8:3072'),
+           'mixture': mixture(data_cache, tmp_path) if case == 'mixture' else ()}[case]
+  ref = tmp_path / 'reference'
+  done = train(ref, 1, 8, *overrides(data_cache, '--config.train.steps=12', *extra))
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  want = losses(ref)
+  assert sorted(want) == [2, 4, 6, 8, 10, 12]
+  run = tmp_path / 'run'
+  for processes, devices, steps, more in SEGMENTS:
+    done = train(run, processes, devices, *overrides(data_cache, f'--config.train.steps={steps}', *extra, *more))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  got = losses(run)
+  assert sorted(got) == sorted(want)
+  np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=1e-5)
+  events = [r for r in read_records(run, 'event') if r['event'] == 'data_resumed']
+  assert [e['step'] for e in events] == [4, 8]
+  assert 'processes 2 -> 1, devices_per_process 4 -> 8' in events[0]['message']
+  assert "mesh {'data': 1, 'fsdp': 8, 'tensor': 1} -> {'data': 2, 'fsdp': 4, 'tensor': 1}" in events[1]['message']
+  rows = 6 * 8 + 2 * 16 if case == 'ramp' else 8 * 8  # 8 steps of 8 rows (ramp: 6 of 8 rows, up to 3072 tokens)
+  assert f'data position carried over: global row {rows}' in events[1]['message']
+  if case == 'plain':
+    # A change that cannot continue exactly is refused in one line (exit 2), naming the field and the fix.
+    done = train(run, 1, 8, *overrides(data_cache, '--config.train.steps=16', '--config.data.seq_len=32'))
+    assert done.returncode == 2
+    [last] = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith('jaxlm:')]
+    assert 'data.seq_len was 64 when the checkpoint was written, now 32' in last, last
+    assert '--config.checkpoint.allow_data_change=True' in last
