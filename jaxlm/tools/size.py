@@ -165,8 +165,10 @@ class PreflightError(config_lib.ConfigError):
   """A --target that cannot be compiled here (libtpu missing, a topology libtpu does not know): exit 2."""
 
 
-# Silences libtpu's two start-up warnings about a missing TPU VM environment; read once, when libtpu loads.
-_TPU_ENV = {'TPU_ACCELERATOR_TYPE': 'v5litepod-4', 'TPU_WORKER_HOSTNAMES': 'localhost'}
+# Read once, when libtpu loads: the first two silence its warnings about a missing TPU VM environment; the
+# third lets several processes load it (compile-only devices hold no chip, so /tmp/libtpu_lockfile guards nothing).
+_TPU_ENV = {'TPU_ACCELERATOR_TYPE': 'v5litepod-4', 'TPU_WORKER_HOSTNAMES': 'localhost',
+            'ALLOW_MULTIPLE_LIBTPU_LOAD': '1'}
 
 
 def tpu_devices(target: str, slices: int = 1) -> list:

@@ -1,0 +1,67 @@
+"""The pre-flight table of bench/RESULTS.md: each reference config compiled for its intended TPU target on this
+machine (libtpu's compile-only devices; pip install 'jax[tpu]'), with the cheapest remat/microbatch setting that
+fits (jaxlm.tools.size --fit's search).
+
+  python bench/preflight.py [--only=palm_1b] [--fit]
+
+One markdown row per target: mesh, remat, microbatches, bytes per chip, HBM, fits, compile time.
+"""
+
+import argparse
+import pathlib
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from jaxlm import cli, perf, preflight, sharding  # noqa: E402
+from jaxlm.tools import size  # noqa: E402
+
+# (config, target, slices, chips-named-as-Google-sells-them)
+ROWS = [
+    ('palm_1b', 'v5e:2x4', 1, 'v5e-8'),
+    ('palm_1b', 'v5p:2x2x1', 1, 'v5p-8'),
+    ('palm_1b', 'v6e:2x4', 1, 'v6e-8'),
+    ('palm_8b', 'v4:4x4x2', 1, 'v4-64'),
+    ('palm_8b', 'v5p:4x4x2', 1, 'v5p-64'),
+    ('palm_62b', 'v4:8x8x8', 1, 'v4-1024'),
+    ('palm_540b', 'v4:16x16x12', 2, '2 × v4-6144 (PaLM)'),
+]
+
+
+def row(name: str, target: str, slices: int, label: str, fit: bool) -> str:
+  cfg = cli.load_file(str(ROOT / 'configs' / f'{name}.py'))
+  started = time.perf_counter()
+  devices = size.tpu_devices(target, slices)
+  size.target_config(cfg, devices, slices)
+  report = size.compile_step(cfg, devices)
+  setting = {'remat': cfg.model.remat, 'microbatches': cfg.train.microbatches}
+  if report['fits'] is False and fit:
+    found, tried = size.fit_search(cfg, devices)
+    if found:
+      setting, report = found, tried[-1][1]
+  sizes = sharding.MeshShape.resolve(cfg.mesh, len(devices)).sizes
+  b = perf.format_bytes
+  return (f'| {name} | {label} (`{target}`{f" ×{slices}" if slices > 1 else ""}) | {sizes[0]}×{sizes[1]}×{sizes[2]} '
+          f'| {setting["remat"]} | {setting["microbatches"]} | {b(report["memory"]["total_bytes"])} '
+          f'| {b(report["limit_bytes"])} | {"yes" if report["fits"] else "**no**"} | {report["kernel"]} '
+          f'| {report["compile_s"]:.0f} s | {time.perf_counter() - started:.0f} s |')
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--only', default='', help='config name or target substring to run')
+  parser.add_argument('--fit', action='store_true', help='search remat/microbatches when a row does not fit')
+  args = parser.parse_args()
+  print('| config | target | mesh d×f×t | remat | microbatches | step bytes/chip | HBM/chip | fits | attention '
+        '| compile | wall (with --fit) |')
+  print('| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |')
+  for r in ROWS:
+    if args.only and args.only not in r[0] and args.only not in r[1]:
+      continue
+    print(row(*r, fit=args.fit), flush=True)
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,148 @@
+"""Pre-flight (#18): the real train step compiled for TPU topologies this machine does not have (libtpu's
+compile-only devices), the memory-fit check shared by `jaxlm.tools.size --target` and the trainer, and the
+attention kernel chosen for the mesh's platform.
+
+The TPU tests need libtpu (`pip install -e '.[test]'` pins it); without it they skip with the reason. libtpu's
+topology descriptions load under JAX_PLATFORMS=cpu (measured with libtpu 0.0.42.1), so these run in-process.
+"""
+
+import math
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from jaxlm import attention, preflight, sharding, step as step_lib
+from jaxlm.tools import size
+from tests.helpers import assert_fails_with, load_config, run_cli, train_command, train_env
+
+
+@pytest.fixture(scope='module')
+def v5e_2x2():
+  """Four compile-only TPU v5e chips, or a skip that says why."""
+  try:
+    return size.tpu_devices('v5e:2x2')
+  except size.PreflightError as e:
+    pytest.skip(f'no libtpu here: {e}')
+
+
+def small_tpu_config(attention_impl: str):
+  """A few-MB model TPU kernels accept: head dim 128, sequence 512 (a multiple of splash's 512 block)."""
+  cfg = load_config('palm_tiny')
+  cfg.model.update(d_model=256, num_heads=2, num_kv_heads=1, head_dim=128, mlp_dim=512, dtype='bfloat16',
+                   attention=attention_impl)
+  cfg.data.seq_len = 512
+  cfg.mesh.update(data=1, fsdp=4, tensor=1)
+  return cfg
+
+
+def test_splash_compiles_for_a_real_tpu_target(v5e_2x2, caplog):
+  cfg = small_tpu_config('splash')
+  # conftest's 'highest' matmul precision asks Mosaic for an fp32-precision bf16 matmul, which it rejects.
+  with caplog.at_level('WARNING', logger='jaxlm.attention'), jax.default_matmul_precision('default'):
+    attention._logged.clear()
+    report = size.compile_step(cfg, v5e_2x2)
+  assert report['device_kind'] == 'TPU v5 lite' and report['devices'] == 4
+  # The Pallas kernel, lowered for the TPU (not interpret mode): causal mask plus segment ids (documents).
+  assert report['kernel'] == 'splash' and report['tpu_custom_calls'] > 0
+  assert 'tpu_custom_call' in report['hlo']
+  # (The parameters' shapes come from an 8-token dummy trace, which says splash cannot take 8 tokens: no step
+  # runs it.)
+  assert not [r for r in caplog.records if 'falling back' in r.getMessage() and 'it is 8;' not in r.getMessage()]
+  assert report['fits'] is True and report['limit_bytes'] == 16 * 2**30
+  assert report['collectives']['all-gather'][0] > 0  # fsdp gathers the parameters layer by layer
+
+
+def test_xla_kernel_arguments_are_the_sharded_state(v5e_2x2):
+  cfg = small_tpu_config('xla')
+  report = size.compile_step(cfg, v5e_2x2)
+  assert report['kernel'] == 'xla' and report['tpu_custom_calls'] == 0
+  mesh = sharding.make_mesh(cfg.mesh, v5e_2x2)
+  program = size.build_program(cfg, mesh)
+  state = sharding.bytes_per_device(program.abstract_state, program.state_shardings)
+  batch = 5 * cfg.train.batch_size // 4 * cfg.data.seq_len * 4  # five int32/float32 (B, T) arrays, B split 4 ways
+  # Equal up to TPU tiling: a leaf smaller than one (8, 128) tile (scalars, norm scales, the RNG key) is padded
+  # in HBM, by less than a KiB each here.
+  shards = [math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x, s in zip(
+      jax.tree.leaves(program.abstract_state), jax.tree.leaves(
+          program.state_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding)))]
+  small = sum(b < 4096 for b in shards)
+  assert state + batch <= report['memory']['argument_bytes'] <= state + batch + 1024 * small
+  assert report['param_bytes'] + report['opt_state_bytes'] < state  # + step, rng, lr_scale, batches
+
+
+def test_building_creates_no_array(v5e_2x2):
+  # Any eager op on a compile-only mesh fails ("not available with compile-only client"): building must not.
+  cfg = small_tpu_config('splash')
+  program = size.build_program(cfg, sharding.make_mesh(cfg.mesh, v5e_2x2))
+  assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(program.abstract_state))
+
+
+def test_kernel_is_chosen_for_the_mesh_platform(v5e_2x2):
+  mesh = sharding.make_mesh(small_tpu_config('auto').mesh, v5e_2x2)
+  kw = dict(dtype='bfloat16', head_dim=128, seq_len=512)
+  assert jax.default_backend() == 'cpu' and attention.select('auto', **kw)[0] == 'xla'
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    assert attention.mesh_platform() == 'tpu'
+    assert attention.select('auto', **kw)[0] == 'splash'
+
+
+def test_collectives_are_parsed_from_hlo():
+  hlo = '\n'.join([
+      'ENTRY %main (p: f32[8]) -> f32[8] {',
+      '  %all-gather.1 = bf16[4,256]{1,0} all-gather(%p), replica_groups={}',
+      '  %ag-start = (bf16[2,8]{1,0}, bf16[8,8]{1,0}) all-gather-start(%q)',
+      '  %all-reduce.2 = (f32[16]{0}, f32[]{}) all-reduce(%a, %b), to_apply=%add',
+      '  %fusion.3 = bf16[64,128]{1,0} fusion(%x), kind=kCustom, calls=%all-reduce-scatter.7',
+      '}',
+      '%all-reduce-scatter.7 (input: bf16[256,128]) -> bf16[64,128] {',
+      '  %all-reduce.9 = bf16[256,128]{1,0} all-reduce(%input), to_apply=%add',
+      '}'])
+  assert size.collectives(hlo) == {'all-gather': (2, 4 * 256 * 2 + 8 * 8 * 2), 'all-reduce': (1, 16 * 4 + 4),
+                                   'reduce-scatter': (1, 64 * 128 * 2)}
+
+
+def test_fit_candidates_cheapest_first():
+  cfg = load_config('palm_tiny')  # remat=none, batch 8
+  cfg.mesh.update(data=1, fsdp=2, tensor=1)
+  assert preflight.candidates(cfg) == [
+      {'remat': r, 'microbatches': 1} for r in ('dots', 'dots_no_batch', 'attn_out', 'full')] + [
+      {'remat': 'full', 'microbatches': 2}, {'remat': 'full', 'microbatches': 4}]
+
+
+def test_device_memory_env_and_table(monkeypatch, v5e_2x2):
+  monkeypatch.delenv(preflight.MEMORY_ENV, raising=False)
+  assert preflight.device_memory(jax.devices()[:1]) == (None, pytest.approx(preflight.device_memory(
+      jax.devices()[:1])[1]))  # a CPU reports no limit: unknown, never a failure
+  assert preflight.device_memory(v5e_2x2) == (16 * 2**30, 'HBM of a TPU v5 lite chip')
+  monkeypatch.setenv(preflight.MEMORY_ENV, '1e6')
+  assert preflight.device_memory(jax.devices()[:1])[0] == 1_000_000
+
+
+@pytest.mark.e2e
+def test_command_line_does_not_fit_then_fit(v5e_2x2):
+  # palm_8b's 256k x 4096 embedding alone, with Adam's moments and its gradient, is > 16 GiB on one v5e chip.
+  out = run_cli('jaxlm.tools.size', '--config=configs/palm_8b.py', '--target=v5e:1x1',
+                '--config.model.num_layers=1', '--config.train.batch_size=8', devices=1)
+  assert 'does NOT fit' in out.stdout and 'TPU v5 lite' in out.stdout, out.stdout + out.stderr
+  assert_fails_with(out, 2, 'per device', 'a device holds 16.00 GiB', '--fit to find the cheapest setting')
+  # A model whose activations are what does not fit: --fit compiles cheaper settings until one does.
+  tiny = small_tpu_config('splash')
+  args = ['--config=configs/palm_tiny.py', '--target=v5e:2x2', '--mesh=1,4,1', '--fit', '--config.train.batch_size=64',
+          *(f'--config.model.{k}={v}' for k, v in tiny.model.items() if k in (
+              'd_model', 'num_heads', 'num_kv_heads', 'head_dim', 'mlp_dim', 'dtype', 'attention')),
+          '--config.data.seq_len=512']
+  env = dict(train_env(1), **{preflight.MEMORY_ENV: str(60 * 2**20)})  # 60 MiB "chips"
+  out = run_cli('jaxlm.tools.size', *args, env=env)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  assert 'does NOT fit' in out.stdout and 'cheapest that fits  --config.model.remat=' in out.stdout, out.stdout
+
+
+@pytest.mark.e2e
+def test_trainer_refuses_a_step_that_cannot_fit(tmp_path, data_cache):
+  env = dict(train_env(), **{preflight.MEMORY_ENV: '100000'})  # 100 kB devices
+  out = run_cli('jaxlm.train', *train_command(tmp_path / 'run', f'--config.data.cache_dir={data_cache}')[3:],
+                env=env)
+  assert_fails_with(out, 2, 'the train step needs', 'a device holds', f'${preflight.MEMORY_ENV}',
+                    '--config.model.remat=dots')
