@@ -12,12 +12,12 @@ JAX's coordination service and every process connects to it. Recognised without 
 Anything else is a single process and stays exactly as before (no coordination service).
 
 Lost peers (tests/test_multihost.py runs both with real processes):
-  dead or frozen  every process bumps a counter in the coordination service's key-value store once a second
-                  (PeerWatch); a peer whose counter has not moved for dist.peer_timeout_s, or a coordinator that
-                  stops answering (process 0 died), ends this process with exit code HUNG_EXIT and one `jaxlm:`
-                  line naming the peer, instead of waiting in a collective forever. JAX's own heartbeat check,
-                  which would abort the process (SIGABRT, exit code 134, "the JAX distributed service detected
-                  fatal errors"), is given twice that time, so jaxlm's detection comes first.
+  dead or frozen  JAX's service expects a heartbeat from every process; after dist.peer_timeout_s without one,
+                  every other process is ended by JAX ("Terminating process because the JAX distributed service
+                  detected fatal errors. This most likely indicates that another task died", SIGABRT, exit code
+                  134) instead of waiting in a collective forever. That abort happens in a C++ thread and cannot
+                  be caught in Python, so the launchers map it: launch/local.sh and jaxlm.cluster.supervise report
+                  exit 134 as a lost peer, and local.sh exits HUNG_EXIT with one `jaxlm:` line.
   hung            a process stuck in Python (a deadlock, a stuck read) keeps heartbeating, so JAX sees nothing and
                   its peers would wait in the next collective forever. The step watchdog ends each process once
                   no training step has finished for dist.step_timeout_s (exit code HUNG_EXIT, with a message and
@@ -108,7 +108,7 @@ def plan(dist_cfg, environ: Mapping[str, str] = os.environ) -> Plan:
   if dist_cfg.initialize == 'never':
     return Plan(None, 'dist.initialize=never')
   timeouts = dict(initialization_timeout=int(dist_cfg.init_timeout_s),
-                  heartbeat_timeout_seconds=int(2 * dist_cfg.peer_timeout_s),  # PeerWatch notices first
+                  heartbeat_timeout_seconds=int(dist_cfg.peer_timeout_s),
                   shutdown_timeout_seconds=int(dist_cfg.peer_timeout_s))
   coordinator = dist_cfg.coordinator or environ.get(COORDINATOR_ENV, '')
   num = dist_cfg.num_processes or _int_env(environ, NUM_PROCESSES_ENV, 0)
@@ -193,62 +193,7 @@ class Watchdog:
     self.exit_fn(self.exit_code)
 
 
-class PeerWatch:
-  """Ends this process, with jaxlm's exit code and message, when a peer process is lost (dead or frozen).
-
-  Each process bumps its counter `jaxlm/alive/<process>` in the coordination service's key-value store every
-  `interval_s`; a peer whose counter has not moved for `timeout_s` is lost. If the service itself stops answering
-  for that long, process 0 (which hosts it) is. A daemon thread, like the Watchdog, so a main thread blocked in
-  a collective does not stop it.
-  """
-
-  def __init__(self, client, process: int, processes: int, timeout_s: float, interval_s: float = 1.0,
-               exit_fn: Callable[[int], None] = os._exit):
-    self.client, self.process, self.processes = client, process, processes
-    self.timeout_s, self.interval_s, self.exit_fn = timeout_s, interval_s, exit_fn
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._run, name='jaxlm-peerwatch', daemon=True)
-    self._thread.start()
-
-  def stop(self) -> None:
-    """Stops watching (at the end of training: peers finish their last save at different times)."""
-    self._stop.set()
-
-  def _run(self) -> None:
-    start = time.monotonic()
-    seen = {p: (None, start) for p in range(self.processes) if p != self.process}  # peer -> (value, since)
-    failing_since, count = None, 0
-    while not self._stop.wait(self.interval_s):
-      now, count = time.monotonic(), count + 1
-      try:
-        self.client.key_value_set(f'jaxlm/alive/{self.process}', str(count), allow_overwrite=True)
-        values = dict(self.client.key_value_dir_get('jaxlm/alive/'))
-        failing_since = None
-      except Exception as e:  # pylint: disable=broad-except  -- any failure to reach the service
-        failing_since = failing_since or now
-        if now - failing_since > self.timeout_s and not self._stop.is_set():
-          self._fire(f'the coordination service (process 0) has not answered for {self.timeout_s:g}s '
-                     f'({type(e).__name__}: {e}); process 0 is dead or unreachable')
-          return
-        continue
-      for peer, (value, since) in seen.items():
-        new = values.get(f'jaxlm/alive/{peer}')
-        if new != value:
-          seen[peer] = (new, now)
-        elif now - since > self.timeout_s and not self._stop.is_set():
-          self._fire(f'process {peer} has shown no sign of life for {self.timeout_s:g}s (killed, crashed or '
-                     f'frozen)')
-          return
-
-  def _fire(self, why: str) -> None:
-    print(f'jaxlm: process {self.process} of {self.processes}: lost a peer: {why}; every process of the job '
-          f'ends, and the job restarts from its newest checkpoint (jaxlm.cluster.supervise does)',
-          file=sys.stderr, flush=True)
-    self.exit_fn(HUNG_EXIT)
-
-
 _watchdog: Watchdog | None = None
-_peer_watch: 'PeerWatch | None' = None
 _stall: tuple[int, int] | None = None  # (process, step) of the stall drill in this attempt
 
 
@@ -270,7 +215,7 @@ def _wait_for_coordinator(address: str, timeout_s: float, source: str) -> None:
 
 def initialize(dist_cfg) -> bool:
   """Joins the job's other processes when there are any; call before any other JAX call. True if it did."""
-  global _watchdog, _stall, _peer_watch
+  global _watchdog, _stall
   p = plan(dist_cfg)
   # The drill's i-th entry is for the supervisor's i-th attempt, so a restarted job gets past its stall.
   stalls = dist_cfg.stall.split(',') if dist_cfg.stall else []
@@ -298,11 +243,6 @@ def initialize(dist_cfg) -> bool:
           flush=True)
   if dist_cfg.step_timeout_s and jax.process_count() > 1:
     _watchdog = Watchdog(dist_cfg.step_timeout_s, 'no training step finished')
-  if jax.process_count() > 1:
-    from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
-    # The client JAX made (Orbax reaches it the same way): its key-value store carries the liveness counters.
-    _peer_watch = PeerWatch(jax_distributed.global_state.client, jax.process_index(), jax.process_count(),
-                            dist_cfg.peer_timeout_s)
   return True
 
 
@@ -328,9 +268,6 @@ def any_process(flag: bool) -> bool:
 
 
 def disarm() -> None:
-  """Stops the step watchdog and the peer watch (after the training loop: the final save may take longer than a
-  step, and the processes finish it at different times)."""
+  """Stops the step watchdog (after the training loop: the final save may take longer than a step)."""
   if _watchdog is not None:
     _watchdog.stop()
-  if _peer_watch is not None:
-    _peer_watch.stop()

@@ -63,4 +63,12 @@ if ((status != 0)); then
   kill -KILL "${live[@]}" 2>/dev/null || true
   wait || true
 fi
+# JAX's coordination service aborts a process whose peer was lost (SIGABRT: 134) from a C++ thread, where jaxlm
+# cannot catch it; report it as jaxlm's lost-peer failure, with its code (75: restart from the checkpoint).
+if ((status == 134)); then
+  echo "jaxlm: process ${index} was aborted by JAX's coordination service (SIGABRT, exit 134), which is how it" \
+       "ends a process that lost a peer; restart the job from its newest checkpoint (jaxlm.cluster.supervise" \
+       "does)" >&2
+  status=75
+fi
 exit "${status}"

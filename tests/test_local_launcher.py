@@ -33,3 +33,13 @@ def test_sigterm_to_the_launcher_checkpoints_every_process_and_exits_0(tmp_path,
   assert 'checkpoint saved' in event['message'], event
   saved = workdir / 'checkpoints' / str(event['step'])
   assert sorted(p.name for p in (saved / 'data').glob('process_*')) == ['process_0-of-2.json', 'process_1-of-2.json']
+
+
+def test_a_process_aborted_by_jax_for_a_lost_peer_is_reported_as_jaxlms_lost_peer_failure():
+  """JAX's coordination service ends the survivors of a lost peer with SIGABRT (134) from C++: local.sh maps it."""
+  abort = 'import os, sys, time; time.sleep(0.2 * int(os.environ["JAX_PROCESS_ID"])); os.abort()'
+  out = subprocess.run(['launch/local.sh', '-n', '2', '-d', '1', '--', 'python3', '-c', abort], cwd=ROOT,
+                       env=dict(os.environ, LOCAL_GRACE_S='5'), capture_output=True, text=True, timeout=60)
+  assert out.returncode == 75, out.stderr[-2000:]
+  last = out.stderr.strip().splitlines()[-1]
+  assert last.startswith('jaxlm: process 0 was aborted by JAX') and '; restart the job' in last

@@ -101,5 +101,6 @@ def test_cli_stops_on_bad_config_exit_code(tmp_path):
 
 def test_describe():
   assert supervise.describe(-9) == 'killed by SIGKILL'
-  assert supervise.describe(134) == 'exit code 134 (SIGABRT)'
+  assert supervise.describe(134) == 'exit code 134 (SIGABRT: JAX aborts a process whose peer was lost)'
+  assert supervise.describe(137) == 'exit code 137 (SIGKILL)'
   assert supervise.describe(2) == 'exit code 2 (bad config or input)'

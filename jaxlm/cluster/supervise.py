@@ -34,6 +34,8 @@ def describe(code: int) -> str:
   """An exit status in words: 'exit code 2', 'killed by SIGKILL'."""
   if code < 0:
     return f'killed by {signal.Signals(-code).name}'
+  if code == 128 + signal.SIGABRT:  # JAX's coordination service ends a process that lost a peer this way
+    return f'exit code {code} (SIGABRT: JAX aborts a process whose peer was lost)'
   if code > 128 and code - 128 in signal.valid_signals():
     return f'exit code {code} ({signal.Signals(code - 128).name})'
   meaning = EXIT_CODES.get(code) if code else None
