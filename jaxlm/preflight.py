@@ -6,6 +6,7 @@ $JAXLM_DEVICE_MEMORY_BYTES (CPUs report none; tests set it), else the HBM table 
 TPU devices report none). Unknown memory is never a failure: the check says so and passes.
 """
 
+import collections
 import os
 
 import jax
@@ -53,6 +54,11 @@ def device_memory(devices) -> tuple[int | None, str]:
     return int(float(os.environ[MEMORY_ENV])), f'${MEMORY_ENV}'
   kind = devices[0].device_kind
   if kind in HBM_BYTES:
+    # A TPU v4 chip shows up as two devices (one per TensorCore) that share its HBM.
+    chips = collections.Counter(tuple(getattr(d, 'coords', (d.id,))) for d in devices)
+    cores = max(chips.values())
+    if cores > 1:
+      return HBM_BYTES[kind] // cores, f'HBM of a {kind} chip, {HBM_BYTES[kind] // GiB} GiB over its {cores} cores'
     return HBM_BYTES[kind], f'HBM of a {kind} chip'
   return None, f'{kind} reports no memory limit (set ${MEMORY_ENV} to check one)'
 

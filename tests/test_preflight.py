@@ -7,7 +7,7 @@ topology descriptions load under JAX_PLATFORMS=cpu (measured with libtpu 0.0.42.
 """
 
 import math
-import os
+import re
 
 import jax
 import numpy as np
@@ -126,7 +126,8 @@ def test_command_line_does_not_fit_then_fit(v5e_2x2):
   out = run_cli('jaxlm.tools.size', '--config=configs/palm_8b.py', '--target=v5e:1x1',
                 '--config.model.num_layers=1', '--config.train.batch_size=8', devices=1)
   assert 'does NOT fit' in out.stdout and 'TPU v5 lite' in out.stdout, out.stdout + out.stderr
-  assert_fails_with(out, 2, 'per device', 'a device holds 16.00 GiB', '--fit to find the cheapest setting')
+  # XLA:TPU refuses to compile it (RESOURCE_EXHAUSTED): its numbers are the answer.
+  assert_fails_with(out, 2, 'per device', 'a device holds 15.75 GiB', '--fit to find the cheapest setting')
   # A model whose activations are what does not fit: --fit compiles cheaper settings until one does.
   tiny = small_tpu_config('splash')
   args = ['--config=configs/palm_tiny.py', '--target=v5e:2x2', '--mesh=1,4,1', '--fit', '--config.train.batch_size=64',
@@ -136,7 +137,8 @@ def test_command_line_does_not_fit_then_fit(v5e_2x2):
   env = dict(train_env(1), **{preflight.MEMORY_ENV: str(60 * 2**20)})  # 60 MiB "chips"
   out = run_cli('jaxlm.tools.size', *args, env=env)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-  assert 'does NOT fit' in out.stdout and 'cheapest that fits  --config.model.remat=' in out.stdout, out.stdout
+  assert 'does NOT fit' in out.stdout, out.stdout
+  assert re.search(r'cheapest that fits +--config\.model\.remat=\w+ --config\.train\.microbatches=\d', out.stdout)
 
 
 @pytest.mark.e2e

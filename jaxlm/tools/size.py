@@ -281,6 +281,11 @@ def collectives(hlo: str) -> dict:
   return out
 
 
+# XLA:TPU's refusal: "... the total memory required for HLO temporaries (40.77G) exceeds available HBM (15.75G)"
+_HBM_REFUSAL = re.compile(r'Ran out of memory on HBM.*?\(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)')
+GiB_G = 2**30  # XLA's 'G' in that message is GiB
+
+
 def compile_step(cfg, devices) -> dict:
   """Compiles cfg's train step on `devices` ahead of time: memory, kernel, collectives, compile seconds."""
   mesh = sharding.make_mesh(cfg.mesh, devices)
@@ -288,9 +293,18 @@ def compile_step(cfg, devices) -> dict:
   program = build_program(cfg, mesh)
   state, shardings = program.abstract_state, program.state_shardings
   batch = step_lib.abstract_batch(cfg.train.batch_size, cfg.data.seq_len, program.batch_sharding)
-  compiled = program.train_step.lower(state, batch).compile()
+  lowered = program.train_step.lower(state, batch)
+  try:
+    compiled = lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    # The TPU compiler itself refuses a program that exceeds HBM; that is the answer "does not fit".
+    refused = _HBM_REFUSAL.search(str(e))
+    if not refused:
+      raise PreflightError(f'the train step does not compile for {devices[0].device_kind}: '
+                           f'{" ".join(str(e).split())[:400]}; change the config (see the message)') from e
+    compiled = None
   seconds = time.perf_counter() - started
-  hlo = compiled.as_text() or ''
+  hlo = (compiled.as_text() or '') if compiled is not None else ''
   m = cfg.model
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
     kernel, why = attention_lib.select(m.attention, dtype=m.dtype, head_dim=model_lib.head_dim(m),
@@ -299,7 +313,14 @@ def compile_step(cfg, devices) -> dict:
   if kernel == 'splash' and not custom:
     kernel, why = 'xla', 'splash was selected but the step has no tpu_custom_call: it fell back while tracing'
   limit, source = preflight.device_memory(devices)
-  memory = preflight.step_memory(compiled)
+  if compiled is None:
+    needed, available = (float(x) * GiB_G for x in refused.groups())
+    state_bytes = sharding.bytes_per_device((state, batch), (shardings, {k: program.batch_sharding for k in batch}))
+    memory = {'argument_bytes': state_bytes, 'temp_bytes': int(needed), 'total_bytes': int(needed),
+              'refused': f'the TPU compiler needs {refused.group(1)}G and has {refused.group(2)}G'}
+    limit, source = int(available), f'what the TPU compiler has for a {devices[0].device_kind}'
+  else:
+    memory = preflight.step_memory(compiled)
   return {'param_bytes': sharding.bytes_per_device(state.params, shardings.params),
           'opt_state_bytes': sharding.bytes_per_device(state.opt_state, shardings.opt_state),
           'memory': memory, 'limit_bytes': limit, 'limit_source': source,
@@ -337,7 +358,10 @@ def target_rows(report: dict) -> list[tuple[str, str]]:
   """Rows of a compile_step report."""
   b, mem = perf.format_bytes, report['memory']
   rows = [('parameters', b(report['param_bytes'])), ('optimizer state', b(report['opt_state_bytes']))]
-  if mem:
+  if mem.get('refused'):
+    rows += [('step arguments (state + batch)', b(mem['argument_bytes'])),
+             ('compile', f'refused: {mem["refused"]}')]
+  elif mem:
     rows += [('step arguments (state + batch)', b(mem['argument_bytes'])),
              ('step temporaries', b(mem['temp_bytes'])), ('step total', b(mem['total_bytes']))]
   limit = report['limit_bytes']
