@@ -23,6 +23,7 @@ from jaxlm.data import pipeline as data_lib
 from jaxlm import distributed
 from jaxlm import faults as faults_lib
 from jaxlm import perf
+from jaxlm import preflight
 from jaxlm import metrics as metrics_lib
 from jaxlm import model as model_lib
 from jaxlm import rundir
@@ -116,6 +117,8 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
   memory = perf.compiled_memory(r.step_for(t.batch_size))
   say(f'compiled the train step in {acct.last_s:.1f}s; per device: {perf.format_memory(memory)}')
   log.write(0, {**memory, **perf.device_memory_stats(), 'compile_s': acct.last_s}, kind='system')
+  # Refuse before step 0 (exit 2, the numbers and the cheapest fix) rather than die out of memory in it.
+  preflight.check(cfg, r.step_for(t.batch_size), mesh.local_devices)
   # Preemption: SIGTERM / SIGINT let the current step finish, then a checkpoint is written before exit.
   for sig in (signal.SIGTERM, signal.SIGINT):
     previous = signal.signal(sig, lambda signum, _: r.stop.append(signal.Signals(signum).name))
