@@ -55,7 +55,7 @@ def device_memory(devices) -> tuple[int | None, str]:
   kind = devices[0].device_kind
   if kind in HBM_BYTES:
     # A TPU v4 chip shows up as two devices (one per TensorCore) that share its HBM.
-    chips = collections.Counter(tuple(getattr(d, 'coords', (d.id,))) for d in devices)
+    chips = collections.Counter((getattr(d, 'slice_index', 0), *getattr(d, 'coords', (d.id,))) for d in devices)
     cores = max(chips.values())
     if cores > 1:
       return HBM_BYTES[kind] // cores, f'HBM of a {kind} chip, {HBM_BYTES[kind] // GiB} GiB over its {cores} cores'

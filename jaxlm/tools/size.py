@@ -197,7 +197,9 @@ def tpu_devices(target: str, slices: int = 1) -> list:
                            f'"jax[tpu]=={jax.__version__}"') from e
     raise PreflightError(f'libtpu cannot describe --target={target} --slices={slices} ({text}); use a '
                          f'topology such as v5e:2x2, v5p:2x2x1, v4:2x2x1, v6e:2x2') from e
-  return list(desc.devices)
+  # TPU v4 shows each chip as two devices, one per TensorCore; JAX runs a v4 as one device per chip
+  # ("megacore", and jax.make_mesh requires it), so keep the first core of each chip, as a real v4 host shows it.
+  return [d for d in desc.devices if getattr(d, 'core_on_chip', 0) == 0]
 
 
 def build_program(cfg, mesh) -> step_lib.Program:
