@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 from jaxlm import cli, perf, preflight, sharding  # noqa: E402
 from jaxlm.tools import size  # noqa: E402
 
-# (config, target, slices, chips-named-as-Google-sells-them)
+# (config, target, slices, chips named as sold[, mesh (data, fsdp, tensor) per slice, batch size])
 ROWS = [
     ('palm_1b', 'v5e:2x4', 1, 'v5e-8'),
     ('palm_1b', 'v5p:2x2x1', 1, 'v5p-8'),
@@ -26,12 +26,17 @@ ROWS = [
     ('palm_8b', 'v4:4x4x2', 1, 'v4-64'),
     ('palm_8b', 'v5p:4x4x2', 1, 'v5p-64'),
     ('palm_62b', 'v4:8x8x8', 1, 'v4-1024'),
-    ('palm_540b', 'v4:16x16x12', 2, '2 × v4-6144 (PaLM)'),
+    # 1536 hosts: the batch must be a multiple of them (2048 is not); 256000 vocab splits 16 ways, not 12.
+    ('palm_540b', 'v4:16x16x12', 2, '2 × v4-6144 (PaLM)', (1, 192, 16), 3072),
 ]
 
 
-def row(name: str, target: str, slices: int, label: str, fit: bool) -> str:
+def row(name: str, target: str, slices: int, label: str, mesh=None, batch_size=None, *, fit: bool) -> str:
   cfg = cli.load_file(str(ROOT / 'configs' / f'{name}.py'))
+  if mesh:
+    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh
+  if batch_size:
+    cfg.train.batch_size = batch_size
   started = time.perf_counter()
   devices = size.tpu_devices(target, slices)
   size.target_config(cfg, devices, slices)
