@@ -66,7 +66,10 @@ def build_program(cfg, mesh) -> Program:
   Under stability.policy=off (and no fault drill) the step is exactly the plain AdamW step: no finiteness
   check, no update multiplier.
   """
-  with sharding.activate(mesh):
+  # Built under the abstract mesh: optax's tree_map_params runs tx.init, whose small counters would be eager
+  # arrays on the real mesh, which compile-only devices (libtpu topologies) cannot hold. The jitted functions
+  # enter the real mesh when they are traced.
+  with sharding.activate(mesh.abstract_mesh if isinstance(mesh, jax.sharding.Mesh) else mesh):
     return _build(cfg.model, cfg.optim, steps=cfg.train.steps, seed=cfg.train.seed, mesh=mesh,
                   microbatches=cfg.train.microbatches, skip_nonfinite=cfg.stability.policy != 'off',
                   scale_updates=cfg.stability.policy == 'rollback' or bool(cfg.faults.lr_spike_steps))

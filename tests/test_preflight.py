@@ -59,7 +59,7 @@ def test_xla_kernel_arguments_are_the_sharded_state(v5e_2x2):
   report = size.compile_step(cfg, v5e_2x2)
   assert report['kernel'] == 'xla' and report['tpu_custom_calls'] == 0
   mesh = sharding.make_mesh(cfg.mesh, v5e_2x2)
-  program = size.build_program(cfg, mesh)
+  program = step_lib.build_program(cfg, mesh)
   state = sharding.bytes_per_device(program.abstract_state, program.state_shardings)
   batch = 5 * cfg.train.batch_size // 4 * cfg.data.seq_len * 4  # five int32/float32 (B, T) arrays, B split 4 ways
   # Equal up to TPU tiling: a leaf smaller than one (8, 128) tile (scalars, norm scales, the RNG key) is padded
@@ -75,7 +75,7 @@ def test_xla_kernel_arguments_are_the_sharded_state(v5e_2x2):
 def test_building_creates_no_array(v5e_2x2):
   # Any eager op on a compile-only mesh fails ("not available with compile-only client"): building must not.
   cfg = small_tpu_config('splash')
-  program = size.build_program(cfg, sharding.make_mesh(cfg.mesh, v5e_2x2))
+  program = step_lib.build_program(cfg, sharding.make_mesh(cfg.mesh, v5e_2x2))
   assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(program.abstract_state))
 
 

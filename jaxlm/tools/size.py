@@ -202,43 +202,6 @@ def tpu_devices(target: str, slices: int = 1) -> list:
   return [d for d in desc.devices if getattr(d, 'core_on_chip', 0) == 0]
 
 
-def build_program(cfg, mesh) -> step_lib.Program:
-  """step.build_program(cfg, mesh), also on compile-only devices.
-
-  build_program enters the concrete mesh while it builds, and optax's tree_map_params runs tx.init eagerly
-  there (jnp.zeros counters); on a compile-only mesh any eager op fails. Until build_program builds under the
-  abstract mesh, it is given one here while it builds; its jitted functions still lower on the real mesh.
-  """
-  if mesh.devices.flat[0].platform == jax.default_backend():
-    return step_lib.build_program(cfg, mesh)
-  real = step_lib.sharding.activate
-
-  def activate_abstract(m):
-    return _abstract_activation(m) if m is mesh else real(m)
-
-  step_lib.sharding.activate = activate_abstract
-  try:
-    program = step_lib.build_program(cfg, mesh)
-  finally:
-    step_lib.sharding.activate = real
-  return program
-
-
-class _abstract_activation:
-  def __init__(self, mesh):
-    self.mesh = mesh
-    self.stack = None
-
-  def __enter__(self):
-    import contextlib
-    self.stack = contextlib.ExitStack()
-    self.stack.enter_context(jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh))
-    self.stack.enter_context(nn.logical_axis_rules(sharding.RULES))
-
-  def __exit__(self, *exc):
-    return self.stack.__exit__(*exc)
-
-
 _SHAPE = re.compile(r'\b(pred|[suf]\d+|bf16|f8\w*)\[([\d,]*)\]')
 _BITS = {'pred': 8, 'bf16': 16}
 _OPS = {'all-gather': 'all-gather', 'all-gather-start': 'all-gather', 'reduce-scatter': 'reduce-scatter',
@@ -292,7 +255,7 @@ def compile_step(cfg, devices) -> dict:
   """Compiles cfg's train step on `devices` ahead of time: memory, kernel, collectives, compile seconds."""
   mesh = sharding.make_mesh(cfg.mesh, devices)
   started = time.perf_counter()
-  program = build_program(cfg, mesh)
+  program = step_lib.build_program(cfg, mesh)  # abstract end to end: fine on compile-only devices
   state, shardings = program.abstract_state, program.state_shardings
   batch = step_lib.abstract_batch(cfg.train.batch_size, cfg.data.seq_len, program.batch_sharding)
   lowered = program.train_step.lower(state, batch)
