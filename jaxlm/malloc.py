@@ -1,19 +1,33 @@
 """Host-process settings that must be made before JAX starts its threads: glibc's malloc.
 
 `import jaxlm` applies them (jaxlm/__init__.py), so `python -m jaxlm.train` gets them before JAX is imported.
-JAXLM_KEEP_HOST_MEMORY=0 leaves malloc as it is, =1 tunes it always; unset, it is tuned unless a GPU or TPU
-plugin for JAX is installed (there the step's temporaries live in device memory, not in malloc's) or XLA_FLAGS
-fakes several CPU devices (their threads allocate at once, and one arena serialises them: the 8-device test
+JAXLM_KEEP_HOST_MEMORY=0 leaves malloc as it is, =1 tunes it always; unset, it is tuned unless JAX will run on a
+GPU or TPU here (there the step's temporaries live in device memory, not in malloc's) or XLA_FLAGS fakes several
+CPU devices (their threads allocate at once, and one arena serialises them: the 8-device test
 mesh ran slower with it; bench/RESULTS.md, "Reaching 1.0×").
 """
 
 import ctypes
+import glob
 import os
 import pkgutil
 import re
 
 # glibc's <malloc.h> mallopt parameters.
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
+
+
+def accelerator_host() -> bool:
+  """Whether JAX will run on a GPU or TPU here: a GPU plugin is installed, or libtpu with TPU device nodes.
+
+  libtpu alone is not a TPU: the test extra installs it to compile for TPU targets on CPU machines.
+  """
+  if os.environ.get('JAX_PLATFORMS', '').strip() == 'cpu':
+    return False
+  plugins = {m.name for m in pkgutil.iter_modules()}
+  if any(name.startswith(('jax_cuda', 'jax_rocm')) for name in plugins):
+    return True
+  return 'libtpu' in plugins and bool(glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*'))
 
 
 def keep_freed_memory() -> bool:
@@ -33,8 +47,8 @@ def keep_freed_memory() -> bool:
     fake_devices = re.search(r'xla_force_host_platform_device_count=(\d+)', os.environ.get('XLA_FLAGS', ''))
     if fake_devices and int(fake_devices.group(1)) > 1:
       return False
-    if any(m.name.startswith(('jax_cuda', 'jax_rocm', 'libtpu')) for m in pkgutil.iter_modules()):
-      return False  # an accelerator host: nothing to gain, and one arena would serialise its host threads
+    if accelerator_host():
+      return False  # nothing to gain there, and one arena would serialise the host's threads
   try:
     mallopt = ctypes.CDLL('libc.so.6').mallopt
   except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to tune

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -83,6 +84,15 @@ def test_host_memory_left_alone_with_fake_devices_or_when_asked(monkeypatch):
   monkeypatch.delenv('XLA_FLAGS')
   monkeypatch.setenv('JAXLM_KEEP_HOST_MEMORY', '0')
   assert host.keep_freed_memory() is False
+  # libtpu installed (the test extra has it, for pre-flight compiles) is not a TPU host without TPU devices.
+  monkeypatch.setattr(host.pkgutil, 'iter_modules', lambda: [types.SimpleNamespace(name='libtpu')])
+  monkeypatch.setattr(host.glob, 'glob', lambda pattern: [])
+  monkeypatch.delenv('JAX_PLATFORMS', raising=False)
+  assert host.accelerator_host() is False
+  monkeypatch.setattr(host.glob, 'glob', lambda pattern: ['/dev/accel0'] if 'accel' in pattern else [])
+  assert host.accelerator_host() is True
+  monkeypatch.setenv('JAX_PLATFORMS', 'cpu')
+  assert host.accelerator_host() is False
 
 
 def test_deterministic_sets_xla_flags_and_the_report_says_when_runs_are_bit_for_bit(monkeypatch):
