@@ -16,6 +16,8 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 from absl import app
 from absl import flags
 from absl import logging
@@ -24,12 +26,17 @@ sys.path.insert(0, str(pathlib.Path(__file__).absolute().parents[1]))
 from jaxlm import cli  # noqa: E402
 from jaxlm.data import pipeline as data_lib  # noqa: E402
 from jaxlm.data import prepare as prepare_lib  # noqa: E402
+from jaxlm.data import stream as stream_lib  # noqa: E402
 
 _CONFIG = flags.DEFINE_string('config', 'configs/palm_small.py', 'Config file whose data/batch settings to use.')
 # Default: over 4× palm_small's measured training throughput on the 2-core CPU (~4.5k tokens/s, cpu_step.py).
 _TRAINER = flags.DEFINE_float('trainer_tokens_per_s', 20_000.0, 'Tokens/s the train step consumes.')
 _WORKERS = flags.DEFINE_list('workers', ['0', '2'], 'data.num_workers values to measure.')
 _BATCHES = flags.DEFINE_integer('batches', 300, 'Timed batches per measurement (after 10 untimed ones).')
+_INDEX_MB = flags.DEFINE_integer('index_mb', 256, 'Size of the synthetic prepared corpus whose document index is '
+                                  'timed (0 = skip).')
+_INDEX_GB = flags.DEFINE_float('index_gb', 10.0, 'Corpus size the cached index build (load + epoch order) is '
+                               'timed for, from synthetic document lengths.')
 _JSON = flags.DEFINE_string('json', '', 'Also write the results as one JSON object to this file.')
 
 
@@ -45,6 +52,43 @@ def _pipeline_tokens_per_s(data_cfg, batch_size: int, vocab: int, batches: int) 
   if data_cfg.num_workers:
     it.close()
   return batches * batch['inputs'].size / seconds
+
+
+def _index_seconds(tmp: str, mb: int, gb: float) -> dict:
+  """The global stream's document index: a first scan of `mb` MB of shards, its cached load, and one epoch's order.
+
+  Synthetic uint16 documents of 200-2000 tokens (mean ~1100, 2.2 kB), 16 shards, written as prepare writes them.
+  """
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  meta = {'dtype': 'uint16', 'eos_id': 2, 'bos_id': 1}
+  shards, written, docs = [], 0, 0
+  for i in range(16):
+    path = os.path.join(tmp, f'index-{i:05d}.arrayrecord')
+    writer = array_record_module.ArrayRecordWriter(path, prepare_lib.ARRAY_RECORD_OPTIONS)
+    while written < (i + 1) * mb * 1e6 / 16:
+      doc = rng.integers(3, 60000, int(rng.integers(200, 2000)), dtype=np.uint16)
+      writer.write(doc.tobytes())
+      written, docs = written + doc.nbytes, docs + 1
+    writer.close()
+    shards.append(path)
+  start = time.perf_counter()
+  lengths = stream_lib.document_lengths(shards, meta, os.path.join(tmp, 'cache'))
+  scan = time.perf_counter() - start
+  start = time.perf_counter()
+  stream_lib.document_lengths(shards, meta, os.path.join(tmp, 'cache'))
+  cached = time.perf_counter() - start
+  # The cached build at `gb`: load the lengths (scaled from the load above) + one epoch's permutation and offsets.
+  big_docs = int(gb * 1e9 / (written / docs))
+  big = stream_lib.DocumentStream(None, rng.integers(200, 2000, big_docs).astype(np.int64), seed=0, seq_len=2048,
+                                  eos_id=2, bos_id=1, dtype='uint16')
+  start = time.perf_counter()
+  big.epoch(0)
+  epoch = time.perf_counter() - start
+  return {'index_corpus_mb': round(written / 1e6), 'index_documents': docs, 'index_scan_s': round(scan, 2),
+          'index_scan_mb_per_s': round(written / 1e6 / scan), 'index_cached_load_s': round(cached, 3),
+          'index_big_gb': gb, 'index_big_documents': big_docs,
+          'index_big_build_s': round(epoch + cached * big_docs / docs, 2)}
 
 
 def main(argv) -> None:
@@ -72,6 +116,9 @@ def main(argv) -> None:
       results[f'pipeline_tokens_per_s_workers{w}'] = round(
           _pipeline_tokens_per_s(d, batch_size, vocab, _BATCHES.value))
 
+    if _INDEX_MB.value:
+      results.update(_index_seconds(tmp, _INDEX_MB.value, _INDEX_GB.value))
+
   trainer = _TRAINER.value
   rows = [('stdlib corpus', f'{results["corpus_mb"]:.1f} MB -> {results["tokens"] / 1e6:.2f}M tokens', ''),
           ('first-run prepare (train tokenizer + tokenize)', f'{results["first_run_s"]:.1f} s',
@@ -83,6 +130,12 @@ def main(argv) -> None:
     rate = results[f'pipeline_tokens_per_s_workers{w}']
     rows.append((f'input pipeline, num_workers={w} (B={batch_size}, T={d.seq_len})', f'{rate:,.0f} tok/s',
                  f'{rate / trainer:,.1f}x {"OK" if rate >= 20 * trainer else "BELOW 20x TARGET"}'))
+  if _INDEX_MB.value:
+    rows += [(f'document index, first scan ({results["index_documents"]:,} docs)',
+              f'{results["index_corpus_mb"]} MB in {results["index_scan_s"]:.1f} s',
+              f'{results["index_scan_mb_per_s"]} MB/s'),
+             (f'document index, cached build at {results["index_big_gb"]:g} GB',
+              f'{results["index_big_documents"]:,} docs', f'{results["index_big_build_s"]:.2f} s')]
   width = max(len(r[0]) for r in rows)
   print(f'{"measure":<{width}}  {"value":>26}  {"rate / ratio":>22}')
   for name, value, ratio in rows:

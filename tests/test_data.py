@@ -445,6 +445,9 @@ def test_rows_are_what_concat_then_split_packs(prepared):
     stream = rows.streams[0]
     order, _ = stream.epoch(0)
     p = data_lib.open_prepared(prepared, VOCAB)
+    # The order is Grain's `shuffle(seed)` of the documents (so 1 process reads what the per-process pipeline did).
+    shuffled = data_lib._source(p, 'train').shuffle(seed=data_lib._seed(4, 0))
+    assert [shuffled[i] for i in range(len(order))] == [stream.source[int(i)] for i in order]
     ds = grain.MapDataset.source([stream.source[int(i)] for i in order])
     packed = list(data_lib._packed(ds, p, 32, cross, read_threads=1))
     assert len(packed) == len(rows)
