@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A one-machine Slurm cluster (munged, slurmctld, slurmd on localhost) in a directory of its own: to try
-# launch/slurm_gpu.sbatch without a cluster. What tests/test_slurm.py brings up. Needs root and Debian's
+# launch/slurm_gpu.sbatch without a cluster. What tests/cluster/test_slurm.py brings up. Needs root and Debian's
 # slurm-wlm and munge packages (apt-get install -y slurm-wlm munge).
 #
 #   launch/slurm_localhost.sh start DIR    # writes DIR/slurm.conf, starts the daemons, waits for the node
