@@ -7,6 +7,7 @@ JAX. `validate` collects every problem it finds, so one run shows them all.
 import math
 
 import ml_collections
+import numpy as np
 
 from jaxlm import attention
 from jaxlm import distributed
@@ -199,3 +200,38 @@ def validate(c: ml_collections.ConfigDict, num_devices: int, num_processes: int 
             + _mesh_errors(c, num_devices, num_processes, num_slices) + distributed.dist_errors(c.dist) + _other_errors(c))
   if errors:
     raise ConfigError('invalid config:\n  - ' + '\n  - '.join(errors))
+
+
+class BatchRamp:
+  """Batch size per step under `train.batch_ramp` (a single stage when there is no ramp)."""
+
+  def __init__(self, train_cfg, seq_len: int):
+    stages = batch_stages(train_cfg, seq_len)
+    self.unit = stages[0][0]
+    self.starts = []  # (first step, batch size, tokens before that step)
+    step, tokens = 0, 0
+    for size, until in stages:
+      self.starts.append((step, size, tokens))
+      if until != float('inf'):
+        n = max(0, -(-(int(until) - tokens) // (size * seq_len)))  # steps until `until` tokens are reached
+        step, tokens = step + n, tokens + n * size * seq_len
+    self.seq_len = seq_len
+
+  def _stage(self, step: int):
+    return [s for s in self.starts if s[0] <= step][-1]
+
+  def size(self, step: int) -> int:
+    """Global batch size of the step after `step` steps are done."""
+    return self._stage(step)[1]
+
+  def tokens(self, steps: int) -> int:
+    """Tokens trained on after `steps` steps."""
+    first, size, tokens = self._stage(steps)
+    return tokens + (steps - first) * size * self.seq_len
+
+  def draw(self, it, size: int) -> dict:
+    """This process's rows of the next global batch of `size` rows."""
+    if hasattr(it, 'take'):  # the global stream (data/pipeline.py): any size, rows in the global order
+      return it.take(size)
+    parts = [next(it) for _ in range(size // self.unit)]
+    return parts[0] if len(parts) == 1 else {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}

@@ -46,7 +46,7 @@ class Run:
   program: step_lib.Program
   log: metrics_lib.MetricsLogger
   acct: perf.TimeAccounting
-  ramp: 'BatchRamp'
+  ramp: config_lib.BatchRamp
   train_iter: Any
   eval_data: list
   ckpt: checkpoint_lib.Checkpointer
@@ -93,7 +93,7 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
   say(f'parameters ({model_lib.param_count(program.model.config):,}):\n'
       + sharding.param_table(program.abstract_state.params, program.state_shardings.params))
   sharding.check_sharded(program.abstract_state.params, program.state_shardings.params, mesh)
-  ramp = BatchRamp(t, cfg.data.seq_len)
+  ramp = config_lib.BatchRamp(t, cfg.data.seq_len)
   # Data before compiling: a bad dataset fails in seconds, not after a long compile. The iterator yields ramp
   # units (the first stage's size); a step draws size // unit of them, so its position stays exact.
   vocab = cfg.model.vocab_size
@@ -329,41 +329,6 @@ def reproducibility(train_cfg, platform: str) -> str:
     return f'yes (train.deterministic: {DETERMINISTIC_XLA_FLAGS})'
   return ('no: GPU reductions and atomics vary from run to run; set --config.train.deterministic=True '
           '(slower: bench/RESULTS.md) for bit-for-bit reruns and resumes')
-
-
-class BatchRamp:
-  """Batch size per step under `train.batch_ramp` (a single stage when there is no ramp)."""
-
-  def __init__(self, train_cfg, seq_len: int):
-    stages = config_lib.batch_stages(train_cfg, seq_len)
-    self.unit = stages[0][0]
-    self.starts = []  # (first step, batch size, tokens before that step)
-    step, tokens = 0, 0
-    for size, until in stages:
-      self.starts.append((step, size, tokens))
-      if until != float('inf'):
-        n = max(0, -(-(int(until) - tokens) // (size * seq_len)))  # steps until `until` tokens are reached
-        step, tokens = step + n, tokens + n * size * seq_len
-    self.seq_len = seq_len
-
-  def _stage(self, step: int):
-    return [s for s in self.starts if s[0] <= step][-1]
-
-  def size(self, step: int) -> int:
-    """Global batch size of the step after `step` steps are done."""
-    return self._stage(step)[1]
-
-  def tokens(self, steps: int) -> int:
-    """Tokens trained on after `steps` steps."""
-    first, size, tokens = self._stage(steps)
-    return tokens + (steps - first) * size * self.seq_len
-
-  def draw(self, it, size: int) -> dict:
-    """This process's rows of the next global batch of `size` rows."""
-    if hasattr(it, 'take'):  # the global stream (data/pipeline.py): any size, rows in the global order
-      return it.take(size)
-    parts = [next(it) for _ in range(size // self.unit)]
-    return parts[0] if len(parts) == 1 else {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
 def _quietly(close, *args) -> None:

@@ -18,115 +18,27 @@ Mappings that need care, each exact up to float rounding (the tests check logits
 A model that none of these covers is refused (ExportError), never exported approximately.
 """
 
-import math
 import os
 import shutil
 
-import jax
 import numpy as np
 from absl import flags, logging
 
 from jaxlm import cli
-from jaxlm import errors
 from jaxlm.data import format as format_lib
 from jaxlm import model as model_lib
 from jaxlm import rundir
+from jaxlm.hf.convert import ExportError, architecture, hf_config, to_hf  # noqa: F401
 
 DTYPES = ('float32', 'bfloat16', 'float16')
 
 
-class ExportError(errors.ConfigError):
-  """A checkpoint or model that cannot be exported faithfully; the message says why and what to do."""
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Reading a run: its step directory, saved config and parameters (numpy on the host, no optimizer shapes needed).
-
-
-# The run directory's readers live in jaxlm.rundir; export names them for its callers.
+# Reading a run (jaxlm.rundir) and the layouts (jaxlm.hf.convert): named here for export's callers.
 step_dir, read_config, read_params = rundir.step_dir, rundir.read_config, rundir.read_params
 
 
-def layer_params(params: dict, num_layers: int) -> list[dict]:
-  """Per-layer parameter dicts, whether the layers were scanned (stacked on axis 0) or unrolled."""
-  if 'layers' in params:
-    return [jax.tree.map(lambda x, i=i: x[i], params['layers']) for i in range(num_layers)]
-  return [params[f'layers_{i}'] for i in range(num_layers)]
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# jaxlm <-> Hugging Face layouts. Torch's Linear stores (out, in), so every jaxlm (in, out) matrix is transposed.
-
-
-def interleave_permutation(head_dim: int) -> np.ndarray:
-  """Column order that turns half-split RoPE pairs (i, i+E/2) into interleaved pairs (2i, 2i+1)."""
-  half = head_dim // 2
-  return np.stack([np.arange(half), np.arange(half) + half], axis=-1).reshape(-1)
-
-
-def architecture(m: model_lib.ModelConfig) -> str:
-  """The Hugging Face class that computes exactly this model, or an ExportError saying why there is none."""
-  if m.d_model % m.num_heads:
-    # transformers validates hidden_size % num_attention_heads == 0 even when head_dim is given explicitly.
-    raise ExportError(f'd_model={m.d_model} is not a multiple of num_heads={m.num_heads}: transformers refuses '
-                      f'such a config, so there is no faithful Hugging Face equivalent.')
-  if m.parallel_block and m.head_dim != m.d_model // m.num_heads:
-    raise ExportError(f'head_dim={m.head_dim} differs from d_model/num_heads={m.d_model // m.num_heads}: '
-                      f'Cohere (the parallel block) derives head_dim from the widths, so this model has no '
-                      f'faithful Hugging Face equivalent.')
-  return 'CohereForCausalLM' if m.parallel_block else 'LlamaForCausalLM'
-
-
-def to_hf(params: dict, m: model_lib.ModelConfig) -> dict[str, np.ndarray]:
-  """Hugging Face state dict (name -> float32 numpy) of jaxlm `params`."""
-  cohere = architecture(m) == 'CohereForCausalLM'
-  D, H, K, E = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim
-  f32 = lambda x: np.asarray(x, np.float32)
-  rope_order = interleave_permutation(E) if cohere else np.arange(E)
-  out = {'model.embed_tokens.weight': f32(params['embedding'])}  # (V, D)
-  for i, p in enumerate(layer_params(params, m.num_layers)):
-    pre = f'model.layers.{i}.'
-    a, mlp = p['attention'], p['mlp']
-    out[pre + 'self_attn.q_proj.weight'] = f32(a['query'])[:, :, rope_order].reshape(D, H * E).T
-    out[pre + 'self_attn.k_proj.weight'] = f32(a['key'])[:, :, rope_order].reshape(D, K * E).T
-    out[pre + 'self_attn.v_proj.weight'] = f32(a['value']).reshape(D, K * E).T
-    out[pre + 'self_attn.o_proj.weight'] = f32(a['out']).reshape(H * E, D).T
-    out[pre + 'mlp.gate_proj.weight'] = f32(mlp['gate']).T  # (F, D)
-    out[pre + 'mlp.up_proj.weight'] = f32(mlp['up']).T
-    out[pre + 'mlp.down_proj.weight'] = f32(mlp['down']).T  # (D, F)
-    if cohere:
-      out[pre + 'input_layernorm.weight'] = f32(p['norm']['scale'])
-    else:
-      out[pre + 'input_layernorm.weight'] = f32(p['attn_norm']['scale'])
-      out[pre + 'post_attention_layernorm.weight'] = f32(p['mlp_norm']['scale'])
-  out['model.norm.weight'] = f32(params['final_norm']['scale'])
-  if not m.tie_embeddings:
-    out['lm_head.weight'] = f32(params['unembed']).T  # (V, D)
-  elif not cohere:
-    out['lm_head.weight'] = out['model.embed_tokens.weight'] / np.float32(math.sqrt(D))
-  return {k: np.ascontiguousarray(v) for k, v in out.items()}
-
-
-def hf_config(m: model_lib.ModelConfig, *, max_positions: int, dtype: str, bos_id: int, eos_id: int) -> dict:
-  """config.json for `m`, readable by transformers 4.4x (rope_theta) and 5.x (rope_parameters) alike."""
-  cohere = architecture(m) == 'CohereForCausalLM'
-  c = {
-      'architectures': [architecture(m)], 'model_type': 'cohere' if cohere else 'llama',
-      'vocab_size': m.vocab_size, 'hidden_size': m.d_model, 'intermediate_size': m.mlp_dim,
-      'num_hidden_layers': m.num_layers, 'num_attention_heads': m.num_heads, 'num_key_value_heads': m.num_kv_heads,
-      'hidden_act': 'silu', 'max_position_embeddings': max_positions,  # lm-eval truncates contexts to this
-      'rope_theta': m.rope_theta, 'rope_parameters': {'rope_type': 'default', 'rope_theta': m.rope_theta},
-      'rope_scaling': None, 'attention_bias': False, 'attention_dropout': 0.0, 'initializer_range': 0.02,
-      'bos_token_id': bos_id, 'eos_token_id': eos_id, 'pad_token_id': None, 'use_cache': True,
-      'torch_dtype': dtype, 'dtype': dtype,
-  }
-  if cohere:
-    c.update(layer_norm_eps=m.norm_eps, use_qk_norm=False, tie_word_embeddings=m.tie_embeddings,
-             logit_scale=1.0 / math.sqrt(m.d_model) if m.tie_embeddings else 1.0)
-  else:
-    c.update(rms_norm_eps=m.norm_eps, mlp_bias=False, head_dim=m.head_dim, pretraining_tp=1,
-             tie_word_embeddings=False)
-  return c
+# Writing the Hugging Face directory.
 
 
 def save_safetensors(tensors: dict[str, np.ndarray], path: str, dtype: str = 'float32') -> None:

@@ -25,50 +25,11 @@ import orbax.checkpoint as ocp
 from absl import flags
 
 from jaxlm import cli
-from jaxlm import errors
 from jaxlm import model as model_lib
+from jaxlm.hf.convert import HFImportError, from_hf, model_overrides  # noqa: F401
 
 PICKLE_SUFFIXES = ('.bin', '.pt', '.pth', '.ckpt', '.pkl')
 # Keys that change what a Llama-family config computes; any of them set to something jaxlm cannot do is refused.
-_UNSUPPORTED = {
-    'attention_bias': (False, None), 'mlp_bias': (False, None), 'sliding_window': (None,),
-    'use_sliding_window': (False, None), 'partial_rotary_factor': (1.0, None), 'quantization_config': (None,),
-    'attn_logit_softcapping': (None,), 'final_logit_softcapping': (None,), 'logit_scale': (1.0, None),
-}
-
-
-class HFImportError(errors.ConfigError):
-  """A Hugging Face directory jaxlm cannot import exactly; the message says why."""
-
-
-def _rope_theta(hf: dict) -> float:
-  """RoPE base from either config style; refuses any scaled RoPE (linear, dynamic, yarn, llama3, ...)."""
-  scaling = hf.get('rope_scaling')
-  params = hf.get('rope_parameters') or {}
-  kind = (scaling or {}).get('rope_type') or (scaling or {}).get('type') or params.get('rope_type', 'default')
-  if kind != 'default':
-    raise HFImportError(f'rope scaling {scaling or params} is not supported: jaxlm implements plain RoPE only.')
-  return float(params.get('rope_theta') or hf.get('rope_theta') or 10_000.0)
-
-
-def model_overrides(hf: dict) -> dict:
-  """cfg.model values that compute what the Hugging Face `config.json` dict `hf` describes."""
-  if hf.get('model_type') != 'llama':
-    raise HFImportError(f'model_type={hf.get("model_type")!r}: only Llama-architecture checkpoints '
-                        f'(model_type "llama") can be imported.')
-  if hf.get('hidden_act', 'silu') != 'silu':
-    raise HFImportError(f'hidden_act={hf["hidden_act"]!r}: jaxlm\'s MLP is SwiGLU (silu) only.')
-  for key, allowed in _UNSUPPORTED.items():
-    if key in hf and hf[key] not in allowed:
-      raise HFImportError(f'{key}={hf[key]!r} is not supported by jaxlm (it needs {allowed[0]!r}).')
-  D, H = hf['hidden_size'], hf['num_attention_heads']
-  K = hf.get('num_key_value_heads') or H
-  E = hf.get('head_dim') or D // H
-  if H % K or E % 2:
-    raise HFImportError(f'num_key_value_heads={K} must divide num_attention_heads={H}, and head_dim={E} be even.')
-  return dict(vocab_size=hf['vocab_size'], d_model=D, num_layers=hf['num_hidden_layers'], num_heads=H,
-              num_kv_heads=K, head_dim=E, mlp_dim=hf['intermediate_size'], parallel_block=False,
-              tie_embeddings=False, rope_theta=_rope_theta(hf), norm_eps=float(hf.get('rms_norm_eps', 1e-6)))
 
 
 def read_safetensors(hf_dir: str) -> dict[str, np.ndarray]:
@@ -90,43 +51,6 @@ def read_safetensors(hf_dir: str) -> dict[str, np.ndarray]:
   for f in files:
     tensors.update(load_file(f))
   return tensors
-
-
-def from_hf(tensors: dict[str, np.ndarray], m: model_lib.ModelConfig, *, scan_layers: bool) -> dict:
-  """jaxlm params (float32 numpy) of a Hugging Face Llama state dict: the inverse of export.to_hf."""
-  D, H, K, E, L = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.num_layers
-  tensors = {k.removeprefix('model.'): v for k, v in tensors.items()}
-
-  def get(name, shape=None):
-    if name not in tensors:
-      raise HFImportError(f'tensor {name!r} is missing from the checkpoint.')
-    x = np.asarray(tensors[name], np.float32)
-    if shape is not None and x.shape != shape:
-      raise HFImportError(f'tensor {name!r} has shape {x.shape}, config.json implies {shape}.')
-    return x
-
-  layers = []
-  for i in range(L):
-    pre = f'layers.{i}.'
-    layers.append({
-        'attention': {
-            'query': get(pre + 'self_attn.q_proj.weight', (H * E, D)).T.reshape(D, H, E),
-            'key': get(pre + 'self_attn.k_proj.weight', (K * E, D)).T.reshape(D, K, E),
-            'value': get(pre + 'self_attn.v_proj.weight', (K * E, D)).T.reshape(D, K, E),
-            'out': get(pre + 'self_attn.o_proj.weight', (D, H * E)).T.reshape(H, E, D)},
-        'mlp': {'gate': get(pre + 'mlp.gate_proj.weight').T, 'up': get(pre + 'mlp.up_proj.weight').T,
-                'down': get(pre + 'mlp.down_proj.weight').T},
-        'attn_norm': {'scale': get(pre + 'input_layernorm.weight', (D,))},
-        'mlp_norm': {'scale': get(pre + 'post_attention_layernorm.weight', (D,))}})
-  embedding = get('embed_tokens.weight', (m.vocab_size, D))
-  lm_head = tensors.get('lm_head.weight', embedding)  # absent when tied: the head is the embedding
-  params = {'embedding': embedding, 'final_norm': {'scale': get('norm.weight', (D,))},
-            'unembed': np.ascontiguousarray(np.asarray(lm_head, np.float32).T)}
-  if scan_layers:
-    params['layers'] = jax.tree.map(lambda *xs: np.stack(xs), *layers)
-  else:
-    params.update({f'layers_{i}': p for i, p in enumerate(layers)})
-  return jax.tree.map(np.ascontiguousarray, params)
 
 
 def write_checkpoint(workdir: str, state, config: dict, step: int = 0) -> str:

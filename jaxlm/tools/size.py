@@ -38,7 +38,6 @@ from jaxlm import preflight
 from jaxlm import model as model_lib
 from jaxlm import sharding
 from jaxlm import step as step_lib
-from jaxlm import train as train_lib
 
 FLAGS = flags.FLAGS
 
@@ -76,7 +75,7 @@ def analytic(cfg) -> dict:
           'embedding_params': m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2),
           'flops_per_token': model_lib.flops_per_token(m, cfg.data.seq_len),
           'flops_per_token_causal': model_lib.flops_per_token(m, cfg.data.seq_len, causal=True),
-          'run_tokens': train_lib.BatchRamp(t, cfg.data.seq_len).tokens(t.steps),  # a batch ramp included
+          'run_tokens': config_lib.BatchRamp(t, cfg.data.seq_len).tokens(t.steps),  # a batch ramp included
           'chinchilla_tokens': CHINCHILLA_TOKENS_PER_PARAM * n}
 
 

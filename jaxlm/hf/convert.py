@@ -1,0 +1,174 @@
+"""jaxlm <-> Hugging Face layouts, both directions side by side so they cannot drift.
+
+Torch's Linear stores (out, in), so every jaxlm (in, out) matrix is transposed. The sequential block maps to
+LlamaForCausalLM; PaLM's parallel block to CohereForCausalLM (q/k permuted to its interleaved rotary). A model
+with no exact Hugging Face equivalent, or a checkpoint jaxlm cannot compute exactly, is refused by name.
+"""
+
+import math
+
+import jax
+import numpy as np
+
+from jaxlm import errors
+from jaxlm import model as model_lib
+
+
+class ExportError(errors.ConfigError):
+  """A checkpoint or model that cannot be exported faithfully; the message says why and what to do."""
+
+
+def layer_params(params: dict, num_layers: int) -> list[dict]:
+  """Per-layer parameter dicts, whether the layers were scanned (stacked on axis 0) or unrolled."""
+  if 'layers' in params:
+    return [jax.tree.map(lambda x, i=i: x[i], params['layers']) for i in range(num_layers)]
+  return [params[f'layers_{i}'] for i in range(num_layers)]
+
+
+def interleave_permutation(head_dim: int) -> np.ndarray:
+  """Column order that turns half-split RoPE pairs (i, i+E/2) into interleaved pairs (2i, 2i+1)."""
+  half = head_dim // 2
+  return np.stack([np.arange(half), np.arange(half) + half], axis=-1).reshape(-1)
+
+
+def architecture(m: model_lib.ModelConfig) -> str:
+  """The Hugging Face class that computes exactly this model, or an ExportError saying why there is none."""
+  if m.d_model % m.num_heads:
+    # transformers validates hidden_size % num_attention_heads == 0 even when head_dim is given explicitly.
+    raise ExportError(f'd_model={m.d_model} is not a multiple of num_heads={m.num_heads}: transformers refuses '
+                      f'such a config, so there is no faithful Hugging Face equivalent.')
+  if m.parallel_block and m.head_dim != m.d_model // m.num_heads:
+    raise ExportError(f'head_dim={m.head_dim} differs from d_model/num_heads={m.d_model // m.num_heads}: '
+                      f'Cohere (the parallel block) derives head_dim from the widths, so this model has no '
+                      f'faithful Hugging Face equivalent.')
+  return 'CohereForCausalLM' if m.parallel_block else 'LlamaForCausalLM'
+
+
+def to_hf(params: dict, m: model_lib.ModelConfig) -> dict[str, np.ndarray]:
+  """Hugging Face state dict (name -> float32 numpy) of jaxlm `params`."""
+  cohere = architecture(m) == 'CohereForCausalLM'
+  D, H, K, E = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim
+  f32 = lambda x: np.asarray(x, np.float32)
+  rope_order = interleave_permutation(E) if cohere else np.arange(E)
+  out = {'model.embed_tokens.weight': f32(params['embedding'])}  # (V, D)
+  for i, p in enumerate(layer_params(params, m.num_layers)):
+    pre = f'model.layers.{i}.'
+    a, mlp = p['attention'], p['mlp']
+    out[pre + 'self_attn.q_proj.weight'] = f32(a['query'])[:, :, rope_order].reshape(D, H * E).T
+    out[pre + 'self_attn.k_proj.weight'] = f32(a['key'])[:, :, rope_order].reshape(D, K * E).T
+    out[pre + 'self_attn.v_proj.weight'] = f32(a['value']).reshape(D, K * E).T
+    out[pre + 'self_attn.o_proj.weight'] = f32(a['out']).reshape(H * E, D).T
+    out[pre + 'mlp.gate_proj.weight'] = f32(mlp['gate']).T  # (F, D)
+    out[pre + 'mlp.up_proj.weight'] = f32(mlp['up']).T
+    out[pre + 'mlp.down_proj.weight'] = f32(mlp['down']).T  # (D, F)
+    if cohere:
+      out[pre + 'input_layernorm.weight'] = f32(p['norm']['scale'])
+    else:
+      out[pre + 'input_layernorm.weight'] = f32(p['attn_norm']['scale'])
+      out[pre + 'post_attention_layernorm.weight'] = f32(p['mlp_norm']['scale'])
+  out['model.norm.weight'] = f32(params['final_norm']['scale'])
+  if not m.tie_embeddings:
+    out['lm_head.weight'] = f32(params['unembed']).T  # (V, D)
+  elif not cohere:
+    out['lm_head.weight'] = out['model.embed_tokens.weight'] / np.float32(math.sqrt(D))
+  return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def hf_config(m: model_lib.ModelConfig, *, max_positions: int, dtype: str, bos_id: int, eos_id: int) -> dict:
+  """config.json for `m`, readable by transformers 4.4x (rope_theta) and 5.x (rope_parameters) alike."""
+  cohere = architecture(m) == 'CohereForCausalLM'
+  c = {
+      'architectures': [architecture(m)], 'model_type': 'cohere' if cohere else 'llama',
+      'vocab_size': m.vocab_size, 'hidden_size': m.d_model, 'intermediate_size': m.mlp_dim,
+      'num_hidden_layers': m.num_layers, 'num_attention_heads': m.num_heads, 'num_key_value_heads': m.num_kv_heads,
+      'hidden_act': 'silu', 'max_position_embeddings': max_positions,  # lm-eval truncates contexts to this
+      'rope_theta': m.rope_theta, 'rope_parameters': {'rope_type': 'default', 'rope_theta': m.rope_theta},
+      'rope_scaling': None, 'attention_bias': False, 'attention_dropout': 0.0, 'initializer_range': 0.02,
+      'bos_token_id': bos_id, 'eos_token_id': eos_id, 'pad_token_id': None, 'use_cache': True,
+      'torch_dtype': dtype, 'dtype': dtype,
+  }
+  if cohere:
+    c.update(layer_norm_eps=m.norm_eps, use_qk_norm=False, tie_word_embeddings=m.tie_embeddings,
+             logit_scale=1.0 / math.sqrt(m.d_model) if m.tie_embeddings else 1.0)
+  else:
+    c.update(rms_norm_eps=m.norm_eps, mlp_bias=False, head_dim=m.head_dim, pretraining_tp=1,
+             tie_word_embeddings=False)
+  return c
+
+
+_UNSUPPORTED = {
+    'attention_bias': (False, None), 'mlp_bias': (False, None), 'sliding_window': (None,),
+    'use_sliding_window': (False, None), 'partial_rotary_factor': (1.0, None), 'quantization_config': (None,),
+    'attn_logit_softcapping': (None,), 'final_logit_softcapping': (None,), 'logit_scale': (1.0, None),
+}
+
+
+class HFImportError(errors.ConfigError):
+  """A Hugging Face directory jaxlm cannot import exactly; the message says why."""
+
+
+def _rope_theta(hf: dict) -> float:
+  """RoPE base from either config style; refuses any scaled RoPE (linear, dynamic, yarn, llama3, ...)."""
+  scaling = hf.get('rope_scaling')
+  params = hf.get('rope_parameters') or {}
+  kind = (scaling or {}).get('rope_type') or (scaling or {}).get('type') or params.get('rope_type', 'default')
+  if kind != 'default':
+    raise HFImportError(f'rope scaling {scaling or params} is not supported: jaxlm implements plain RoPE only.')
+  return float(params.get('rope_theta') or hf.get('rope_theta') or 10_000.0)
+
+
+def model_overrides(hf: dict) -> dict:
+  """cfg.model values that compute what the Hugging Face `config.json` dict `hf` describes."""
+  if hf.get('model_type') != 'llama':
+    raise HFImportError(f'model_type={hf.get("model_type")!r}: only Llama-architecture checkpoints '
+                        f'(model_type "llama") can be imported.')
+  if hf.get('hidden_act', 'silu') != 'silu':
+    raise HFImportError(f'hidden_act={hf["hidden_act"]!r}: jaxlm\'s MLP is SwiGLU (silu) only.')
+  for key, allowed in _UNSUPPORTED.items():
+    if key in hf and hf[key] not in allowed:
+      raise HFImportError(f'{key}={hf[key]!r} is not supported by jaxlm (it needs {allowed[0]!r}).')
+  D, H = hf['hidden_size'], hf['num_attention_heads']
+  K = hf.get('num_key_value_heads') or H
+  E = hf.get('head_dim') or D // H
+  if H % K or E % 2:
+    raise HFImportError(f'num_key_value_heads={K} must divide num_attention_heads={H}, and head_dim={E} be even.')
+  return dict(vocab_size=hf['vocab_size'], d_model=D, num_layers=hf['num_hidden_layers'], num_heads=H,
+              num_kv_heads=K, head_dim=E, mlp_dim=hf['intermediate_size'], parallel_block=False,
+              tie_embeddings=False, rope_theta=_rope_theta(hf), norm_eps=float(hf.get('rms_norm_eps', 1e-6)))
+
+
+def from_hf(tensors: dict[str, np.ndarray], m: model_lib.ModelConfig, *, scan_layers: bool) -> dict:
+  """jaxlm params (float32 numpy) of a Hugging Face Llama state dict: the inverse of export.to_hf."""
+  D, H, K, E, L = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.num_layers
+  tensors = {k.removeprefix('model.'): v for k, v in tensors.items()}
+
+  def get(name, shape=None):
+    if name not in tensors:
+      raise HFImportError(f'tensor {name!r} is missing from the checkpoint.')
+    x = np.asarray(tensors[name], np.float32)
+    if shape is not None and x.shape != shape:
+      raise HFImportError(f'tensor {name!r} has shape {x.shape}, config.json implies {shape}.')
+    return x
+
+  layers = []
+  for i in range(L):
+    pre = f'layers.{i}.'
+    layers.append({
+        'attention': {
+            'query': get(pre + 'self_attn.q_proj.weight', (H * E, D)).T.reshape(D, H, E),
+            'key': get(pre + 'self_attn.k_proj.weight', (K * E, D)).T.reshape(D, K, E),
+            'value': get(pre + 'self_attn.v_proj.weight', (K * E, D)).T.reshape(D, K, E),
+            'out': get(pre + 'self_attn.o_proj.weight', (D, H * E)).T.reshape(H, E, D)},
+        'mlp': {'gate': get(pre + 'mlp.gate_proj.weight').T, 'up': get(pre + 'mlp.up_proj.weight').T,
+                'down': get(pre + 'mlp.down_proj.weight').T},
+        'attn_norm': {'scale': get(pre + 'input_layernorm.weight', (D,))},
+        'mlp_norm': {'scale': get(pre + 'post_attention_layernorm.weight', (D,))}})
+  embedding = get('embed_tokens.weight', (m.vocab_size, D))
+  lm_head = tensors.get('lm_head.weight', embedding)  # absent when tied: the head is the embedding
+  params = {'embedding': embedding, 'final_norm': {'scale': get('norm.weight', (D,))},
+            'unembed': np.ascontiguousarray(np.asarray(lm_head, np.float32).T)}
+  if scan_layers:
+    params['layers'] = jax.tree.map(lambda *xs: np.stack(xs), *layers)
+  else:
+    params.update({f'layers_{i}': p for i, p in enumerate(layers)})
+  return jax.tree.map(np.ascontiguousarray, params)
