@@ -1,10 +1,10 @@
 """launch/slurm_gpu.sbatch under a real Slurm: a one-node cluster on localhost (launch/slurm_localhost.sh).
 
 The batch script runs in its CPU form, the same file with the GPU defaults overridden on the sbatch command line:
-2 tasks on the one node, 4 fake CPU devices each, one 8-device job. Each job must train exactly like the
-2-process launch/local.sh run of the same config (data order depends on the process count, so that is the
-reference, not a 1-process run): uninterrupted, preempted with Slurm's SIGTERM to the batch shell and submitted
-again, and with one task SIGKILLed so that the supervisor inside the allocation restarts srun.
+2 tasks on the one node, 4 fake CPU devices each, one 8-device job. Each job must train exactly like a 1-process
+8-device run of the same config (the global batches do not depend on the process count): uninterrupted,
+preempted with Slurm's SIGTERM to the batch shell and submitted again, and with one task SIGKILLed so that the
+supervisor inside the allocation restarts srun.
 
 Needs root and Debian's slurm-wlm and munge (installed here with apt-get when missing); skipped otherwise.
 """
@@ -24,8 +24,8 @@ import psutil
 import pytest
 
 from tests.conftest import ROOT
-from tests.helpers import read_records, train_env
-from tests.test_multihost import DEVICES, PROCESSES, local_command, overrides, wait_for
+from tests.helpers import read_records, train_command, train_env
+from tests.test_multihost import DEVICES, PROCESSES, overrides, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -82,9 +82,10 @@ def slurm(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def reference(tmp_path_factory, data_cache):
-  """({step: loss}, final eval loss) of the same config run by launch/local.sh with 2 processes."""
-  workdir = tmp_path_factory.mktemp('local') / 'run'
-  run = subprocess.run(local_command(workdir, *train_args(data_cache)), cwd=ROOT, env=train_env(DEVICES),
+  """({step: loss}, final eval loss) of the same config as one process on 8 devices: the data stream does not
+  depend on the process count (jaxlm/data/stream.py), so the 2-task Slurm job must match it."""
+  workdir = tmp_path_factory.mktemp('single') / 'run'
+  run = subprocess.run(train_command(workdir, *train_args(data_cache)), cwd=ROOT, env=train_env(PROCESSES * DEVICES),
                        capture_output=True, text=True, timeout=600)
   assert run.returncode == 0, (run.stdout + run.stderr)[-5000:]
   records = read_records(workdir)
@@ -162,7 +163,7 @@ def assert_trajectory(workdir, reference, redone: bool = False):
   np.testing.assert_allclose(read_records(workdir, 'eval')[-1]['eval_loss'], eval_loss, rtol=1e-5)
 
 
-def test_batch_script_trains_as_one_job_like_local_sh(tmp_path, slurm, reference, data_cache):
+def test_batch_script_trains_as_one_job_like_one_process(tmp_path, slurm, reference, data_cache):
   workdir = tmp_path / 'run'
   job = submit(sbatch_command(workdir, tmp_path, data_cache), slurm)
   state, code, log = wait_job(job, slurm, tmp_path)
