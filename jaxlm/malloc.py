@@ -30,6 +30,14 @@ def accelerator_host() -> bool:
   return 'libtpu' in plugins and bool(glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*'))
 
 
+def libtpu_without_tpu() -> bool:
+  """libtpu is installed (the test extra has it, to compile for TPU targets) but this host has no TPU and no GPU
+  plugin: JAX would otherwise try to start a TPU backend in every process and print libtpu's warnings."""
+  plugins = {m.name for m in pkgutil.iter_modules()}
+  return ('libtpu' in plugins and not any(name.startswith(('jax_cuda', 'jax_rocm')) for name in plugins)
+          and not (glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*')))
+
+
 def keep_freed_memory() -> bool:
   """Has glibc keep freed host memory for reuse: one malloc arena, no mmap, no trimming. False without glibc.
 
