@@ -26,6 +26,7 @@ import re
 import time
 
 from absl import flags, logging
+from ml_collections import config_flags
 import flax.linen as nn
 import jax
 
@@ -43,8 +44,8 @@ FLAGS = flags.FLAGS
 
 
 def _define_flags() -> None:
-  # Defined only when run as a program, so importing this module next to others defines nothing; --config (and
-  # its --config.a.b=v overrides) is the trainer's flag (jaxlm.train, imported above, defines it).
+  # Defined only when run as a program, so importing this module next to others defines nothing.
+  config_flags.DEFINE_config_file('config', None, 'Config file, e.g. configs/palm_8b.py (with --config.a.b=v).')
   flags.DEFINE_string('mesh', '', 'data,fsdp,tensor ways, e.g. 1,64,1 (one may be -1: the rest of --chips); '
                       "default: the config's mesh.")
   flags.DEFINE_integer('chips', 0, "Chips to train on; default: the mesh's device count.")
