@@ -273,6 +273,8 @@ class Checkpointer:
                  free_bytes=free, checkpoint_bytes=previous)
 
   def _failed(self, step: int, error: Exception) -> None:
+    if self.failures >= self.cfg.max_failures:
+      return  # already stopped the run: close() must not report the same failed saves again
     self.failures += 1
     self.retry = True
     free = self._free_bytes()
