@@ -19,7 +19,6 @@ import time
 
 import numpy as np
 
-from jaxlm import rundir
 from jaxlm.data import format as format_lib
 from jaxlm.errors import ConfigError, StorageError
 
@@ -29,8 +28,6 @@ TRAIN_KEYS = ('loss', 'lr', 'grad_norm', 'tokens_per_s')  # every train record h
 EVAL_KEYS = ('eval_loss',)
 KINDS = ('train', 'eval', 'system')  # system: memory, time accounting, compile time: no stdout line
 RESERVED = ('kind', 'step', 'time', 'event', 'message')  # keys every record sets itself; `time` is Unix time
-
-read_metrics = rundir.read_metrics  # moved; kept for callers of metrics.read_metrics
 
 
 def duration(seconds: float | None) -> str:
