@@ -15,6 +15,7 @@ import logging
 import os
 import secrets
 import shutil
+import threading
 import time
 
 import numpy as np
@@ -128,6 +129,27 @@ def storage_error(path: str, error: BaseException) -> StorageError:
                       f'disk), then run the same command again to resume from the newest checkpoint')
 
 
+def _quiet_writer_thread() -> None:
+  """Leaves a failed TensorBoard write to the main thread instead of a thread traceback on stderr.
+
+  tensorboard's writer thread keeps the exception and re-raises it in the main thread at the next
+  add_event/flush/close, where `_writing` turns it into one StorageError line; the thread itself re-raises too,
+  and Python's default hook would print its traceback first.
+  """
+  if getattr(threading.excepthook, 'jaxlm', False):
+    return
+  from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread  # pylint: disable=import-outside-toplevel
+  previous = threading.excepthook
+
+  def hook(args):
+    if isinstance(args.thread, _AsyncWriterThread) and isinstance(args.exc_value, OSError):
+      return
+    previous(args)
+
+  hook.jaxlm = True
+  threading.excepthook = hook
+
+
 class _TensorBoard:
   """Scalars and text in TensorBoard event files, through tensorboard's own writer (no TensorFlow)."""
 
@@ -142,6 +164,7 @@ class _TensorBoard:
     self._text_metadata = text_metadata.create_summary_metadata(display_name='events', description='')
     # A background thread writes; flush_secs bounds what a crash (not a clean close) can lose.
     self._writer = EventFileWriter(logdir, flush_secs=10)
+    _quiet_writer_thread()
 
   def scalars(self, step: int, values: dict, prefix: str) -> None:
     summary = self._summary_pb2.Summary()

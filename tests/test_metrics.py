@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import types
 
 import jax
@@ -150,6 +151,27 @@ def test_tensorboard_files_read_back(tmp_path):
   text = acc.Tensors('events')
   assert [e.step for e in text] == [21, 22]
   assert text[0].tensor_proto.string_val[0].decode() == '**slow_step**: 3 slow steps in a row'
+
+
+def test_a_failed_tensorboard_write_is_one_storage_error_not_a_thread_traceback(tmp_path, capfd):
+  """tensorboard's writer thread fails on its own; the run must still end in one StorageError, quietly."""
+  from tensorboard.summary.writer import record_writer  # pylint: disable=import-outside-toplevel
+
+  def full_disk(self, data):
+    raise OSError(28, 'No space left on device')
+
+  thread_errors = []  # what would reach Python's default hook (a traceback on stderr)
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(threading, 'excepthook', thread_errors.append)
+    logger = metrics.MetricsLogger(str(tmp_path), log_cfg(), total_steps=10)
+    worker = logger._tb._writer._async_writer._worker  # pylint: disable=protected-access
+    m.setattr(record_writer.RecordWriter, 'write', full_disk)
+    with pytest.raises(metrics.StorageError, match=r'cannot write .*tb \(OSError: \[Errno 28\]'):
+      logger.event(1, 'spike', 'x')  # text events flush, so the thread's failure reaches the main thread here
+      logger.close()
+    worker.join(timeout=30)
+  assert not worker.is_alive() and thread_errors == []
+  assert 'Traceback' not in capfd.readouterr().err
 
 
 def test_non_primary_process_writes_nothing(tmp_path, capsys):
