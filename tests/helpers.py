@@ -2,9 +2,19 @@
 
 
 import numpy as np
+import pytest
 
 from jaxlm import cli
 from tests.conftest import ROOT
+
+
+def grid(values, fast, ids=str, unpack: bool = False) -> list:
+  """pytest params over `values`: those in `fast` run in the fast loop, the rest are marked e2e (full suite only).
+
+  unpack: each value is a tuple of several argnames' values.
+  """
+  return [pytest.param(*(v if unpack else (v,)), id=ids(v), marks=() if v in fast else pytest.mark.e2e)
+          for v in values]
 
 
 def load_config(name: str = 'palm_tiny'):

@@ -17,6 +17,7 @@ import pytest
 
 from jaxlm import attention
 from jaxlm import sharding
+from tests.helpers import grid
 
 
 @pytest.fixture(autouse=True)
@@ -37,6 +38,10 @@ def segments(B: int, T: int, docs: int, pad: int = 0, seed: int = 0) -> np.ndarr
     for d in range(docs):
       seg[b, bounds[d]:bounds[d + 1]] = d + 1
   return seg
+
+
+def _heads(case) -> str:
+  return f'{case[0]}-{case[1]}'  # (query heads, kv heads), as the ids were before
 
 
 def qkv(B, T, H, K, E, dtype=jnp.float32, seed=0):
@@ -150,7 +155,7 @@ def test_xla_matches_numpy(H, K):
   assert np.isfinite(np.asarray(out)).all()
 
 
-@pytest.mark.parametrize('H, K', [(4, 1), (6, 2), (4, 4)])
+@pytest.mark.parametrize('H, K', grid([(4, 1), (6, 2), (4, 4)], fast=[(4, 1)], ids=_heads, unpack=True))
 def test_cudnn_call_through_xla_matches_reference(H, K):
   """The mask and call the cudnn kernel uses, run by jax.nn's XLA implementation: forward and gradients."""
   B, T, E = 2, 32, 16
@@ -173,7 +178,7 @@ def test_cudnn_call_through_xla_in_bfloat16():
   np.testing.assert_allclose(real(out, seg), real(want, seg), atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize('H, K', [(4, 1), (4, 2), (2, 2)])
+@pytest.mark.parametrize('H, K', grid([(4, 1), (4, 2), (2, 2)], fast=[(4, 2)], ids=_heads, unpack=True))
 def test_splash_interpret_matches_xla(H, K):
   """The Pallas splash kernel's semantics (interpret mode), forward and gradients, with documents and padding."""
   B, T, E = 2, 256, 64  # two 128-blocks per axis; E = 64 makes the 1/sqrt(E) pre-scaling of q exact
@@ -187,7 +192,7 @@ def test_splash_interpret_matches_xla(H, K):
     np.testing.assert_allclose(got, want, atol=2e-4)
 
 
-@pytest.mark.parametrize('H, K', [(4, 1), (4, 2), (4, 4), (6, 3)])
+@pytest.mark.parametrize('H, K', grid([(4, 1), (4, 2), (4, 4), (6, 3)], fast=[(4, 1)], ids=_heads, unpack=True))
 def test_splash_under_a_mesh_runs_per_shard(H, K):
   """Inside jit on a (data 2, fsdp 2, tensor 2) mesh: batch over data×fsdp, heads over tensor, via shard_map.
 

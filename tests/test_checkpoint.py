@@ -171,6 +171,7 @@ def test_full_disk_is_detected_never_newest_and_resumable(tmp_path, tiny_disk, d
   assert not [p for p in tiny_disk.iterdir() if 'tmp' in p.name]  # partial saves cleaned up
 
 
+@pytest.mark.e2e  # four compiled programs, a save and three restores
 def test_reshard_checkpoint_onto_other_meshes(tmp_path):
   cfg = odd_config()
   batch = random_batch(8, 24, cfg.model.vocab_size, docs=2)

@@ -21,6 +21,7 @@ def _steps(cfg, batch, n=1, microbatches=1, mesh_shape=(1, 8, 1)):
     return state, out
 
 
+@pytest.mark.e2e  # two compiled programs on a 32-row batch
 def test_microbatches_give_the_full_batch_gradient():
   cfg = odd_config()
   # A first Adam step is g / (|g| + eps): with eps = 1 it is ~linear in g, so parameters compare gradients.
@@ -37,6 +38,7 @@ def test_microbatches_give_the_full_batch_gradient():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.e2e  # two 10-step training runs
 def test_fp16_with_dynamic_loss_scaling_tracks_bf16():
   batch = random_batch(8, 24, 398, docs=2)
   losses = {}
@@ -50,6 +52,7 @@ def test_fp16_with_dynamic_loss_scaling_tracks_bf16():
   assert losses['float16'][-1] < losses['float16'][0] - 1.0
 
 
+@pytest.mark.e2e  # a 14-step training run
 def test_fp16_loss_scale_backs_off_on_overflow_and_grows_again():
   cfg = odd_config()
   cfg.model.dtype = 'float16'
@@ -63,6 +66,7 @@ def test_fp16_loss_scale_backs_off_on_overflow_and_grows_again():
   assert losses[-1] < losses[0] - 0.5
 
 
+@pytest.mark.e2e  # a 6-step training run
 def test_adafactor_trains_and_shards():
   cfg = odd_config()
   cfg.optim.update(name='adafactor', lr=1e-2)

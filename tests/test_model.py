@@ -1,27 +1,55 @@
 """Model properties: causality, document masking, parameter and FLOP formulas, remat/scan invariance."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxlm import model as model_lib
-from tests.helpers import odd_config, random_batch
+from tests.helpers import grid, odd_config, random_batch
 
 
-def _model(**overrides):
+_SAME_PARAMS = ('remat', 'explicit_transpose_grads')  # settings that change how the model runs, not its parameters
+
+
+def _model(shapes_only: bool = False, **overrides):
+  """(config, model, params, batch) for odd_config + `overrides`; shapes_only: parameter shapes, no values."""
   cfg = odd_config()
   cfg.model.update(**overrides)
   m = model_lib.ModelConfig.from_config(cfg.model)
-  model = model_lib.Decoder(m)
   b = random_batch(2, 20, m.vocab_size, docs=2)
-  params = model.init(jax.random.PRNGKey(1), b['inputs'], b['segment_ids'], b['positions'])['params']
-  return m, model, jax.tree.map(lambda x: getattr(x, 'value', x), params,
-                                is_leaf=lambda x: hasattr(x, 'names')), b
+  if shapes_only:
+    params = _unboxed(jax.eval_shape(_init_fn(m), jax.random.PRNGKey(1), b['inputs'], b['segment_ids'],
+                                     b['positions']))
+  else:
+    params = _params(**{k: v for k, v in overrides.items() if k not in _SAME_PARAMS})
+  return m, model_lib.Decoder(m), params, b
+
+
+@functools.cache
+def _params(**overrides):
+  """The initial parameters, computed once per parameter-shaping setting (init compiles for seconds)."""
+  m, _, _, b = _model(shapes_only=True, **overrides)
+  return _unboxed(jax.jit(_init_fn(m))(jax.random.PRNGKey(1), b['inputs'], b['segment_ids'], b['positions']))
+
+
+def _init_fn(m):
+  return model_lib.Decoder(m).init
+
+
+def _unboxed(variables):
+  return jax.tree.map(lambda x: getattr(x, 'value', x), variables['params'], is_leaf=lambda x: hasattr(x, 'names'))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _apply(model, params, inputs, segment_ids, positions):
+  return model.apply({'params': params}, inputs, segment_ids, positions)
 
 
 def _logits(model, params, inputs, segment_ids, positions):
-  return np.asarray(model.apply({'params': params}, inputs, segment_ids, positions))
+  return np.asarray(_apply(model, params, inputs, segment_ids, positions))
 
 
 @pytest.mark.parametrize('parallel_block', [True, False])
@@ -53,41 +81,51 @@ def test_documents_do_not_see_each_other():
 @pytest.mark.parametrize('overrides', [{}, {'parallel_block': False}, {'tie_embeddings': False},
                                        {'num_kv_heads': 4, 'scan_layers': False}])
 def test_param_count_matches_pytree(overrides):
-  m, _, params, _ = _model(**overrides)
+  m, _, params, _ = _model(shapes_only=True, **overrides)
   assert model_lib.param_count(m) == sum(x.size for x in jax.tree.leaves(params))
 
 
 def test_flops_per_token_palm_formula():
-  m, _, params, _ = _model()
+  m, _, params, _ = _model(shapes_only=True)
   n = sum(x.size for x in jax.tree.leaves(params))
   T = 64
   expected = 6 * n + 12 * m.num_layers * m.num_heads * m.head_dim * T
   assert model_lib.flops_per_token(m, T) == expected
   assert model_lib.flops_per_token(m, T, causal=True) == 6 * n + 6 * m.num_layers * m.num_heads * m.head_dim * T
-  untied, _, params, _ = _model(tie_embeddings=False)
+  untied, _, params, _ = _model(shapes_only=True, tie_embeddings=False)
   n_untied = sum(x.size for x in jax.tree.leaves(params)) - untied.vocab_size * untied.d_model  # lookup: no FLOPs
   assert model_lib.flops_per_token(untied, T) == 6 * n_untied + 12 * m.num_layers * m.num_heads * m.head_dim * T
 
 
-def test_remat_and_unrolled_layers_change_nothing():
-  def loss_and_grad(**overrides):
-    m, model, params, b = _model(**overrides)
+@functools.cache
+def _loss_and_grad_norm(**overrides):
+  m, model, params, b = _model(**overrides)
 
-    def loss(p):
-      logits = model.apply({'params': p}, b['inputs'], b['segment_ids'], b['positions'])
-      return model_lib.loss_fn(logits, b['targets'], b['weights'], m.z_loss)[0]
-    value, grads = jax.value_and_grad(loss)(params)
-    return float(value), float(jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads))))
+  def loss(p):
+    logits = model.apply({'params': p}, b['inputs'], b['segment_ids'], b['positions'])
+    return model_lib.loss_fn(logits, b['targets'], b['weights'], m.z_loss)[0]
+  value, grads = jax.jit(jax.value_and_grad(loss))(params)
+  return float(value), float(jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads))))
 
-  reference = loss_and_grad(remat='none')
-  for policy in ('full', 'dots', 'dots_no_batch', 'attn_out'):
-    np.testing.assert_allclose(loss_and_grad(remat=policy), reference, rtol=1e-5, err_msg=policy)
-  # Plain-product weight gradients (the CPU layout) are the same math, with and without remat.
-  for policy in ('none', 'full', 'dots'):
-    np.testing.assert_allclose(loss_and_grad(remat=policy, explicit_transpose_grads=True), reference, rtol=1e-5,
-                               err_msg=f'explicit_transpose_grads, remat={policy}')
+
+# Plain-product weight gradients (explicit_transpose_grads, the CPU layout) are the same math, with and without
+# remat.
+_REMAT_CASES = [(policy, False) for policy in ('full', 'dots', 'dots_no_batch', 'attn_out')] + \
+               [(policy, True) for policy in ('none', 'full', 'dots')]
+
+
+@pytest.mark.parametrize('policy, explicit_transpose_grads', grid(
+    _REMAT_CASES, fast=[('dots', False)], ids=lambda c: f'{c[0]}{"-explicit_transpose" if c[1] else ""}',
+    unpack=True))
+def test_remat_changes_nothing(policy, explicit_transpose_grads):
+  reference = _loss_and_grad_norm(remat='none')
+  np.testing.assert_allclose(_loss_and_grad_norm(remat=policy, explicit_transpose_grads=explicit_transpose_grads),
+                             reference, rtol=1e-5)
+
+
+def test_unrolled_layers_count_the_same_parameters():
   # Unrolled layers get other parameter names (layers_0, ...) and so other random values: compare counts only.
-  m, _, params, _ = _model(scan_layers=False)
+  m, _, params, _ = _model(shapes_only=True, scan_layers=False)
   assert 'layers_1' in params and model_lib.param_count(m) == sum(x.size for x in jax.tree.leaves(params))
 
 

@@ -54,6 +54,7 @@ def test_splash_compiles_for_a_real_tpu_target(v5e_2x2, caplog):
   assert report['collectives']['all-gather'][0] > 0  # fsdp gathers the parameters layer by layer
 
 
+@pytest.mark.e2e  # a second whole-program TPU compile; the splash one above stays in the fast loop
 def test_xla_kernel_arguments_are_the_sharded_state(v5e_2x2):
   cfg = small_tpu_config('xla')
   report = size.compile_step(cfg, v5e_2x2)

@@ -1,5 +1,7 @@
 """Sharded == unsharded, and parameters / optimizer state land where the rules table says."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -8,9 +10,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxlm import sharding, train
-from tests.helpers import odd_config, plain_program, random_batch
+from tests.helpers import grid, odd_config, plain_program, random_batch
 
 MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 4, 2)]
+_mesh_id = lambda shape: 'x'.join(map(str, shape))  # noqa: E731
 
 
 def _two_steps(cfg, mesh_shape, batch):
@@ -25,31 +28,34 @@ def _two_steps(cfg, mesh_shape, batch):
     return [float(m1['loss']), float(m2['loss']), float(m1['grad_norm'])], state
 
 
-@pytest.mark.parametrize('parallel_block', [True, False], ids=['palm', 'llama'])
-def test_sharded_steps_match_single_device(parallel_block):
+@functools.cache
+def _odd_two_steps(parallel_block: bool, mesh_shape, explicit_transpose_grads: bool = False):
+  """Two steps of odd_config on `mesh_shape`, computed once per session (references are shared by tests)."""
   cfg = odd_config(parallel_block)
-  batch = random_batch(8, 24, cfg.model.vocab_size, docs=2)
-  reference, _ = _two_steps(cfg, (1, 1, 1), batch)
+  cfg.model.explicit_transpose_grads = explicit_transpose_grads
+  return _two_steps(cfg, mesh_shape, random_batch(8, 24, cfg.model.vocab_size, docs=2))
+
+
+@pytest.mark.parametrize('parallel_block, shape', grid(
+    [(block, shape) for block in (True, False) for shape in MESHES[1:]], fast=[(True, (1, 8, 1))],
+    ids=lambda case: f'{"palm" if case[0] else "llama"}-{_mesh_id(case[1])}', unpack=True))
+def test_sharded_steps_match_single_device(parallel_block, shape):
+  reference, _ = _odd_two_steps(parallel_block, (1, 1, 1))
   assert reference[1] < reference[0]  # the step did something
-  for shape in MESHES[1:]:
-    got, _ = _two_steps(cfg, shape, batch)
-    np.testing.assert_allclose(got, reference, rtol=1e-5, err_msg=f'mesh {shape}')
+  got, _ = _odd_two_steps(parallel_block, shape)
+  np.testing.assert_allclose(got, reference, rtol=1e-5, err_msg=f'mesh {shape}')
 
 
-def test_explicit_transpose_grads_sharded_match_single_device():
+@pytest.mark.parametrize('shape', grid([(1, 1, 1), (1, 8, 1), (2, 2, 2)], fast=[(1, 8, 1)], ids=_mesh_id))
+def test_explicit_transpose_grads_sharded_match_single_device(shape):
   # Transposed copies of FSDP-sharded activations: the weight gradients must still reduce over every shard.
-  cfg = odd_config()
-  batch = random_batch(8, 24, cfg.model.vocab_size, docs=2)
-  reference, _ = _two_steps(cfg, (1, 1, 1), batch)
-  cfg.model.explicit_transpose_grads = True
-  for shape in [(1, 1, 1), (1, 8, 1), (2, 2, 2)]:
-    got, _ = _two_steps(cfg, shape, batch)
-    np.testing.assert_allclose(got, reference, rtol=1e-5, err_msg=f'mesh {shape}')
+  reference, _ = _odd_two_steps(True, (1, 1, 1))
+  got, _ = _odd_two_steps(True, shape, explicit_transpose_grads=True)
+  np.testing.assert_allclose(got, reference, rtol=1e-5, err_msg=f'mesh {shape}')
 
 
 def test_params_and_adam_moments_placement_and_bytes():
-  cfg = odd_config()
-  _, state = _two_steps(cfg, (1, 8, 1), random_batch(8, 24, cfg.model.vocab_size))
+  _, state = _odd_two_steps(True, (1, 8, 1))  # the state of the sharded-steps test on this mesh
   p = state.params
   expected = {  # the rules table, read off per parameter (the leading None is the scanned `layers` axis)
       ('embedding',): P('tensor', 'fsdp'),

@@ -16,7 +16,7 @@ from jaxlm.data import pipeline as data_lib
 from jaxlm.data import prepare as prepare_lib
 from jaxlm.data import tokenizer as tokenizer_lib
 from tests.conftest import ROOT
-from tests.helpers import load_config
+from tests.helpers import grid, load_config
 
 VOCAB = 320  # model vocab in these tests; the tokenizers below have <= 320 entries
 EOS = 2  # SentencePiece's default eos id, which prepare keeps
@@ -123,7 +123,7 @@ def test_same_seed_same_batches_other_seed_other_order(prepared):
   assert not _equal(a, c)
 
 
-@pytest.mark.parametrize('num_workers', [0, 2])
+@pytest.mark.parametrize('num_workers', grid([0, 2], fast=[0]))  # workers are processes: full suite only
 def test_state_restore_gives_identical_next_batches(prepared, num_workers):
   cfg = _cfg(prepared, num_workers=num_workers)
   make = lambda: data_lib.make_train_iterator(cfg, batch_size=4, seed=3, vocab_size=VOCAB, process_index=0,
@@ -412,7 +412,8 @@ def _global(cfg, process_count: int, batches: int, size: int = 8, sizes=None, **
   return out
 
 
-@pytest.mark.parametrize('process_count, num_workers', [(2, 0), (4, 0), (1, 2), (2, 2)])
+@pytest.mark.parametrize('process_count, num_workers', grid([(2, 0), (4, 0), (1, 2), (2, 2)], fast=[(2, 0), (4, 0)],
+                                                            ids=lambda c: f'{c[0]}-{c[1]}', unpack=True))
 def test_global_batches_do_not_depend_on_processes_or_workers(prepared, process_count, num_workers):
   want = _global(_cfg(prepared), 1, 12)
   got = _global(_cfg(prepared, num_workers=num_workers), process_count, 12)
@@ -424,6 +425,7 @@ def test_global_batches_do_not_depend_on_processes_or_workers(prepared, process_
   np.testing.assert_array_equal(np.concatenate([b['inputs'] for b in ramp]), rows)
 
 
+@pytest.mark.e2e  # starts Grain worker processes
 def test_mixture_is_a_function_of_the_row_position(prepared, tmp_path):
   a = _write_prepared(str(tmp_path / 'a'), prepared, [list(range(10, 10 + n)) for n in range(3, 40)])
   b = _write_prepared(str(tmp_path / 'b'), prepared, [list(range(200, 200 + n)) for n in range(3, 30)])

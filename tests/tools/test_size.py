@@ -50,6 +50,7 @@ def mesh_config(data, fsdp, tensor):
   return cfg
 
 
+@pytest.mark.e2e  # compiles the whole program twice
 def test_compiled_memory_shrinks_with_fsdp():
   one = size.memory(mesh_config(1, 1, 1), jax.devices()[:1])
   eight = size.memory(mesh_config(1, 8, 1), jax.devices()[:8])
