@@ -331,6 +331,10 @@ class TrainIterator(grain.DatasetIterator):
         # Grain's worker start-up reads its absl flags; a caller without absl.app (tests, notebooks) has not
         # parsed any, so take the defaults rather than fail inside Grain.
         flags.FLAGS.mark_as_parsed()
+      # Batches come back through the queue, not shared memory: a batch is KBs to MBs, and shared blocks still
+      # queued when a worker fails are unlinked only at exit, by the resource tracker, with a warning printed
+      # after the run's last line.
+      ds = grain.experimental.WithOptionsIterDataset(ds, grain.experimental.DatasetOptions(min_shm_size=2**62))
       ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.num_workers,
                                                        per_worker_buffer_size=max(self.prefetch, 1)))
     self._it, self._size = iter(ds), size
@@ -347,7 +351,16 @@ class TrainIterator(grain.DatasetIterator):
                       f'multiple of {self.process_count}.')
     if size != self._size:
       self._start(size)
-    batch = next(self._it)  # StopIteration at the end of a finite stream
+    try:
+      batch = next(self._it)  # StopIteration at the end of a finite stream
+    except (StopIteration, DataError):
+      raise
+    except Exception as e:  # pylint: disable=broad-except  -- a reader or Grain worker failed mid-stream
+      what = ' '.join(str(e).split())[:300]
+      self._stop()
+      raise DataError(f'reading the training data failed after row {self.rows} ({type(e).__name__}: {what}); a '
+                      f'shard changed or was damaged after the run started: delete it and run the prepare command '
+                      f'again (it rewrites only missing shards), then the same command to resume') from e
     self.rows += size
     return batch
 

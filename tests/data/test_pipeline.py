@@ -1,5 +1,6 @@
 """The training input pipeline: determinism, resume, process sharding, packing, mixtures, bad data."""
 
+import glob
 import json
 import logging
 import os
@@ -309,6 +310,27 @@ def test_bad_data_gives_a_clear_error(prepared, tmp_path, damage, message):
     data_lib.make_train_iterator(_cfg(path), batch_size=2, seed=0, vocab_size=vocab, process_index=0,
                                  process_count=1)
   assert isinstance(e.value, ValueError)
+
+
+def _damage_chunks(shard: str) -> None:
+  """Overwrites the first half of an array_record shard, keeping its size (its footer and index stay)."""
+  size = os.path.getsize(shard)
+  with open(shard, 'r+b') as f:
+    f.write(b'\xff' * (size // 2))
+
+
+@pytest.mark.parametrize('num_workers', grid([0, 2], fast=[0]))
+def test_a_shard_damaged_mid_run_is_one_data_error(prepared, tmp_path, num_workers):
+  path = str(_copy(prepared, tmp_path))
+  it = data_lib.make_train_iterator(_cfg(path, num_workers=num_workers), batch_size=2, seed=0, vocab_size=VOCAB,
+                                    process_index=0, process_count=1)
+  for shard in glob.glob(os.path.join(path, 'train-*.arrayrecord')):
+    _damage_chunks(shard)
+  with pytest.raises(data_lib.DataError, match=r'reading the training data failed after row 0 \(RuntimeError: '
+                                              r'Corrupted .*; a shard changed or was damaged'):
+    for _ in range(20):
+      next(it)
+  it.close()
 
 
 def test_batch_must_split_over_processes(prepared):
