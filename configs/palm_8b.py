@@ -14,7 +14,8 @@ def get_config():
   c.model.update(vocab_size=256_000, d_model=4096, num_layers=32, num_heads=16, num_kv_heads=1, head_dim=256,
                  remat='full')
   c.data.seq_len = 2048
-  c.train.update(steps=250_000, batch_size=512, eval_every=5000)
+  # 4 microbatches: the pre-flight's cheapest setting that fits a v4-64 slice's 32 GiB chips (bench/RESULTS.md).
+  c.train.update(steps=250_000, batch_size=512, microbatches=4, eval_every=5000)
   # PaLM: 1e-2 for 10k steps, then 1/sqrt(step) decay; here the same peak with jaxlm's warmup-cosine schedule.
   c.optim.update(lr=0.01, warmup_steps=10_000, weight_decay=0.1)
   c.checkpoint.update(every=1000, keep_every=10_000)

@@ -27,8 +27,6 @@ HBM_BYTES = {
     'TPU v6e': 32 * GiB,
 }
 
-_COMPILE_ONLY_CORES = {'TPU v4': 2}
-
 # Activation checkpointing from least to most recompute (config.REMAT_POLICIES, in cost order).
 REMAT_LADDER = ('none', 'dots', 'dots_no_batch', 'attn_out', 'full')
 assert set(REMAT_LADDER) == set(config_lib.REMAT_POLICIES)
@@ -55,12 +53,6 @@ def device_memory(devices) -> tuple[int | None, str]:
     return int(float(os.environ[MEMORY_ENV])), f'${MEMORY_ENV}'
   kind = devices[0].device_kind
   if kind in HBM_BYTES:
-    # libtpu's compile-only TPU v4 devices are single TensorCores: XLA compiles each for half the chip's HBM
-    # (its refusals say 15.25G available), though a real v4 runs as one 32 GiB megacore device.
-    share = _COMPILE_ONLY_CORES.get(kind, 1) if hasattr(devices[0], 'core_on_chip') else 1
-    if share > 1:
-      return HBM_BYTES[kind] // share, (f'HBM of a {kind} chip, {HBM_BYTES[kind] // GiB} GiB, over the {share} '
-                                        f'TensorCores XLA compiles for separately')
     return HBM_BYTES[kind], f'HBM of a {kind} chip'
   return None, f'{kind} reports no memory limit (set ${MEMORY_ENV} to check one)'
 

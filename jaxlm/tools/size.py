@@ -186,6 +186,10 @@ def tpu_devices(target: str, slices: int = 1) -> list:
     kwargs['chips_per_host_bounds'] = tuple(dims + [1] * (3 - len(dims)))
   if slices > 1:
     kwargs['num_slices'] = slices
+  if match.group(1) == 'v4':
+    # A v4 chip's two TensorCores run as one 32 GiB "megacore" device, as JAX uses a real v4 (and as MaxText
+    # compiles for one); libtpu's default describes each core as its own device with half the HBM.
+    kwargs['chip_config_name'] = 'megacore'
   try:
     from jax.experimental import topologies
     desc = topologies.get_topology_desc(topology_name=target, platform='tpu', **kwargs)
@@ -197,9 +201,7 @@ def tpu_devices(target: str, slices: int = 1) -> list:
                            f'"jax[tpu]=={jax.__version__}"') from e
     raise PreflightError(f'libtpu cannot describe --target={target} --slices={slices} ({text}); use a '
                          f'topology such as v5e:2x2, v5p:2x2x1, v4:2x2x1, v6e:2x2') from e
-  # TPU v4 shows each chip as two devices, one per TensorCore; JAX runs a v4 as one device per chip
-  # ("megacore", and jax.make_mesh requires it), so keep the first core of each chip, as a real v4 host shows it.
-  return [d for d in desc.devices if getattr(d, 'core_on_chip', 0) == 0]
+  return list(desc.devices)
 
 
 _SHAPE = re.compile(r'\b(pred|[suf]\d+|bf16|f8\w*)\[([\d,]*)\]')
