@@ -80,7 +80,8 @@ def describe(lay: Layout, num_layers: int) -> str:
   lines = [f'pipeline: {lay.schedule}, {lay.stages} stages × {lay.repeats} repeat(s), {lay.microbatches} '
            f'microbatches, {lay.iterations} iterations; bubble (S−1)/(R·M+S−1) = {lay.bubble:.3f}']
   for s, chunks in enumerate(stage_layers(lay, num_layers)):
-    lines.append(f'  stage {s}: layers ' + ', '.join(f'{c.start}-{c.stop - 1}' for c in chunks))
+    lines.append(f'  stage {s}: layers ' + ', '.join(str(c.start) if len(c) == 1 else f'{c.start}-{c.stop - 1}'
+                                                   for c in chunks))
   return '\n'.join(lines)
 
 

@@ -226,6 +226,6 @@ def test_bad_pipeline_configs_name_the_field_and_the_fix(overrides, says):
 
 
 def test_bad_pipeline_config_exits_before_device_work():
-  out = run_cli('jaxlm.train', '--config=configs/palm_tiny.py', '--config.mesh.stage=4',
+  out = run_cli('jaxlm.train', '--config=configs/palm_tiny.py', '--config.mesh.stage=4', '--config.model.num_layers=4',
                 '--config.pipeline.microbatches=2', '--workdir=/nonexistent/never-created')
   assert_fails_with(out, 2, 'pipeline.microbatches=2 is fewer than the 4 pipeline stages')
