@@ -15,6 +15,7 @@ copies. On real accelerators the stages run in parallel and the bubble shows as 
 
 import os
 import pathlib
+import re
 import statistics
 import sys
 import time
@@ -89,8 +90,8 @@ def measure(stages: int, microbatches: int) -> dict:
 
 def main(argv):
   del argv
-  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                             f' --xla_force_host_platform_device_count={_DEVICES.value}').strip()
+  flags_now = re.sub(r'--xla_force_host_platform_device_count=\S+', '', os.environ.get('XLA_FLAGS', ''))
+  os.environ['XLA_FLAGS'] = f'{flags_now} --xla_force_host_platform_device_count={_DEVICES.value}'.strip()
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
   import jaxlm  # noqa: F401  malloc set-up before JAX, as in `python -m jaxlm.train`
   import jax
