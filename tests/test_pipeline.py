@@ -13,7 +13,8 @@ from jaxlm import model as model_lib
 from jaxlm import pipeline
 from jaxlm import sharding
 from jaxlm import step as step_lib
-from tests.helpers import assert_fails_with, load_config, odd_config, plain_program, random_batch, run_cli
+from tests.helpers import (assert_fails_with, load_config, odd_config, plain_program, random_batch, read_records,
+                           run_cli)
 
 BATCH, SEQ = 16, 32
 
@@ -229,3 +230,44 @@ def test_bad_pipeline_config_exits_before_device_work():
   out = run_cli('jaxlm.train', '--config=configs/palm_tiny.py', '--config.mesh.stage=4', '--config.model.num_layers=4',
                 '--config.pipeline.microbatches=2', '--workdir=/nonexistent/never-created')
   assert_fails_with(out, 2, 'pipeline.microbatches=2 is fewer than the 4 pipeline stages')
+
+
+def test_a_pipelined_run_reports_its_stages_and_its_checkpoint_serves_eval_export_and_warm_start(
+    tmp_path, data_cache, capsys):
+  """The real trainer on 2 stages; then eval and HF export (unpipelined) and the warm-start loader read its checkpoint."""
+  import json
+  from jaxlm import train
+  cfg = load_config('palm_tiny')
+  cfg.data.cache_dir = str(data_cache)
+  cfg.mesh.stage = 2  # palm_tiny's 2 layers: one per stage, fsdp over 4 devices in each
+  cfg.train.update(steps=6, eval_batches=2, log_every=3)
+  cfg.optim.warmup_steps = 2
+  cfg.checkpoint.update(every=0, async_save=False)
+  cfg.log.update(tensorboard=False, compilation_cache='')
+  workdir = str(tmp_path / 'run')
+  trained = train.run(cfg, workdir)
+  report = capsys.readouterr().out
+  assert "mesh: {'stage': 2, 'data': 1, 'fsdp': 4, 'tensor': 1}" in report
+  assert 'pipeline: gpipe, 2 stages × 1 repeat(s), 2 microbatches, 3 iterations; bubble' in report
+  assert 'stage 0: layers 0\n' in report and 'stage 1: layers 1\n' in report and 'parameters per device' in report
+  records = read_records(workdir)
+  assert records and all(r['bubble'] == pytest.approx(1 / 3) for r in records)
+
+  out = run_cli('jaxlm.tools.eval', f'--workdir={workdir}', '--json', timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert json.loads(out.stdout.strip().splitlines()[-1])['loss'] == pytest.approx(trained['eval_loss'], rel=1e-4)
+  out = run_cli('jaxlm.hf.export', f'--workdir={workdir}', f'--out={tmp_path / "hf"}', devices=1, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert (tmp_path / 'hf' / 'model.safetensors').exists()
+
+  # Warm start's loader: the same parameters on 2 stages as on none.
+  loaded = []
+  for stage in (2, 1):
+    c = load_config('palm_tiny')
+    c.mesh.stage = stage
+    program = plain_program(c, sharding.make_mesh(c.mesh))
+    loaded.append(checkpoint_lib.load_params(f'{workdir}/checkpoints', program.abstract_state.params,
+                                             program.state_shardings.params))
+  assert loaded[0]['layers']['mlp']['up'].sharding.spec[0] == 'stage'
+  for a, b in zip(jax.tree.leaves(loaded[0]), jax.tree.leaves(loaded[1])):
+    np.testing.assert_array_equal(a, b)
