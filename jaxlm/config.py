@@ -192,10 +192,16 @@ def _pipeline_errors(c, stages: int, batch_ways: int) -> list[str]:
   # outside the pipeline (embedding, loss) the batch is also split over the stages.
   accum = max(t.microbatches, 1)
   unit = accum * math.lcm(micro * batch_ways, stages * batch_ways)
-  if t.batch_size % unit:
-    e.append(f'train.batch_size={t.batch_size} is not divisible by train.microbatches × lcm(pipeline.microbatches '
-             f'× data×fsdp, stages × data×fsdp) = {accum}×lcm({micro}×{batch_ways}, {stages}×{batch_ways}) = '
-             f'{unit}; use a multiple of {unit}, or change pipeline.microbatches.')
+  try:
+    sizes = [size for size, _ in batch_stages(t, 1)]
+  except ValueError:  # reported by _train_errors
+    sizes = [t.batch_size]
+  for size in sizes:
+    if size % unit:
+      field = 'train.batch_size' if size == t.batch_size else 'train.batch_ramp size'
+      e.append(f'{field}={size} is not divisible by train.microbatches × lcm(pipeline.microbatches × data×fsdp, '
+               f'stages × data×fsdp) = {accum}×lcm({micro}×{batch_ways}, {stages}×{batch_ways}) = {unit}; use a '
+               f'multiple of {unit}, or change pipeline.microbatches.')
   return e
 
 

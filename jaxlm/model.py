@@ -298,8 +298,9 @@ class Decoder(nn.Module):
     if m.remat != 'none':
       block = nn.remat(Block, policy=REMAT_POLICIES[m.remat], prevent_cse=not m.scan_layers)
     if self.pipeline is not None and not self.is_initializing():
-      def layer(p, h, seg, pos, rng):
-        return Block(m, deterministic).apply({'params': p}, h, seg, pos, rngs={} if rng is None else {'dropout': rng})[0]
+      def layer(p, h, seg, pos, rng):  # one Block on one microbatch, with one layer's parameters
+        rngs = {} if rng is None else {'dropout': rng}
+        return Block(m, deterministic).apply({'params': p}, h, seg, pos, rngs=rngs)[0]
       rng = None if deterministic else self.make_rng('dropout')
       policy = REMAT_POLICIES.get(m.remat)
       x = pipeline_lib.run(layer, self.variables['params']['layers'], x, segment_ids, positions, rng,

@@ -110,7 +110,8 @@ def run(layer: Callable, params, x, segment_ids, positions, rng, lay: Layout, po
   # stages is exactly this reshape; circular regroups the stored blocks (an all-to-all; see README).
   free = jax.sharding.PartitionSpec.UNCONSTRAINED  # the storage's fsdp / tensor split stays as it is
   w = jax.tree.map(lambda p: jax.lax.with_sharding_constraint(
-      p.reshape(R, S, Lc, *p.shape[1:]), jax.sharding.PartitionSpec(None, sharding.STAGE, None, *[free] * (p.ndim - 1))),
+      p.reshape(R, S, Lc, *p.shape[1:]),
+      jax.sharding.PartitionSpec(None, sharding.STAGE, None, *[free] * (p.ndim - 1))),
       params)
   act = ('act_batch', 'act_seq', 'act_embed')
   xs = split(x, M)  # (M, mb, T, D)

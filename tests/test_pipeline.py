@@ -12,7 +12,6 @@ from jaxlm import config as config_lib
 from jaxlm import model as model_lib
 from jaxlm import pipeline
 from jaxlm import sharding
-from jaxlm import step as step_lib
 from tests.helpers import (assert_fails_with, load_config, odd_config, plain_program, random_batch, read_records,
                            run_cli)
 
@@ -234,7 +233,7 @@ def test_bad_pipeline_config_exits_before_device_work():
 
 def test_a_pipelined_run_reports_its_stages_and_its_checkpoint_serves_eval_export_and_warm_start(
     tmp_path, data_cache, capsys):
-  """The real trainer on 2 stages; then eval and HF export (unpipelined) and the warm-start loader read its checkpoint."""
+  """The real trainer on 2 stages; eval and HF export (unpipelined) and the warm-start loader read its checkpoint."""
   import json
   from jaxlm import train
   cfg = load_config('palm_tiny')

@@ -426,7 +426,7 @@ def main(argv):
     mem_rows = memory_rows(memory(cfg))
     note = (f'needs {needed} devices, this host has {available}: state only (--fake_devices={needed} compiles '
             f'on fake CPU devices)')
-  mesh_title = (f'memory per device on mesh ' + (f'stage={shape.stages} × ' if shape.stages > 1 else '')
+  mesh_title = ('memory per device on mesh ' + (f'stage={shape.stages} × ' if shape.stages > 1 else '')
                 + f'data={sizes[0]} × fsdp={sizes[1]} × tensor={sizes[2]}')
 
   chips = FLAGS.chips or needed
