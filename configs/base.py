@@ -79,6 +79,13 @@ def get_config() -> ml_collections.ConfigDict:
   s.dcn_data = 1  # data-parallel ways across hosts: with fsdp=-1 this is HSDP (sharded in a host, replicated across)
   s.dcn_fsdp = 1  # fsdp ways across hosts (parameter all-gathers cross the slow network)
   s.dcn_tensor = 1  # tensor-parallel ways across hosts (rarely wise: every layer talks across the network)
+  s.stage = 1  # pipeline stages (consecutive layers per stage, see `pipeline`); 1 = no pipeline
+  s.dcn_stage = 1  # pipeline stages across hosts: only stage-to-stage activations cross the network
+
+  c.pipeline = p = ml_collections.ConfigDict()  # used when mesh.stage × mesh.dcn_stage > 1 (jaxlm/pipeline.py)
+  p.schedule = 'gpipe'  # gpipe | circular (each stage holds `repeats` non-adjacent chunks: a smaller bubble)
+  p.microbatches = 0  # M microbatches flowing through the stages per step (>= stages; 0 = one per stage)
+  p.repeats = 2  # circular only: R chunks per stage; bubble (S-1)/(R*M+S-1)
 
   c.dist = n = ml_collections.ConfigDict()  # multi-process jobs (jaxlm/distributed.py)
   n.initialize = 'auto'  # join other processes: auto (a cluster is detected) | always (JAX detects) | never

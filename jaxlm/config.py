@@ -13,6 +13,7 @@ from jaxlm import attention
 from jaxlm import distributed
 from jaxlm import model
 from jaxlm import optimizer
+from jaxlm import pipeline as pipeline_lib
 from jaxlm import sharding
 from jaxlm import stability
 from jaxlm.data import pipeline
@@ -24,6 +25,7 @@ REMAT_POLICIES = model.REMAT_CHOICES
 ATTENTION_IMPLS = attention.IMPLS
 DATA_SOURCES = pipeline.SOURCES
 STABILITY_POLICIES = stability.POLICIES
+PIPELINE_SCHEDULES = pipeline_lib.SCHEDULES
 
 def _model_errors(m) -> list[str]:
   e = []
@@ -127,8 +129,9 @@ def _train_errors(t, o) -> list[str]:
 def _mesh_errors(c, num_devices: int, num_processes: int, num_slices: int) -> list[str]:
   if layout := sharding.MeshShape.errors(c.mesh, num_devices, num_processes, num_slices):
     return layout
-  data, fsdp, tensor = sharding.MeshShape.resolve(c.mesh, num_devices).sizes
-  e = []
+  shape = sharding.MeshShape.resolve(c.mesh, num_devices)
+  data, fsdp, tensor = shape.sizes
+  e = _pipeline_errors(c, shape.stages, data * fsdp)
   if c.train.batch_size % num_processes:
     e.append(f'train.batch_size={c.train.batch_size} is not divisible by the {num_processes} processes; each '
              f'reads batch_size / processes rows, so use a multiple of {num_processes}.')
@@ -154,6 +157,51 @@ def _mesh_errors(c, num_devices: int, num_processes: int, num_slices: int) -> li
              f'up to a multiple of {tensor} (extra entries are never produced by the tokenizer).')
   if m.d_model > 0 and model.mlp_dim(m) % tensor:
     e.append(f'model.mlp_dim={model.mlp_dim(m)} is not divisible by mesh.tensor={tensor}.')
+  return e
+
+
+def _pipeline_errors(c, stages: int, batch_ways: int) -> list[str]:
+  """Problems with pipeline.* and mesh.stage (a pipeline is on when the mesh has more than one stage)."""
+  p = c.get('pipeline')
+  if p is None:
+    return []
+  e = []
+  if p.schedule not in PIPELINE_SCHEDULES:
+    e.append(f'pipeline.schedule={p.schedule!r} is unknown; use one of {", ".join(PIPELINE_SCHEDULES)}.')
+  if p.microbatches < 0:
+    e.append(f'pipeline.microbatches={p.microbatches} must be >= 0 (0 = one per stage).')
+  if p.repeats < 1:
+    e.append(f'pipeline.repeats={p.repeats} must be a positive integer.')
+  if stages == 1 or e:
+    return e
+  m, t = c.model, c.train
+  repeats = p.repeats if p.schedule == 'circular' else 1
+  micro = pipeline_lib.microbatches(p, stages)
+  if m.num_layers > 0 and m.num_layers % (stages * repeats):
+    what = f'stages × pipeline.repeats = {stages}×{repeats}' if repeats > 1 else f'the {stages} stages'
+    e.append(f'model.num_layers={m.num_layers} is not divisible by {what}; each stage holds '
+             f'{"repeats chunks of " if repeats > 1 else ""}the same number of layers, so make num_layers a '
+             f'multiple of {stages * repeats} or change mesh.stage{"/pipeline.repeats" if repeats > 1 else ""}.')
+  if micro < stages:
+    e.append(f'pipeline.microbatches={micro} is fewer than the {stages} pipeline stages; every stage needs a '
+             f'microbatch to work on, so use at least {stages} (more shrinks the bubble).')
+  if not m.scan_layers:
+    e.append('model.scan_layers=False cannot run as a pipeline (stages split the scanned layer stack); set '
+             'model.scan_layers=True or mesh.stage=1.')
+  # Each accumulation microbatch is split into pipeline microbatches, each of which is split over data × fsdp;
+  # outside the pipeline (embedding, loss) the batch is also split over the stages.
+  accum = max(t.microbatches, 1)
+  unit = accum * math.lcm(micro * batch_ways, stages * batch_ways)
+  try:
+    sizes = [size for size, _ in batch_stages(t, 1)]
+  except ValueError:  # reported by _train_errors
+    sizes = [t.batch_size]
+  for size in sizes:
+    if size % unit:
+      field = 'train.batch_size' if size == t.batch_size else 'train.batch_ramp size'
+      e.append(f'{field}={size} is not divisible by train.microbatches × lcm(pipeline.microbatches × data×fsdp, '
+               f'stages × data×fsdp) = {accum}×lcm({micro}×{batch_ways}, {stages}×{batch_ways}) = {unit}; use a '
+               f'multiple of {unit}, or change pipeline.microbatches.')
   return e
 
 

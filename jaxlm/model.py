@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxlm import attention as attention_lib
+from jaxlm import pipeline as pipeline_lib
 
 
 DTYPES = ('bfloat16', 'float32', 'float16')  # model.dtype and model.param_dtype
@@ -272,8 +273,13 @@ REMAT_CHOICES = ('none', *REMAT_POLICIES)  # model.remat: 'none' keeps every act
 
 
 class Decoder(nn.Module):
-  """The language model: embeddings, L blocks (scanned or unrolled), final norm, (tied) output projection."""
+  """The language model: embeddings, L blocks (scanned or unrolled), final norm, (tied) output projection.
+
+  With a `pipeline` layout the blocks run as a pipeline over the mesh's stages (jaxlm/pipeline.py); the
+  parameters are the same tree either way (the scanned `layers` stack), so checkpoints do not depend on it.
+  """
   config: ModelConfig
+  pipeline: pipeline_lib.Layout | None = None
 
   @nn.compact
   def __call__(self, inputs, segment_ids, positions, deterministic: bool = True):
@@ -291,7 +297,16 @@ class Decoder(nn.Module):
     block = Block
     if m.remat != 'none':
       block = nn.remat(Block, policy=REMAT_POLICIES[m.remat], prevent_cse=not m.scan_layers)
-    if m.scan_layers:
+    if self.pipeline is not None and not self.is_initializing():
+      def layer(p, h, seg, pos, rng):  # one Block on one microbatch, with one layer's parameters
+        rngs = {} if rng is None else {'dropout': rng}
+        return Block(m, deterministic).apply({'params': p}, h, seg, pos, rngs=rngs)[0]
+      rng = None if deterministic else self.make_rng('dropout')
+      policy = REMAT_POLICIES.get(m.remat)
+      x = pipeline_lib.run(layer, self.variables['params']['layers'], x, segment_ids, positions, rng,
+                           self.pipeline, policy)
+      x = nn.with_logical_constraint(x, ('act_batch', 'act_seq', 'act_embed'))
+    elif m.scan_layers:
       # One compiled layer body applied L times; parameters get a leading `layers` axis.
       stack = nn.scan(block, variable_axes={'params': 0}, split_rngs={'params': True, 'dropout': True},
                       in_axes=(nn.broadcast, nn.broadcast), length=m.num_layers,

@@ -5,6 +5,9 @@ Mesh axes:
   fsdp    fully-sharded data parallelism (ZeRO-3): batch split, and parameters + optimizer state split along
           `embed`, gathered layer by layer inside the step.
   tensor  Megatron tensor parallelism: attention heads, MLP hidden and vocabulary split.
+  stage   pipeline parallelism (jaxlm/pipeline.py): consecutive layers on each stage, microbatches flowing
+          through. Outermost, and present only when mesh.stage × mesh.dcn_stage > 1, so an unpipelined mesh
+          (and every PartitionSpec on it) is exactly (data, fsdp, tensor).
 With mesh.dcn_* > 1 each axis also spans hosts (or TPU slices); see make_mesh.
 Storage names (parameters) and activation names (`act_*`) are kept apart, as in Levanter: they are sharded
 differently (parameters over fsdp, activations over the batch).
@@ -24,6 +27,7 @@ from jaxlm import errors
 from jaxlm.metrics import format_table
 
 AXES = ('data', 'fsdp', 'tensor')
+STAGE = 'stage'  # the pipeline axis, placed before AXES when a mesh has one
 
 RULES = (
     # Storage: parameters and optimizer state.
@@ -44,15 +48,37 @@ RULES = (
     ('act_vocab', 'tensor'),
 )
 
+# On a mesh with a `stage` axis these rows come first: each stage stores its own layers (gpipe: a contiguous
+# block of the `layers` axis), and outside the pipelined stack (embedding, loss) the batch is split over the
+# stages as well, so no stage repeats that work. Inside a stage (`in_stage`) RULES alone apply: there the stage
+# axis is the vmapped stage dimension.
+STAGE_RULES = (
+    ('layers', STAGE),
+    ('act_batch', (STAGE, 'data', 'fsdp')),
+    ('act_stage', STAGE),  # the pipeline's (stages, ...) state buffer
+)
+
+
+def rules(mesh) -> tuple:
+  """The logical → mesh rules for `mesh`: RULES, preceded by STAGE_RULES when the mesh has a stage axis."""
+  return STAGE_RULES + RULES if STAGE in mesh.axis_names else RULES
+
+
+@contextlib.contextmanager
+def in_stage():
+  """The rules inside one pipeline stage, whose layers see only the (data, fsdp, tensor) part of the mesh."""
+  with nn.logical_axis_rules(RULES):
+    yield
+
 
 @contextlib.contextmanager
 def activate(mesh: Mesh):
   """The mesh and the logical-axis rules that model code's logical names resolve through."""
   if isinstance(mesh, Mesh):
-    with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(RULES):
+    with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(rules(mesh)):
       yield
   else:  # an AbstractMesh (jaxlm.tools.size on more devices than this host has): shapes only
-    with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(RULES):
+    with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(rules(mesh)):
       yield
 
 
@@ -62,27 +88,36 @@ class MeshShape:
 
   The dcn_* factors split an axis across hosts or TPU slices (the slow data-centre network); the plain sizes
   split it inside one host or slice (ICI / NVLink). Config validation, the trainer, eval and size all use this.
+  The pipeline's stage axis is kept apart (`stage`, `dcn_stage`) so that (data, fsdp, tensor) read as before.
   """
   ici: tuple[int, int, int]  # (data, fsdp, tensor) inside one host or slice, a -1 filled in (0: cannot be)
   dcn: tuple[int, int, int]  # (dcn_data, dcn_fsdp, dcn_tensor)
+  stage_ici: int = 1  # mesh.stage: pipeline stages inside one host or slice
+  stage_dcn: int = 1  # mesh.dcn_stage: pipeline stages across hosts or slices
 
   @classmethod
   def resolve(cls, mesh_cfg, num_devices: int) -> 'MeshShape':
     """The shape `mesh_cfg` asks for on `num_devices` devices (unchecked: see `errors`)."""
-    # .get: configs saved before the dcn_* keys existed (old checkpoints) mean one host.
+    # .get: configs saved before the dcn_* / stage keys existed (old checkpoints) mean one host, no pipeline.
     dcn = tuple(mesh_cfg.get(f'dcn_{axis}', 1) for axis in AXES)
-    hosts = math.prod(dcn)
+    stage_ici, stage_dcn = mesh_cfg.get('stage', 1), mesh_cfg.get('dcn_stage', 1)
+    hosts = math.prod(dcn) * stage_dcn
     per_host = num_devices // hosts if hosts > 0 and num_devices % hosts == 0 else 0
     sizes = [mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor]
     if sizes.count(-1) == 1:
-      rest = math.prod(s for s in sizes if s != -1)
+      rest = math.prod(s for s in sizes if s != -1) * stage_ici
       sizes[sizes.index(-1)] = per_host // rest if rest > 0 and per_host % rest == 0 else 0
-    return cls(tuple(sizes), dcn)
+    return cls(tuple(sizes), dcn, stage_ici, stage_dcn)
 
   @property
   def sizes(self) -> tuple[int, int, int]:
     """The whole mesh's (data, fsdp, tensor): each axis is its dcn_* factor times its per-host size."""
     return tuple(i * d for i, d in zip(self.ici, self.dcn))
+
+  @property
+  def stages(self) -> int:
+    """Pipeline stages in the whole mesh: dcn_stage × stage (1: no pipeline)."""
+    return self.stage_ici * self.stage_dcn
 
   @staticmethod
   def errors(mesh_cfg, num_devices: int, num_processes: int = 1, num_slices: int = 1) -> list[str]:
@@ -93,33 +128,47 @@ class MeshShape:
       return [f'mesh (data={s.data}, fsdp={s.fsdp}, tensor={s.tensor}): each must be positive, with at most one '
               f'-1 meaning "the remaining devices".']
     shape = MeshShape.resolve(s, num_devices)
+    if any(not isinstance(x, int) or x < 1 for x in (shape.stage_ici, shape.stage_dcn)):
+      return [f'mesh.stage={shape.stage_ici} and mesh.dcn_stage={shape.stage_dcn} must be positive integers '
+              f'(1 = no pipeline).']
+    if shape.stages > num_devices:
+      return [f'mesh stage×dcn_stage = {shape.stage_ici}×{shape.stage_dcn} = {shape.stages} pipeline stages '
+              f'exceed the {num_devices} devices available; each stage needs at least one device, so use at most '
+              f'{num_devices} stages.']
     dcn = shape.dcn
     if any(not isinstance(x, int) or x < 1 for x in dcn):
       return [f'mesh (dcn_data, dcn_fsdp, dcn_tensor) = {dcn}: each must be a positive integer (1 = not split '
               f'across hosts).']
-    hosts = math.prod(dcn)
+    hosts = math.prod(dcn) * shape.stage_dcn
     dcn_text = '×'.join(map(str, dcn))
+    if shape.stage_dcn > 1:
+      dcn_text = f'{shape.stage_dcn}×{dcn_text}'
+    dcn_names = ('dcn_stage×' if shape.stage_dcn > 1 else '') + 'dcn_data×dcn_fsdp×dcn_tensor'
     if hosts > 1 and hosts not in (num_processes, num_slices):
-      return [f'mesh dcn_data×dcn_fsdp×dcn_tensor = {dcn_text} = {hosts} must equal the number of processes '
+      return [f'mesh {dcn_names} = {dcn_text} = {hosts} must equal the number of processes '
               f'({num_processes}) or of TPU slices ({num_slices}): the dcn_* axes run across hosts, each host '
               f'holding a data×fsdp×tensor block. Set them so, or all to 1 for a single host.']
-    if math.prod(shape.sizes) != num_devices:
+    if math.prod(shape.sizes) * shape.stages != num_devices:
+      ici_text = (f'{s.get("stage", 1)}×' if shape.stage_ici > 1 else '') + f'{s.data}×{s.fsdp}×{s.tensor}'
+      ici_names = ('stage×' if shape.stage_ici > 1 else '') + 'data×fsdp×tensor'
       if hosts == 1:
-        return [f'mesh data×fsdp×tensor = {s.data}×{s.fsdp}×{s.tensor} does not match the {num_devices} devices '
-                f'available; make the product {num_devices}, or set one axis to -1 (e.g. --config.mesh.fsdp=-1).']
-      return [f'mesh (data×fsdp×tensor) × (dcn_data×dcn_fsdp×dcn_tensor) = ({s.data}×{s.fsdp}×{s.tensor}) × '
-              f'({dcn_text}) does not match the {num_devices} devices available: each of the {hosts} hosts/slices '
-              f'has {num_devices / hosts:g} devices, so make data×fsdp×tensor {num_devices / hosts:g}, or set one '
-              f'axis to -1.']
+        return [f'mesh {ici_names} = {ici_text} does not match the {num_devices} devices available; make the '
+                f'product {num_devices}, or set one axis to -1 (e.g. --config.mesh.fsdp=-1).']
+      return [f'mesh ({ici_names}) × ({dcn_names}) = ({ici_text}) × ({dcn_text}) does not match the '
+              f'{num_devices} devices available: each of the {hosts} hosts/slices has {num_devices / hosts:g} '
+              f'devices, so make {ici_names} {num_devices / hosts:g}, or set one axis to -1.']
     return []
 
 
 def single_host_mesh_cfg(mesh_cfg, num_devices: int, num_processes: int):
   """`mesh_cfg` if it fits here, else all `num_devices` as FSDP on one host (eval of a multi-host run's checkpoint)."""
-  multi_host = math.prod(MeshShape.resolve(mesh_cfg, num_devices).dcn) > 1
-  if (multi_host and num_processes == 1) or math.prod(MeshShape.resolve(mesh_cfg, num_devices).sizes) != num_devices:
+  shape = MeshShape.resolve(mesh_cfg, num_devices)
+  multi_host = math.prod(shape.dcn) * shape.stage_dcn > 1
+  if (multi_host and num_processes == 1) or math.prod(shape.sizes) * shape.stages != num_devices:
     mesh_cfg = mesh_cfg.copy_and_resolve_references()
     mesh_cfg.update(data=1, fsdp=-1, tensor=1, dcn_data=1, dcn_fsdp=1, dcn_tensor=1)
+    if 'stage' in mesh_cfg:
+      mesh_cfg.update(stage=1, dcn_stage=1)
   return mesh_cfg
 
 
@@ -129,23 +178,27 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
   With mesh.dcn_* > 1 the mesh is hybrid: each axis is dcn_* × its per-host size, the dcn factor outermost, so
   one host's (or TPU slice's) devices form a contiguous block and only the dcn axes cross the slow network.
   HSDP, for example, is fsdp=-1 with dcn_data=<hosts>: parameters sharded inside a host, replicated across.
+  With pipeline stages the mesh is (stage, data, fsdp, tensor), stage outermost: with dcn_stage = hosts, each
+  host holds whole stages, and only the stage-to-stage activations cross the slow network.
   """
   devices = jax.devices() if devices is None else devices
   processes, slices = num_processes(devices), num_slices(devices)
   if problems := MeshShape.errors(mesh_cfg, len(devices), processes, slices):
     raise errors.ConfigError('invalid config:\n  - ' + '\n  - '.join(problems))
   shape = MeshShape.resolve(mesh_cfg, len(devices))
-  ici, dcn = shape.ici, shape.dcn
+  ici, dcn, axes = shape.ici, shape.dcn, AXES
+  if shape.stages > 1:
+    ici, dcn, axes = (shape.stage_ici, *ici), (shape.stage_dcn, *dcn), (STAGE, *AXES)
   # Auto axis types: shardings come from jit in/out shardings and with_sharding_constraint (JAX >= 0.7 would
   # otherwise default to explicit-sharding mode).
-  axis_types = (jax.sharding.AxisType.Auto,) * len(AXES)
+  axis_types = (jax.sharding.AxisType.Auto,) * len(axes)
   if math.prod(dcn) == 1:
-    return jax.make_mesh(ici, AXES, axis_types=axis_types, devices=devices)
+    return jax.make_mesh(ici, axes, axis_types=axis_types, devices=devices)
   # TPU multi-slice: slices are the units of the slow network. Elsewhere (GPU hosts, CPU processes) processes
   # are, and each host's devices keep their local, topology-aware order inside its block.
   by_slice = slices == math.prod(dcn) and slices > 1
   grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=not by_slice)
-  return Mesh(grid, AXES, axis_types=axis_types)
+  return Mesh(grid, axes, axis_types=axis_types)
 
 
 def num_processes(devices=None) -> int:
@@ -158,14 +211,20 @@ def num_slices(devices=None) -> int:
   return len({getattr(d, 'slice_index', 0) for d in (jax.devices() if devices is None else devices)})
 
 
+def constrain_stages(x, logical: tuple):
+  """`x` (stages, ...) with its leading axis on the mesh's stage axis and the rest named by `logical` (RULES)."""
+  rest = nn.logical_to_mesh_axes(logical, RULES)
+  return jax.lax.with_sharding_constraint(x, P(STAGE, *rest))
+
+
 def logical_to_mesh(logical_tree, mesh: Mesh):
   """Maps a pytree of logical PartitionSpecs to NamedShardings on `mesh` through RULES."""
-  return nn.logical_to_mesh_sharding(logical_tree, mesh, RULES)
+  return nn.logical_to_mesh_sharding(logical_tree, mesh, rules(mesh))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Batches are (B, T) and split along B over data and fsdp."""
-  return NamedSharding(mesh, P(('data', 'fsdp'), None))
+  """Batches are (B, T) and split along B over data and fsdp (and the pipeline's stages, when there are any)."""
+  return NamedSharding(mesh, P((STAGE, 'data', 'fsdp') if STAGE in mesh.axis_names else ('data', 'fsdp'), None))
 
 
 def param_table(params, shardings) -> str:

@@ -17,6 +17,7 @@ import optax
 
 from jaxlm import model as model_lib
 from jaxlm import optimizer as optimizer_lib
+from jaxlm import pipeline as pipeline_lib
 from jaxlm import sharding
 
 
@@ -70,15 +71,17 @@ def build_program(cfg, mesh) -> Program:
   # arrays on the real mesh, which compile-only devices (libtpu topologies) cannot hold. The jitted functions
   # enter the real mesh when they are traced.
   with sharding.activate(mesh.abstract_mesh if isinstance(mesh, jax.sharding.Mesh) else mesh):
-    return _build(cfg.model, cfg.optim, steps=cfg.train.steps, seed=cfg.train.seed, mesh=mesh,
+    stages = dict(mesh.shape).get(sharding.STAGE, 1)
+    pipeline = pipeline_lib.layout(cfg.pipeline, stages) if 'pipeline' in cfg else None
+    return _build(cfg.model, cfg.optim, steps=cfg.train.steps, seed=cfg.train.seed, mesh=mesh, pipeline=pipeline,
                   microbatches=cfg.train.microbatches, skip_nonfinite=cfg.stability.policy != 'off',
                   scale_updates=cfg.stability.policy == 'rollback' or bool(cfg.faults.lr_spike_steps))
 
 
-def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, microbatches: int, skip_nonfinite: bool,
-           scale_updates: bool) -> Program:
+def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, microbatches: int,
+           skip_nonfinite: bool, scale_updates: bool) -> Program:
   m = model_lib.ModelConfig.from_config(model_cfg)
-  model = model_lib.Decoder(m)
+  model = model_lib.Decoder(m, pipeline=pipeline)
   fp16 = m.dtype == 'float16'
   tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)  # shapes only: building creates no array
 

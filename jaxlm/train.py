@@ -23,6 +23,7 @@ from jaxlm.data import pipeline as data_lib
 from jaxlm import distributed
 from jaxlm import faults as faults_lib
 from jaxlm import perf
+from jaxlm import pipeline as pipeline_lib
 from jaxlm import preflight
 from jaxlm import metrics as metrics_lib
 from jaxlm import model as model_lib
@@ -93,6 +94,10 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
   say(f'parameters ({model_lib.param_count(program.model.config):,}):\n'
       + sharding.param_table(program.abstract_state.params, program.state_shardings.params))
   sharding.check_sharded(program.abstract_state.params, program.state_shardings.params, mesh)
+  if program.model.pipeline is not None:  # which layers on which stage, the schedule and its bubble
+    say(pipeline_lib.describe(program.model.pipeline, cfg.model.num_layers))
+    held = sharding.bytes_per_device(program.abstract_state.params, program.state_shardings.params)
+    say(f'parameters per device: {perf.format_bytes(held)}')
   ramp = config_lib.BatchRamp(t, cfg.data.seq_len)
   # Data before compiling: a bad dataset fails in seconds, not after a long compile. The iterator yields ramp
   # units (the first stage's size); a step draws size // unit of them, so its position stays exact.
@@ -248,6 +253,8 @@ def log_step(r: Run, step: int, metrics: dict, window: Window, size: int) -> dic
                 mfu=perf.mfu(tokens_per_s, model_lib.flops_per_token(m, seq_len), devices, kind),
                 mfu_causal=perf.mfu(tokens_per_s, model_lib.flops_per_token(m, seq_len, causal=True),
                                            devices, kind))
+  if r.program.model.pipeline is not None:  # the idle share of each stage; MFU above counts model FLOPs only
+    values['bubble'] = r.program.model.pipeline.bubble
   r.log.write(step, values)
   return values
 

@@ -36,3 +36,15 @@ def test_mfu_and_matmul_benchmarks_print_their_tables():
   assert 'tokens/s' in out and 'MFU' in out and 'n/a (unknown peak)' in out
   out = run_bench('cpu_matmul.py', '--repeats=2')
   assert out.count(': weight grad') == 5 and 'sum (each product once)' in out
+
+
+def test_pipeline_bench_rows_compute_the_same_loss(tmp_path):
+  out = subprocess.run([sys.executable, 'bench/pipeline.py', '--stages=1,2', '--microbatches=1,2', '--layers=2',
+                        '--batch=16', '--seq=16', '--steps=1', f'--json={tmp_path}/r.json'], cwd=ROOT,
+                       env=train_env(1), capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  rows = json.loads((tmp_path / 'r.json').read_text())
+  assert [(r['stages'], r['microbatches']) for r in rows] == [(1, 1), (2, 2), (2, 4)]
+  assert [r['bubble'] for r in rows] == [0.0, 1 / 3, 1 / 5]
+  assert all(math.isclose(r['loss'], rows[0]['loss'], rel_tol=1e-5) for r in rows)  # the same model and batch
+  assert 'bubble computed' in out.stdout and 'bubble measured' in out.stdout

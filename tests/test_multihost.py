@@ -213,6 +213,23 @@ def test_supervised_job_survives_a_hung_and_a_lost_peer_and_matches_one_process(
 
 
 @pytest.mark.slow
+def test_pipeline_stages_across_two_processes_match_one_process(tmp_path, data_cache, reference):
+  """mesh.dcn_stage=2: each process holds one stage (one of palm_tiny's 2 layers, fsdp over its 4 devices), and
+  only activations cross between them; the logged losses and the eval loss equal the 1-process reference."""
+  workdir = tmp_path / 'run'
+  out = subprocess.run(local_command(workdir, *overrides(data_cache, '--config.mesh.dcn_stage=2',
+                                                         '--config.pipeline.microbatches=2')),
+                       cwd=ROOT, env=train_env(DEVICES), capture_output=True, text=True, timeout=900)
+  text = out.stdout + out.stderr
+  assert out.returncode == 0, text[-5000:]
+  assert "mesh: {'stage': 2, 'data': 1, 'fsdp': 4, 'tensor': 1}" in text, text[-5000:]
+  assert 'stage 0: layers 0\n' in text and 'stage 1: layers 1\n' in text
+  assert 'bubble (S−1)/(R·M+S−1) = 0.333' in text
+  assert_matches(workdir, reference, [5, 10, 15, 20, 25, 30])
+  assert all(r['bubble'] == pytest.approx(1 / 3) for r in read_records(workdir))
+
+
+@pytest.mark.slow
 def test_sigterm_to_one_process_stops_every_process_after_the_same_step(tmp_path, data_cache):
   # A preemption notice that reaches one process only: both must checkpoint the same step and exit 0.
   workdir = tmp_path / 'run'

@@ -110,8 +110,16 @@ def summarize(nats: float, tokens: float, num_bytes: int) -> dict:
 
 
 def _mesh_cfg(cfg):
-  """The run's mesh if it fits the devices here, else all devices as FSDP (one host: no dcn axes)."""
-  return sharding.single_host_mesh_cfg(cfg.mesh, jax.device_count(), jax.process_count())
+  """The run's mesh if it fits the devices here, else all devices as FSDP (one host: no dcn axes).
+
+  Never a pipeline: sampling runs one sequence at a time, and a pipelined run's checkpoint stores its layers in
+  the plain order (jaxlm/pipeline.py), so its stage devices simply become fsdp ones.
+  """
+  mesh_cfg = cfg.mesh
+  if mesh_cfg.get('stage', 1) * mesh_cfg.get('dcn_stage', 1) > 1:
+    mesh_cfg = mesh_cfg.copy_and_resolve_references()
+    mesh_cfg.update(stage=1, dcn_stage=1, fsdp=-1)
+  return sharding.single_host_mesh_cfg(mesh_cfg, jax.device_count(), jax.process_count())
 
 
 def _restore(path: str, cfg, mesh):

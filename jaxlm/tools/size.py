@@ -103,7 +103,12 @@ def memory(cfg, devices=None) -> dict:
   compiled. With them, the step is compiled ahead of time as train.run compiles it; nothing is allocated.
   """
   if devices is None:  # cfg.mesh must then be fully given (no -1): there are no devices to fill it from
-    mesh = jax.sharding.AbstractMesh((cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor), sharding.AXES)
+    stages = cfg.mesh.get('stage', 1) * cfg.mesh.get('dcn_stage', 1)
+    if stages > 1:  # the pipeline's stage axis, outermost as make_mesh places it
+      mesh = jax.sharding.AbstractMesh((stages, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor),
+                                       (sharding.STAGE, *sharding.AXES))
+    else:
+      mesh = jax.sharding.AbstractMesh((cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor), sharding.AXES)
   else:
     mesh = sharding.make_mesh(cfg.mesh, devices)
   t = cfg.train
@@ -398,14 +403,17 @@ def main(argv):
     if FLAGS.mesh:
       cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = parse_mesh(FLAGS.mesh)
     available = jax.device_count()
-    sizes = sharding.MeshShape.resolve(cfg.mesh, FLAGS.chips or available).sizes
-    needed = math.prod(sizes)
+    shape = sharding.MeshShape.resolve(cfg.mesh, FLAGS.chips or available)
+    sizes = shape.sizes
+    needed = math.prod(sizes) * shape.stages
     # One mesh of the whole size, a -1 resolved: what a device holds depends on each axis's total ways, not on
     # which network (dcn_* across hosts, or inside one) carries them.
     cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = sizes
     for axis in ('data', 'fsdp', 'tensor'):
       if f'dcn_{axis}' in cfg.mesh:
         cfg.mesh[f'dcn_{axis}'] = 1
+    if 'stage' in cfg.mesh:
+      cfg.mesh.stage, cfg.mesh.dcn_stage = shape.stages, 1
     config_lib.validate(cfg, needed)
   except ValueError as e:
     raise config_lib.ConfigError(str(e)) from e
@@ -420,7 +428,8 @@ def main(argv):
     mem_rows = memory_rows(memory(cfg))
     note = (f'needs {needed} devices, this host has {available}: state only (--fake_devices={needed} compiles '
             f'on fake CPU devices)')
-  mesh_title = f'memory per device on mesh data={sizes[0]} × fsdp={sizes[1]} × tensor={sizes[2]}'
+  mesh_title = ('memory per device on mesh ' + (f'stage={shape.stages} × ' if shape.stages > 1 else '')
+                + f'data={sizes[0]} × fsdp={sizes[1]} × tensor={sizes[2]}')
 
   chips = FLAGS.chips or needed
   device_kind = FLAGS.device_kind or kind
