@@ -13,6 +13,7 @@ from jaxlm import attention
 from jaxlm import distributed
 from jaxlm import model
 from jaxlm import optimizer
+from jaxlm import preflight
 from jaxlm import sharding
 from jaxlm import stability
 from jaxlm.data import pipeline
@@ -21,7 +22,7 @@ from jaxlm.errors import ConfigError  # noqa: F401
 # Each list of allowed values is declared once, in the module that acts on it; validation reads it there.
 DTYPES = model.DTYPES
 MATMUL_DTYPES = model.MATMUL_DTYPES
-REMAT_POLICIES = model.REMAT_CHOICES
+REMAT_POLICIES = (*model.REMAT_CHOICES, preflight.REMAT_AUTO)
 ATTENTION_IMPLS = attention.IMPLS
 DATA_SOURCES = pipeline.SOURCES
 STABILITY_POLICIES = stability.POLICIES

@@ -86,6 +86,8 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
   log = metrics_lib.MetricsLogger(workdir, cfg.log, total_steps=t.steps, is_primary=primary, config=cfg)
   shutdown.callback(_quietly, log.close)
   say = print if primary else (lambda *a, **k: None)  # the start-up report, from process 0 only
+  with acct.track('compile'):  # model.remat=auto compiles its candidates ahead of time
+    cfg = resolve_remat(cfg, mesh, say)
   say(f'config:\n{cfg}')
   say(f'mesh: {dict(mesh.shape)} on {mesh.size} {jax.devices()[0].device_kind} devices')
   say(f'bit-reproducible: {reproducibility(t, jax.devices()[0].platform)}')
@@ -124,6 +126,20 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
     previous = signal.signal(sig, lambda signum, _: r.stop.append(signal.Signals(signum).name))
     shutdown.callback(signal.signal, sig, previous)
   return r
+
+
+def resolve_remat(cfg, mesh, say):
+  """cfg with model.remat=auto replaced by the policy preflight.choose_remat picks (compiles, allocates nothing).
+
+  The chosen policy is in the printed config and in every checkpoint's saved config.
+  """
+  if cfg.model.remat != preflight.REMAT_AUTO:
+    return cfg
+  policy, why = preflight.choose_remat(cfg, mesh)
+  say(f'INFO model.remat=auto chose {policy}: {why}')
+  cfg = cfg.copy_and_resolve_references()
+  cfg.model.remat = policy
+  return cfg
 
 
 def restore_or_init(r: Run) -> step_lib.TrainState:
