@@ -36,3 +36,20 @@ def test_mfu_and_matmul_benchmarks_print_their_tables():
   assert 'tokens/s' in out and 'MFU' in out and 'n/a (unknown peak)' in out
   out = run_bench('cpu_matmul.py', '--repeats=2')
   assert out.count(': weight grad') == 5 and 'sum (each product once)' in out
+
+
+def test_mfu_baseline_torch_prints_both_rows_and_their_ratio(tmp_path):
+  # bfloat16: the baseline must run mixed precision (autocast over float32 master weights), which plain float32
+  # weights meeting bfloat16 activations did not (issue #23). Eager torch: no C++ compile in CI.
+  out = run_bench('mfu.py', '--steps=2', '--warmup=1', '--baseline=torch', '--notorch_compile',
+                  '--config.model.dtype=bfloat16', f'--json={tmp_path}/r.json')
+  r = json.loads((tmp_path / 'r.json').read_text())
+  t = r['baseline']
+  assert t['framework'] == 'torch' and t['device'] == 'cpu' and t['params'] == r['params']
+  assert t['flops_per_token'] == r['flops_per_token'] and math.isfinite(t['loss'])
+  assert r['ratio'] == (r['tokens_per_s'] / r['num_devices']) / t['tokens_per_s']
+  rows = out[out.index('baseline, same model'):].splitlines()
+  assert rows[2].startswith('jaxlm (jax ') and f'{r["tokens_per_s"]:,.0f}' in rows[2]
+  assert rows[3].startswith('torch (') and 'bfloat16 autocast, float32 master weights' in rows[3]
+  assert f'{t["tokens_per_s"]:,.0f}' in rows[3]
+  assert rows[4] == f'ratio jaxlm/torch (tokens/s per device): {r["ratio"]:.3f}'
