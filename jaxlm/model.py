@@ -200,6 +200,11 @@ def project(x, w, name: str, m: ModelConfig):
   return dense(x, w, m.explicit_transpose_grads)
 
 
+def inference_config(m: ModelConfig) -> ModelConfig:
+  """The model as evaluated, sampled and exported: fp8 matmuls back in model.dtype, the same parameters."""
+  return dataclasses.replace(m, matmul_dtype='dtype')
+
+
 def tokens(x):
   """(B, T, ...) -> (N, ...) with N = B·T, a free reshape: every weight matmul then has one token axis.
 

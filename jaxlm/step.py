@@ -159,7 +159,7 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, microbatches: i
 
   # Evaluation runs the ordinary matmuls on the same weights (no fp8 state needed): the held-out loss is that
   # of the model tools/eval scores and hf/export writes.
-  eval_model = model_lib.Decoder(dataclasses.replace(m, matmul_dtype='dtype'))
+  eval_model = model_lib.Decoder(model_lib.inference_config(m))
 
   def eval_step(params, batch: dict):
     logits = eval_model.apply({'params': params}, batch['inputs'], batch['segment_ids'], batch['positions'])

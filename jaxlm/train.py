@@ -264,6 +264,8 @@ def log_step(r: Run, step: int, metrics: dict, window: Window, size: int) -> dic
                 mfu=perf.mfu(tokens_per_s, model_lib.flops_per_token(m, seq_len), devices, kind),
                 mfu_causal=perf.mfu(tokens_per_s, model_lib.flops_per_token(m, seq_len, causal=True),
                                            devices, kind))
+  if m.matmul_dtype == 'fp8':  # MFU is against the bf16 peak: fp8 runs compare in tokens/s and model FLOP/s only
+    values.update(mfu=None, mfu_causal=None)
   r.log.write(step, values)
   return values
 
