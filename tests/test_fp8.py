@@ -142,3 +142,20 @@ def test_fp8_refuses_settings_it_does_not_combine_with():
   cfg = _config('fp4', scan_layers=True)
   with pytest.raises(ConfigError, match="model.matmul_dtype='fp4' is unknown; use one of dtype, fp8"):
     config_lib.validate(cfg, num_devices=1)
+
+
+def test_checkpoints_from_before_the_fp8_field_still_restore(tmp_path):
+  cfg = load_config('palm_tiny')
+  cfg.mesh.update(data=1, fsdp=1, tensor=1)
+  cfg.checkpoint.async_save = False
+  program = plain_program(cfg, sharding.make_mesh(cfg.mesh, jax.devices()[:1]))
+  state = program.init()
+  older = {f: getattr(state, f) for f in ('step', 'params', 'opt_state', 'rng', 'lr_scale', 'batches')}  # no fp8
+  events = []
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path / 'checkpoints'), cfg.checkpoint, lambda *a, **k: events.append(a))
+  ckpt.save(1, older, None, {'config': cfg.to_dict()})
+  restored, _ = ckpt.restore(program.abstract_state, program.state_shardings, None)
+  ckpt.close()
+  assert not events, events
+  assert isinstance(restored, step_lib.TrainState) and restored.fp8 == {}
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored.params), jax.device_get(state.params))
