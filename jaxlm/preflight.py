@@ -12,6 +12,7 @@ import jax
 
 from jaxlm import errors
 from jaxlm import model as model_lib
+from jaxlm import perf
 from jaxlm import step as step_lib
 
 MEMORY_ENV = 'JAXLM_DEVICE_MEMORY_BYTES'
@@ -135,7 +136,7 @@ def choose_remat(cfg, mesh) -> tuple[str, str]:
   limit, source = device_memory(devices)
   if limit is None:
     return REMAT_LADDER[0], f'{source}: no memory to fit, so no recompute'
-  gib = lambda n: f'{n / GiB:.2f} GiB'
+  gib = perf.format_bytes
 
   def measure(trial):
     program = step_lib.build_program(trial, mesh)

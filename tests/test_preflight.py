@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxlm import attention, preflight, sharding, step as step_lib
+from jaxlm import attention, perf, preflight, sharding, step as step_lib
 from jaxlm.tools import size
 from tests.helpers import assert_fails_with, load_config, run_cli, train_command, train_env
 
@@ -182,7 +182,7 @@ def test_remat_auto_picks_the_least_recompute_that_fits(monkeypatch):
   assert cfg.model.remat == preflight.REMAT_AUTO  # the caller's config is left as it was
   assert len(printed) == 1 and printed[0].startswith(f'INFO model.remat=auto chose {expected}: '), printed
   for policy in preflight.REMAT_LADDER[:preflight.REMAT_LADDER.index(expected) + 1]:
-    assert f'{policy} {sizes[policy] / 2**30:.2f} GiB' in printed[0], printed[0]
+    assert f'{policy} {perf.format_bytes(sizes[policy])}' in printed[0], printed[0]
   # Unknown memory (a CPU without the variable): no recompute, and nothing compiled.
   monkeypatch.delenv(preflight.MEMORY_ENV)
   assert preflight.choose_remat(cfg, mesh)[0] == 'none'
