@@ -63,7 +63,8 @@ class ModelConfig:
   @classmethod
   def from_config(cls, model_cfg) -> 'ModelConfig':
     """Builds the frozen config from `cfg.model`, filling the derived sizes (head_dim, mlp_dim)."""
-    fields = {f.name: model_cfg[f.name] for f in dataclasses.fields(cls)}
+    # A run's saved config may predate a field (matmul_dtype): it then ran with the field's default.
+    fields = {f.name: model_cfg.get(f.name, f.default) for f in dataclasses.fields(cls)}
     fields.update(head_dim=head_dim(model_cfg), mlp_dim=mlp_dim(model_cfg))
     return cls(**fields)
 

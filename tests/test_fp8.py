@@ -151,11 +151,14 @@ def test_checkpoints_from_before_the_fp8_field_still_restore(tmp_path):
   program = plain_program(cfg, sharding.make_mesh(cfg.mesh, jax.devices()[:1]))
   state = program.init()
   older = {f: getattr(state, f) for f in ('step', 'params', 'opt_state', 'rng', 'lr_scale', 'batches')}  # no fp8
+  older_config = cfg.to_dict()
+  del older_config['model']['matmul_dtype']  # nor the key
   events = []
   ckpt = checkpoint_lib.Checkpointer(str(tmp_path / 'checkpoints'), cfg.checkpoint, lambda *a, **k: events.append(a))
-  ckpt.save(1, older, None, {'config': cfg.to_dict()})
+  ckpt.save(1, older, None, {'config': older_config})
   restored, _ = ckpt.restore(program.abstract_state, program.state_shardings, None)
   ckpt.close()
   assert not events, events
   assert isinstance(restored, step_lib.TrainState) and restored.fp8 == {}
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored.params), jax.device_get(state.params))
+  assert export.export(str(tmp_path), str(tmp_path / 'hf'))['step'] == 1  # its saved config reads as matmul_dtype=dtype
