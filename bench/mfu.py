@@ -6,11 +6,19 @@ Builds the step exactly as `python -m jaxlm.train` does (step.build_program on t
 ahead of time), feeds random batches already on the device (so data loading is not what is measured), runs
 `--warmup` untimed steps and then `--steps` timed ones, each waited for. MFU follows PaLM appendix B (model
 FLOPs, not hardware FLOPs: remat does not count) against the dense bf16 peak in jaxlm.perf.PEAK_FLOPS; it
-is 'n/a' on a device whose peak is unknown, a CPU included.
+is 'n/a' on a device whose peak is unknown, a CPU included, and with model.matmul_dtype=fp8 (the peak is bf16's:
+fp8 runs are compared in tokens/s and bf16-equivalent model FLOP/s, never as MFU).
+
+  python bench/mfu.py --config=configs/palm_1b.py --baseline=torch
+
+adds the PyTorch baseline (bench/torch_gpt.py: the same model, batches, AdamW and FLOPs formula; torch.compile,
+bf16 autocast with float32 master weights) measured in the same run on the same device, and prints both rows and
+the ratio of their tokens/s per device.
 """
 
 import contextlib
 import json
+import multiprocessing
 import os
 import pathlib
 import platform
@@ -30,6 +38,7 @@ import numpy as np  # noqa: E402
 from jaxlm import attention as attention_lib  # noqa: E402
 from jaxlm import config as config_lib  # noqa: E402
 from jaxlm import perf  # noqa: E402
+from jaxlm import preflight  # noqa: E402
 from jaxlm import model as model_lib  # noqa: E402
 from jaxlm import sharding  # noqa: E402
 from jaxlm import step  # noqa: E402
@@ -61,6 +70,11 @@ class Bench:
     config_lib.validate(cfg, jax.device_count())
     self.cfg = cfg
     self.mesh = sharding.make_mesh(cfg.mesh)
+    if cfg.model.remat == preflight.REMAT_AUTO:  # as the trainer: the least recompute that fits
+      cfg = cfg.copy_and_resolve_references()
+      cfg.model.remat, why = preflight.choose_remat(cfg, self.mesh)
+      print(f'model.remat=auto chose {cfg.model.remat}: {why}', flush=True)
+      self.cfg = cfg
     t = cfg.train
     with self._context():
       self.program = step.build_program(cfg, self.mesh)  # the step `python -m jaxlm.train` would run
@@ -100,6 +114,7 @@ class Bench:
     tokens_per_s = t.batch_size * cfg.data.seq_len / step_s
     flops = model_lib.flops_per_token(m, cfg.data.seq_len)
     flops_causal = model_lib.flops_per_token(m, cfg.data.seq_len, causal=True)
+    fp8 = m.matmul_dtype == 'fp8'  # MFU is against the bf16 peak: an fp8 run reports tokens/s and model FLOP/s only
     return dict(
         framework='jaxlm', jax=jax.__version__, device_kind=device.device_kind, platform=device.platform,
         num_devices=self.mesh.size, mesh=dict(self.mesh.shape), batch_size=t.batch_size, seq_len=cfg.data.seq_len,
@@ -108,9 +123,9 @@ class Bench:
                                             seq_len=cfg.data.seq_len)[0],
         params=model_lib.param_count(m), step_s=step_s, step_s_mean=statistics.fmean(times),
         step_s_min=min(times), tokens_per_s=tokens_per_s, flops_per_token=flops,
-        model_flops_per_s=tokens_per_s * flops,
-        mfu=perf.mfu(tokens_per_s, flops, self.mesh.size, device.device_kind),
-        mfu_causal=perf.mfu(tokens_per_s, flops_causal, self.mesh.size, device.device_kind),
+        model_flops_per_s=tokens_per_s * flops, matmul_dtype=m.matmul_dtype,
+        mfu=None if fp8 else perf.mfu(tokens_per_s, flops, self.mesh.size, device.device_kind),
+        mfu_causal=None if fp8 else perf.mfu(tokens_per_s, flops_causal, self.mesh.size, device.device_kind),
         compile_s=self.compile_s, loss=float(self.out['loss']),
         compiled_memory=perf.compiled_memory(self.compiled),
         runtime_memory=perf.device_memory_stats(), xla_flags=os.environ.get('XLA_FLAGS', ''),
@@ -125,7 +140,9 @@ def measure(cfg, steps: int, warmup: int, docs: int = 1) -> dict:
   return bench.result([bench.step() for _ in range(steps)])
 
 
-def _percent(x):
+def _percent(x, r=None):
+  if r is not None and r.get('matmul_dtype') == 'fp8':
+    return 'n/a (fp8 matmuls: compare tokens/s and bf16-equivalent model FLOP/s, never MFU)'
   return 'n/a (unknown peak)' if x is None else f'{100 * x:.1f}%'
 
 
@@ -134,15 +151,17 @@ def table(r: dict) -> str:
   peak_runtime = r['runtime_memory'].get('hbm_peak_bytes')
   rows = [
       ('device', f'{r["num_devices"]} × {r["device_kind"]} ({r["platform"]}), mesh {r["mesh"]}'),
-      ('model', f'{r["params"]:,} parameters, {r["dtype"]}, remat={r["remat"]}, scan_layers={r["scan_layers"]}'),
+      ('model', f'{r["params"]:,} parameters, {r["dtype"]}, remat={r["remat"]}, scan_layers={r["scan_layers"]}'
+                + (', fp8 matmuls' if r['matmul_dtype'] == 'fp8' else '')),
       ('attention', f'{r["attention"]} -> {r["attention_used"]}'),
       ('batch', f'{r["batch_size"]} × {r["seq_len"]} tokens'),
       ('step time', f'{r["step_s"] * 1e3:.1f} ms median (mean {r["step_s_mean"] * 1e3:.1f}, '
                     f'min {r["step_s_min"] * 1e3:.1f})'),
       ('tokens/s', f'{r["tokens_per_s"]:,.0f} ({r["tokens_per_s"] / r["num_devices"]:,.0f} per device)'),
-      ('model FLOP/s', f'{r["model_flops_per_s"] / 1e12:.3f} TFLOP/s ({r["flops_per_token"] / 1e6:.1f} MFLOP/token)'),
-      ('MFU', _percent(r['mfu'])),
-      ('MFU (causal attention)', _percent(r['mfu_causal'])),
+      ('model FLOP/s' + (' (bf16-equivalent)' if r['matmul_dtype'] == 'fp8' else ''),
+       f'{r["model_flops_per_s"] / 1e12:.3f} TFLOP/s ({r["flops_per_token"] / 1e6:.1f} MFLOP/token)'),
+      ('MFU', _percent(r['mfu'], r)),
+      ('MFU (causal attention)', _percent(r['mfu_causal'], r)),
       ('peak device memory',
        perf.format_bytes(peak_runtime) if peak_runtime else 'n/a (backend keeps no stats)'),
       ('compiled memory', perf.format_memory(r['compiled_memory'])),
@@ -154,14 +173,80 @@ def table(r: dict) -> str:
   return '\n'.join(f'{k:<{width}}  {v}' for k, v in rows)
 
 
+def _measure_torch(conn, cfg, steps: int, warmup: int, use_compile: bool) -> None:
+  """The child process of `torch_baseline`: measures bench/torch_gpt.py's model and sends its result (or the error)."""
+  try:
+    sys.path.insert(0, str(pathlib.Path(__file__).absolute().parent))
+    import torch  # pylint: disable=import-outside-toplevel  -- optional: only the baseline needs it
+    import torch_gpt  # pylint: disable=import-outside-toplevel
+    on_cpu = os.environ.get('JAX_PLATFORMS', '').startswith('cpu')  # the device JAX was told to use
+    device = 'cuda' if torch.cuda.is_available() and not on_cpu else 'cpu'
+    conn.send(torch_gpt.measure(cfg, steps, warmup, use_compile, device))
+  except Exception as e:  # pylint: disable=broad-except  -- reported by the parent as one line
+    conn.send(f'{type(e).__name__}: {e}')
+
+
+def torch_baseline(cfg, steps: int, warmup: int, use_compile: bool) -> dict:
+  """bench/torch_gpt.py's result for cfg's model, measured in a child process that ends before JAX starts.
+
+  Why a child that runs first: XLA reserves most of a GPU's memory for the life of its process (75 % by default),
+  so PyTorch beside it would run out of memory; ended, the child has given every byte back. And the child leaves
+  glibc's malloc as PyTorch users have it (`JAXLM_KEEP_HOST_MEMORY=0`, see bench/cpu_step.py's TorchProcess).
+  """
+  context = multiprocessing.get_context('spawn')
+  conn, child = context.Pipe()
+  os.environ['JAXLM_KEEP_HOST_MEMORY'] = '0'  # inherited by the child, whose `import jaxlm` then leaves malloc be
+  try:
+    process = context.Process(target=_measure_torch, args=(child, cfg, steps, warmup, use_compile))
+    process.start()
+  finally:
+    del os.environ['JAXLM_KEEP_HOST_MEMORY']
+  try:
+    result = conn.recv()
+  except EOFError:
+    result = f'the process died (exit code {process.join() or process.exitcode})'
+  process.join()
+  if isinstance(result, str):
+    raise RuntimeError(f'the PyTorch baseline failed: {result}')
+  return result
+
+
+def baseline_rows(j: dict, t: dict) -> tuple[str, float]:
+  """(jaxlm and torch as rows of one table, jaxlm/torch tokens/s per device)."""
+  ratio = (j['tokens_per_s'] / j['num_devices']) / t['tokens_per_s']
+  peak_note = j['matmul_dtype'] == 'fp8'
+  torch_mfu = None if peak_note else perf.mfu(t['tokens_per_s'], t['flops_per_token'], 1, j['device_kind'])
+  rows = [('framework', 'device', 'step ms (median)', 'tokens/s per device', 'model TFLOP/s', 'MFU'),
+          (f'jaxlm (jax {j["jax"]}, {j["attention_used"]} attention, remat={j["remat"]}, '
+           f'scan_layers={j["scan_layers"]}{", fp8" if peak_note else ""})',
+           f'{j["num_devices"]} × {j["device_kind"]}', f'{j["step_s"] * 1e3:.1f}',
+           f'{j["tokens_per_s"] / j["num_devices"]:,.0f}', f'{j["model_flops_per_s"] / j["num_devices"] / 1e12:.3f}',
+           'n/a' if peak_note else _percent(j['mfu'])),
+          (f'torch ({t["torch"]}, {t["mode"]}, '
+           + ('float32' if j['dtype'] == 'float32' else f'{j["dtype"]} autocast, float32 master weights') + ')',
+           f'1 × {t["device"]}', f'{t["step_s"] * 1e3:.1f}', f'{t["tokens_per_s"]:,.0f}',
+           f'{t["model_flops_per_s"] / 1e12:.3f}', 'n/a' if peak_note else _percent(torch_mfu))]
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  text = '\n'.join('  '.join(f'{c:<{w}}' for c, w in zip(row, widths)) for row in rows)
+  return text + f'\nratio jaxlm/torch (tokens/s per device): {ratio:.3f}', ratio
+
+
 def main(argv):
   del argv
+  cfg = _CONFIG.value
   try:
-    result = measure(_CONFIG.value, FLAGS.steps, FLAGS.warmup, FLAGS.docs)
+    baseline = torch_baseline(cfg, FLAGS.steps, FLAGS.warmup, FLAGS.torch_compile) if FLAGS.baseline else None
+    result = measure(cfg, FLAGS.steps, FLAGS.warmup, FLAGS.docs)
   except config_lib.ConfigError as e:
     print(f'mfu: {e}', file=sys.stderr)
     sys.exit(2)
   print(table(result), flush=True)
+  if baseline is not None:
+    if (baseline['device'] == 'cuda') != (result['platform'] == 'gpu'):
+      print(f'WARNING: torch ran on {baseline["device"]} and jaxlm on {result["platform"]}: not the same device')
+    text, ratio = baseline_rows(result, baseline)
+    print(f'\nbaseline, same model, batches, optimizer and FLOPs formula (bench/torch_gpt.py):\n{text}', flush=True)
+    result = dict(result, baseline=baseline, ratio=ratio)
   if FLAGS.json:
     pathlib.Path(FLAGS.json).write_text(json.dumps(result))
 
@@ -172,6 +257,9 @@ def define_flags():
   flags.DEFINE_integer('warmup', 3, 'Untimed steps first.')
   flags.DEFINE_integer('docs', 1, 'Documents per row of the random batches (>1 exercises segment masks).')
   flags.DEFINE_string('json', '', 'Also write the result as one JSON object to this file.')
+  flags.DEFINE_enum('baseline', '', ['', 'torch'], 'torch: also measure bench/torch_gpt.py on the same device (first, '
+                    'in a child process) and print both rows and the tokens/s ratio.')
+  flags.DEFINE_bool('torch_compile', True, '--baseline=torch: torch.compile the model (eager when compiling fails).')
 
 
 if __name__ == '__main__':

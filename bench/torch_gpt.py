@@ -5,7 +5,8 @@
 Same model (PaLM parallel block or Llama pre-norm block, SwiGLU, MQA/GQA, half-split RoPE, tied embeddings scaled
 by 1/sqrt(D), z-loss), same optimizer (global-norm clipping, AdamW with decay on matrices only, warmup-cosine),
 same random batches and the same FLOPs formula (jaxlm.model.flops_per_token), so tokens/s and model FLOP/s compare
-one to one with bench/mfu.py. Attention is F.scaled_dot_product_attention; the model runs under torch.compile,
+one to one with bench/mfu.py. bfloat16/float16 run under torch.autocast with float32 master weights (the parameters
+and AdamW's state stay float32), as jaxlm keeps param_dtype=float32 and computes in model.dtype. Attention is F.scaled_dot_product_attention; the model runs under torch.compile,
 or eagerly (with a printed note) when compiling fails. torch must be the exact CPU build: `pip install
 torch==2.13.0`, never a bare `torch` (that pulls a multi-GB CUDA build).
 """
@@ -139,6 +140,14 @@ class GPT(nn.Module):
   def forward(self, inputs, targets, weights, positions, segment_ids=None):
     m = self.m
     dtype = DTYPES[m.dtype]
+    # Mixed precision as jaxlm runs it: float32 master weights, matmuls in `dtype` (autocast casts each weight at
+    # its use, as jaxlm's `w.astype(dtype)`). Without it an nn.Linear's float32 weight meets the bfloat16
+    # activations and CUDA refuses the product ("expected mat1 and mat2 to have the same dtype").
+    with torch.autocast(inputs.device.type, dtype=dtype, enabled=dtype != torch.float32):
+      return self._loss(inputs, targets, weights, positions, segment_ids, dtype)
+
+  def _loss(self, inputs, targets, weights, positions, segment_ids, dtype):
+    m = self.m
     x = self.embedding[inputs].to(dtype)  # (B, T, D)
     for block in self.blocks:
       x = block(x, segment_ids, positions)

@@ -31,6 +31,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.remat = 'full'  # activation checkpointing per layer: none | full | dots | dots_no_batch | attn_out
   m.scan_layers = True  # nn.scan over layers: one compiled layer body (fast compiles); False unrolls
   m.attention = 'xla'  # attention kernel: xla | cudnn | splash | auto
+  m.matmul_dtype = 'dtype'  # the layers' projections: dtype (model.dtype) | fp8 (e4m3/e5m2, delayed scaling; GPUs with fp8)
   m.explicit_transpose_grads = False  # weight gradients as plain products of a transposed copy: faster on XLA:CPU only
 
   c.data = d = ml_collections.ConfigDict()

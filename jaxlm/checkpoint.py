@@ -33,6 +33,7 @@ import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from absl import logging
 
 EventFn = Callable[..., None]  # event(step, name, message, **fields), e.g. MetricsLogger.event
@@ -147,6 +148,23 @@ def _capture_writer_errors() -> None:
 
   hook.jaxlm = True
   sys.unraisablehook = hook
+
+
+def _without_absent_empty_fields(target, state_dir: str):
+  """(restore target, rebuild): a checkpoint written before a state field existed restores when that field holds
+  nothing (TrainState.fp8 is {} unless model.matmul_dtype=fp8): the rest is restored and the field filled in.
+
+  Any other difference between the checkpoint and the target still fails the restore, as it should.
+  """
+  fields = getattr(target, '__dataclass_fields__', None)
+  if not fields:
+    return target, lambda state: state
+  tree = ocp.StandardCheckpointHandler().metadata(epath.Path(state_dir))  # the saved tree's top-level keys
+  absent = [f for f in fields if f not in tree and not jax.tree.leaves(getattr(target, f))]
+  if not absent:
+    return target, lambda state: state
+  present = {f: getattr(target, f) for f in fields if f not in absent}
+  return present, lambda state: target.replace(**state, **{f: getattr(target, f) for f in absent})
 
 
 def with_shardings(abstract_tree, shardings):
@@ -321,7 +339,8 @@ class Checkpointer:
       try:
         if problem := verify_checksums(step_dir):
           raise CheckpointError(problem)
-        items = dict(state=ocp.args.StandardRestore(target))
+        state_target, rebuild = _without_absent_empty_fields(target, os.path.join(step_dir, 'state'))
+        items = dict(state=ocp.args.StandardRestore(state_target))
         if os.path.isdir(os.path.join(step_dir, 'guard')):  # absent in checkpoints older than the guard item
           items['guard'] = ocp.args.JsonRestore()
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
@@ -336,7 +355,7 @@ class Checkpointer:
       if data_state is not None:
         data_iter.set_state(data_state)  # outside the try: a refused data change is the user's to fix, not corrupt
       self.last_good = step
-      return restored['state'], (dict(restored['guard']) if 'guard' in items else {})
+      return rebuild(restored['state']), (dict(restored['guard']) if 'guard' in items else {})
     if unreadable and before is None:
       raise CheckpointError(f'no checkpoint in {self.directory} could be read (see the warnings above). '
                             f'Fix: move the directory aside to start afresh, or repair it.')

@@ -14,6 +14,7 @@ from jaxlm import distributed
 from jaxlm import model
 from jaxlm import optimizer
 from jaxlm import pipeline as pipeline_lib
+from jaxlm import preflight
 from jaxlm import sharding
 from jaxlm import stability
 from jaxlm.data import pipeline
@@ -21,7 +22,8 @@ from jaxlm.errors import ConfigError  # noqa: F401
 
 # Each list of allowed values is declared once, in the module that acts on it; validation reads it there.
 DTYPES = model.DTYPES
-REMAT_POLICIES = model.REMAT_CHOICES
+MATMUL_DTYPES = model.MATMUL_DTYPES
+REMAT_POLICIES = (*model.REMAT_CHOICES, preflight.REMAT_AUTO)
 ATTENTION_IMPLS = attention.IMPLS
 DATA_SOURCES = pipeline.SOURCES
 STABILITY_POLICIES = stability.POLICIES
@@ -58,6 +60,26 @@ def _model_errors(m) -> list[str]:
     e.append(f'model.z_loss={m.z_loss} must be >= 0 (0 turns it off).')
   if m.rope_theta <= 0 or m.norm_eps <= 0:
     e.append('model.rope_theta and model.norm_eps must be positive.')
+  return e
+
+
+def _fp8_errors(c) -> list[str]:
+  """model.matmul_dtype and the settings fp8 matmuls do not combine with."""
+  m = c.model
+  if m.matmul_dtype not in MATMUL_DTYPES:
+    return [f'model.matmul_dtype={m.matmul_dtype!r} is unknown; use one of {", ".join(MATMUL_DTYPES)}.']
+  if m.matmul_dtype != 'fp8':
+    return []
+  e = []
+  if m.dtype == 'float16':
+    e.append('model.matmul_dtype=fp8 needs model.dtype=bfloat16 (or float32); float16 loss scaling and fp8 '
+             'scaling are not combined.')
+  if c.train.microbatches > 1:
+    # Each microbatch would update the same amax histories from the same old values; summing those is wrong.
+    e.append(f'model.matmul_dtype=fp8 does not combine with train.microbatches={c.train.microbatches}; use '
+             f'train.microbatches=1 (lower model.remat or shard wider to fit).')
+  if m.explicit_transpose_grads:
+    e.append('model.matmul_dtype=fp8 computes its own weight gradients; set model.explicit_transpose_grads=False.')
   return e
 
 
@@ -188,6 +210,9 @@ def _pipeline_errors(c, stages: int, batch_ways: int) -> list[str]:
   if not m.scan_layers:
     e.append('model.scan_layers=False cannot run as a pipeline (stages split the scanned layer stack); set '
              'model.scan_layers=True or mesh.stage=1.')
+  if m.get('matmul_dtype') == 'fp8':
+    e.append('model.matmul_dtype=fp8 does not run under a pipeline yet (its scales are a second collection the '
+             'stages do not carry); set model.matmul_dtype=dtype or mesh.stage=1.')
   # Each accumulation microbatch is split into pipeline microbatches, each of which is split over data × fsdp;
   # outside the pipeline (embedding, loss) the batch is also split over the stages.
   accum = max(t.microbatches, 1)
@@ -244,7 +269,7 @@ def _other_errors(c) -> list[str]:
 
 def validate(c: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1, num_slices: int = 1) -> None:
   """Raises ConfigError listing every problem with `c` on `num_devices` devices in `num_processes` processes."""
-  errors = (_model_errors(c.model) + _data_errors(c.data) + _train_errors(c.train, c.optim)
+  errors = (_model_errors(c.model) + _fp8_errors(c) + _data_errors(c.data) + _train_errors(c.train, c.optim)
             + _mesh_errors(c, num_devices, num_processes, num_slices) + distributed.dist_errors(c.dist) + _other_errors(c))
   if errors:
     raise ConfigError('invalid config:\n  - ' + '\n  - '.join(errors))

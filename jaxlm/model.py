@@ -14,6 +14,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.linen import fp8_ops
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxlm import attention as attention_lib
@@ -21,6 +22,9 @@ from jaxlm import pipeline as pipeline_lib
 
 
 DTYPES = ('bfloat16', 'float32', 'float16')  # model.dtype and model.param_dtype
+MATMUL_DTYPES = ('dtype', 'fp8')  # model.matmul_dtype: the projections in model.dtype, or in fp8 (`project`)
+# Flax's collection for fp8 scales and amax histories: their "gradient" is their next value (step.py).
+FP8 = fp8_ops.OVERWRITE_WITH_GRADIENT
 
 
 def head_dim(model_cfg) -> int:
@@ -55,11 +59,13 @@ class ModelConfig:
   scan_layers: bool = True
   attention: str = 'xla'
   explicit_transpose_grads: bool = False
+  matmul_dtype: str = 'dtype'
 
   @classmethod
   def from_config(cls, model_cfg) -> 'ModelConfig':
     """Builds the frozen config from `cfg.model`, filling the derived sizes (head_dim, mlp_dim)."""
-    fields = {f.name: model_cfg[f.name] for f in dataclasses.fields(cls)}
+    # A run's saved config may predate a field (matmul_dtype): it then ran with the field's default.
+    fields = {f.name: model_cfg.get(f.name, f.default) for f in dataclasses.fields(cls)}
     fields.update(head_dim=head_dim(model_cfg), mlp_dim=mlp_dim(model_cfg))
     return cls(**fields)
 
@@ -184,6 +190,23 @@ def dense(x, w, plain_weight_grad: bool):
   return _dense_nn(x, w) if plain_weight_grad else jnp.dot(x, w)
 
 
+def project(x, w, name: str, m: ModelConfig):
+  """A layer's projection x (N, I) · w (I, O) -> (N, O): `dense`, or with model.matmul_dtype=fp8 Flax's fp8 dot.
+
+  fp8 is delayed scaling as in Transformer Engine: x and w quantised to e4m3, the output gradient to e5m2, each
+  with a scale from the amax of the last 1024 steps (Flax's default history). The scales and histories are
+  variables of a child module `<name>_fp8` in the FP8 collection; call this inside a compact module.
+  """
+  if m.matmul_dtype == 'fp8':
+    return fp8_ops.Fp8DirectDotGeneralOp(name=f'{name}_fp8')(x, w, (((1,), (0,)), ((), ())))
+  return dense(x, w, m.explicit_transpose_grads)
+
+
+def inference_config(m: ModelConfig) -> ModelConfig:
+  """The model as evaluated, sampled and exported: fp8 matmuls back in model.dtype, the same parameters."""
+  return dataclasses.replace(m, matmul_dtype='dtype')
+
+
 def tokens(x):
   """(B, T, ...) -> (N, ...) with N = B·T, a free reshape: every weight matmul then has one token axis.
 
@@ -210,17 +233,16 @@ class Attention(nn.Module):
     B, T, _ = x.shape
     x = tokens(x)  # (N, D)
     # Heads folded into the weights' columns, (D, H·E): a plain matrix product, for the reason in `tokens`.
-    plain_grad = m.explicit_transpose_grads
-    q = dense(x, wq.astype(dt).reshape(D, H * E), plain_grad).reshape(B, T, H, E)
-    k = dense(x, wk.astype(dt).reshape(D, K * E), plain_grad).reshape(B, T, K, E)
-    v = dense(x, wv.astype(dt).reshape(D, K * E), plain_grad).reshape(B, T, K, E)
+    q = project(x, wq.astype(dt).reshape(D, H * E), 'query', m).reshape(B, T, H, E)
+    k = project(x, wk.astype(dt).reshape(D, K * E), 'key', m).reshape(B, T, K, E)
+    v = project(x, wv.astype(dt).reshape(D, K * E), 'value', m).reshape(B, T, K, E)
     q = nn.with_logical_constraint(q, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
     q, k = rope(q, positions, m.rope_theta), rope(k, positions, m.rope_theta)
     out = attention_lib.attention(q, k, v, segment_ids, impl=m.attention)  # (B, T, H, E)
     out = nn.with_logical_constraint(out, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
     # Named so the `attn_out` remat policy can keep it instead of recomputing the whole attention.
     out = checkpoint_name(out, 'attn_out')
-    return dense(out.reshape(B * T, H * E), wo.astype(dt).reshape(H * E, D), plain_grad).reshape(B, T, D)
+    return project(out.reshape(B * T, H * E), wo.astype(dt).reshape(H * E, D), 'out', m).reshape(B, T, D)
 
 
 class SwiGLU(nn.Module):
@@ -237,10 +259,9 @@ class SwiGLU(nn.Module):
     w_down = _param(self, 'down', ('mlp', 'embed'), (F, D), F ** -0.5, m)
     B, T, _ = x.shape
     x = tokens(x)  # (N, D)
-    plain_grad = m.explicit_transpose_grads
-    h = swiglu(dense(x, w_gate.astype(dt), plain_grad), dense(x, w_up.astype(dt), plain_grad))  # (N, F)
+    h = swiglu(project(x, w_gate.astype(dt), 'gate', m), project(x, w_up.astype(dt), 'up', m))  # (N, F)
     h = nn.with_logical_constraint(h.reshape(B, T, F), ('act_batch', 'act_seq', 'act_mlp'))
-    return dense(tokens(h), w_down.astype(dt), plain_grad).reshape(B, T, D)
+    return project(tokens(h), w_down.astype(dt), 'down', m).reshape(B, T, D)
 
 
 class Block(nn.Module):
@@ -308,7 +329,7 @@ class Decoder(nn.Module):
       x = nn.with_logical_constraint(x, ('act_batch', 'act_seq', 'act_embed'))
     elif m.scan_layers:
       # One compiled layer body applied L times; parameters get a leading `layers` axis.
-      stack = nn.scan(block, variable_axes={'params': 0}, split_rngs={'params': True, 'dropout': True},
+      stack = nn.scan(block, variable_axes={'params': 0, FP8: 0}, split_rngs={'params': True, 'dropout': True},
                       in_axes=(nn.broadcast, nn.broadcast), length=m.num_layers,
                       metadata_params={nn.PARTITION_NAME: 'layers'})
       x, _ = stack(m, deterministic, name='layers')(x, segment_ids, positions)

@@ -10,8 +10,10 @@ import os
 
 import jax
 
-from jaxlm import config as config_lib
 from jaxlm import errors
+from jaxlm import model as model_lib
+from jaxlm import perf
+from jaxlm import step as step_lib
 
 MEMORY_ENV = 'JAXLM_DEVICE_MEMORY_BYTES'
 
@@ -27,9 +29,10 @@ HBM_BYTES = {
     'TPU v6e': 32 * GiB,
 }
 
-# Activation checkpointing from least to most recompute (config.REMAT_POLICIES, in cost order).
+# Activation checkpointing from least to most recompute (model.REMAT_CHOICES, in cost order).
 REMAT_LADDER = ('none', 'dots', 'dots_no_batch', 'attn_out', 'full')
-assert set(REMAT_LADDER) == set(config_lib.REMAT_POLICIES)
+assert set(REMAT_LADDER) == set(model_lib.REMAT_CHOICES)
+REMAT_AUTO = 'auto'  # model.remat=auto: the trainer picks from REMAT_LADDER before step 0 (`choose_remat`)
 
 
 class DoesNotFitError(errors.ConfigError):
@@ -88,6 +91,61 @@ def candidates(cfg) -> list[dict]:
     out.append({'remat': 'full', 'microbatches': n})
     n *= 2
   return out
+
+
+def with_setting(cfg, setting: dict):
+  """A copy of cfg with a candidate's remat policy and microbatch count."""
+  trial = cfg.copy_and_resolve_references()
+  trial.model.remat, trial.train.microbatches = setting['remat'], setting['microbatches']
+  return trial
+
+
+def search(cfg, settings: list[dict], measure) -> tuple[dict | None, list]:
+  """The first of `settings` (cheapest first) whose step fits, and (setting, report) of every one compiled.
+
+  measure(trial_cfg) compiles one candidate and returns a report with 'fits' (or None to pass over a setting the
+  config refuses). The one search behind `jaxlm.tools.size --fit` and model.remat=auto.
+  """
+  tried = []
+  for setting in settings:
+    report = measure(with_setting(cfg, setting))
+    if report is None:
+      continue
+    tried.append((setting, report))
+    if report['fits']:
+      return setting, tried
+  return None, tried
+
+
+def choose_remat(cfg, mesh) -> tuple[str, str]:
+  """model.remat=auto: (the policy with the least recompute whose compiled step fits a device, why).
+
+  Compiles the real train step ahead of time for each policy in REMAT_LADDER order and stops at the first that
+  fits the devices' memory (`device_memory`); nothing is allocated. Memory nobody knows picks `none`.
+  Raises DoesNotFitError when even `full` does not fit.
+  """
+  devices = mesh.local_devices
+  limit, source = device_memory(devices)
+  if limit is None:
+    return REMAT_LADDER[0], f'{source}: no memory to fit, so no recompute'
+  gib = perf.format_bytes
+
+  def measure(trial):
+    program = step_lib.build_program(trial, mesh)
+    batch = step_lib.abstract_batch(trial.train.batch_size, trial.data.seq_len, program.batch_sharding)
+    memory = step_memory(program.train_step.lower(program.abstract_state, batch).compile())
+    return {'memory': memory, 'fits': fits(memory, limit)}
+
+  micro = max(cfg.train.microbatches, 1)
+  setting, tried = search(cfg, [{'remat': r, 'microbatches': micro} for r in REMAT_LADDER], measure)
+  sizes = ', '.join(f'{s["remat"]} {gib(r["memory"]["total_bytes"])}' for s, r in tried if r['memory'])
+  if setting is None:
+    raise DoesNotFitError(
+        f'model.remat=auto: no activation checkpointing fits: the train step needs {sizes} per device and a device '
+        f'holds {gib(limit)} ({source}); shard wider (more mesh.fsdp or mesh.tensor), raise train.microbatches, or '
+        f'run python -m jaxlm.tools.size --config=<this config> --fit to find a setting that fits')
+  return setting['remat'], (f'the least recompute whose compiled step fits {gib(limit)} per device ({source}); '
+                             f'compiled per device: {sizes}')
 
 
 def describe(setting: dict) -> str:

@@ -30,6 +30,7 @@ class TrainState:
   rng: jax.Array  # base PRNG key; step s uses fold_in(rng, s), so resume needs no RNG bookkeeping
   lr_scale: jax.Array  # float32 multiplier on updates, set by the host (post-rollback LR, fault drills)
   batches: jax.Array  # int32 batches drawn from the data, skipped ones included (fault drills key on it)
+  fp8: Any  # model.matmul_dtype=fp8: the scales and amax histories (model.FP8 collection); else {}
 
 
 class _InContext:
@@ -85,9 +86,11 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
   fp16 = m.dtype == 'float16'
   tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)  # shapes only: building creates no array
 
-  def init_params(rng):
+  def init_variables(rng):
     dummy = jnp.zeros(tokens.shape, tokens.dtype)
-    return model.init({'params': rng}, dummy, dummy + 1, dummy)['params']
+    return model.init({'params': rng}, dummy, dummy + 1, dummy)
+
+  init_params = lambda rng: init_variables(rng)['params']
 
   # Shapes before values: logical axis names come with the abstract (boxed) parameters.
   boxed = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0)))
@@ -107,15 +110,19 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
       tx, lambda x, spec, p: spec if x.shape == p.shape else replicated, abstract_opt, param_logical,
       abstract_params, transform_non_params=lambda _: replicated,
       is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  abstract_fp8 = jax.eval_shape(lambda: init_variables(jax.random.PRNGKey(0)).get(model_lib.FP8, {}))
   logical = TrainState(step=replicated, params=param_logical, opt_state=opt_logical, rng=replicated,
-                       lr_scale=replicated, batches=replicated)
+                       lr_scale=replicated, batches=replicated,
+                       fp8=jax.tree.map(lambda _: replicated, abstract_fp8))  # a few floats per layer
   state_shardings = sharding.logical_to_mesh(logical, mesh)
 
   def init():
     rng = jax.random.PRNGKey(seed)
-    params = nn.unbox(init_params(jax.random.fold_in(rng, 0)))
+    variables = nn.unbox(init_variables(jax.random.fold_in(rng, 0)))
+    params = variables['params']
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng,
-                      lr_scale=jnp.ones((), jnp.float32), batches=jnp.zeros((), jnp.int32))
+                      lr_scale=jnp.ones((), jnp.float32), batches=jnp.zeros((), jnp.int32),
+                      fp8=variables.get(model_lib.FP8, {}))
 
   abstract_state = jax.eval_shape(init)
   lr = optimizer_lib.schedule(optim_cfg, steps)
@@ -127,14 +134,15 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
     denominator = jnp.maximum(batch['weights'].sum(), 1.0)
     scale = optimizer_lib.loss_scale(state.opt_state) if fp16 else 1.0  # float16: small gradients not flushed
 
-    def loss_of(params, mb, mb_rng):
-      logits = model.apply({'params': params}, mb['inputs'], mb['segment_ids'], mb['positions'],
+    def loss_of(variables, mb, mb_rng):
+      logits = model.apply(variables, mb['inputs'], mb['segment_ids'], mb['positions'],
                            deterministic=deterministic, rngs={'dropout': mb_rng})
       total, aux = model_lib.loss_fn(logits, mb['targets'], mb['weights'], m.z_loss, denominator)
       return total * scale, aux
 
-    grads, aux = accumulate_gradients(jax.value_and_grad(loss_of, has_aux=True), state.params, batch, rng,
+    grads, aux = accumulate_gradients(jax.value_and_grad(loss_of, has_aux=True), variables_of(state), batch, rng,
                                       microbatches)
+    grads, fp8 = split_overwrite(grads, state.fp8)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     step_lr = lr(state.step)
     if scale_updates:  # AdamW's update is linear in the learning rate, so this is an LR multiplier
@@ -149,11 +157,15 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
       metrics.update(skipped_steps=finite_state.total_notfinite, nonfinite_run=finite_state.notfinite_count)
     if fp16:
       metrics['loss_scale'] = optimizer_lib.loss_scale(opt_state)
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state, fp8=fp8,
                          batches=state.batches + 1), metrics
 
+  # Evaluation runs the ordinary matmuls on the same weights (no fp8 state needed): the held-out loss is that
+  # of the model tools/eval scores and hf/export writes.
+  eval_model = model_lib.Decoder(model_lib.inference_config(m))
+
   def eval_step(params, batch: dict):
-    logits = model.apply({'params': params}, batch['inputs'], batch['segment_ids'], batch['positions'])
+    logits = eval_model.apply({'params': params}, batch['inputs'], batch['segment_ids'], batch['positions'])
     _, aux = model_lib.loss_fn(logits, batch['targets'], batch['weights'], 0.0)
     n = batch['weights'].sum()
     return {'loss_sum': aux['loss'] * n, 'tokens': n}
@@ -166,6 +178,26 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
       train_step=_InContext(jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                                     out_shardings=(state_shardings, None), donate_argnums=0), mesh),
       eval_step=_InContext(jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding)), mesh))
+
+
+def variables_of(state: TrainState) -> dict:
+  """The model's variables in `state`: the parameters, and with fp8 matmuls their scales (model.FP8)."""
+  return {'params': state.params, **({model_lib.FP8: state.fp8} if state.fp8 else {})}
+
+
+def split_overwrite(grads: dict, old_fp8):
+  """(parameter gradients, next fp8 state) from the gradients of `variables_of(state)`.
+
+  Flax's fp8 dot returns each scale's and amax history's next value as its "gradient" (the FP8 collection is
+  Flax's OVERWRITE_WITH_GRADIENT): the optimizer sees only the parameters' gradients and the fp8 state is
+  replaced, as flax.training.train_state.TrainState.apply_gradients does. A step with non-finite gradients
+  keeps the old fp8 state, as it keeps the parameters: an inf in the amax history would freeze the scale.
+  """
+  if model_lib.FP8 not in grads:
+    return grads['params'], old_fp8
+  finite = jnp.isfinite(optax.tree.norm(grads['params']))
+  new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), grads[model_lib.FP8], old_fp8)
+  return grads['params'], new
 
 
 def accumulate_gradients(grad_fn, params, batch: dict, rng, microbatches: int):

@@ -87,6 +87,8 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
   log = metrics_lib.MetricsLogger(workdir, cfg.log, total_steps=t.steps, is_primary=primary, config=cfg)
   shutdown.callback(_quietly, log.close)
   say = print if primary else (lambda *a, **k: None)  # the start-up report, from process 0 only
+  with acct.track('compile'):  # model.remat=auto compiles its candidates ahead of time
+    cfg = resolve_remat(cfg, mesh, say)
   say(f'config:\n{cfg}')
   say(f'mesh: {dict(mesh.shape)} on {mesh.size} {jax.devices()[0].device_kind} devices')
   say(f'bit-reproducible: {reproducibility(t, jax.devices()[0].platform)}')
@@ -129,6 +131,20 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
     previous = signal.signal(sig, lambda signum, _: r.stop.append(signal.Signals(signum).name))
     shutdown.callback(signal.signal, sig, previous)
   return r
+
+
+def resolve_remat(cfg, mesh, say):
+  """cfg with model.remat=auto replaced by the policy preflight.choose_remat picks (compiles, allocates nothing).
+
+  The chosen policy is in the printed config and in every checkpoint's saved config.
+  """
+  if cfg.model.remat != preflight.REMAT_AUTO:
+    return cfg
+  policy, why = preflight.choose_remat(cfg, mesh)
+  say(f'INFO model.remat=auto chose {policy}: {why}')
+  cfg = cfg.copy_and_resolve_references()
+  cfg.model.remat = policy
+  return cfg
 
 
 def restore_or_init(r: Run) -> step_lib.TrainState:
@@ -255,6 +271,8 @@ def log_step(r: Run, step: int, metrics: dict, window: Window, size: int) -> dic
                                            devices, kind))
   if r.program.model.pipeline is not None:  # the idle share of each stage; MFU above counts model FLOPs only
     values['bubble'] = r.program.model.pipeline.bubble
+  if m.matmul_dtype == 'fp8':  # MFU is against the bf16 peak: fp8 runs compare in tokens/s and model FLOP/s only
+    values.update(mfu=None, mfu_causal=None)
   r.log.write(step, values)
   return values
 

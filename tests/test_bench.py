@@ -48,3 +48,20 @@ def test_pipeline_bench_rows_compute_the_same_loss(tmp_path):
   assert [r['bubble'] for r in rows] == [0.0, 1 / 3, 1 / 5]
   assert all(math.isclose(r['loss'], rows[0]['loss'], rel_tol=1e-5) for r in rows)  # the same model and batch
   assert 'bubble computed' in out.stdout and 'bubble measured' in out.stdout
+
+
+def test_mfu_baseline_torch_prints_both_rows_and_their_ratio(tmp_path):
+  # bfloat16: the baseline must run mixed precision (autocast over float32 master weights), which plain float32
+  # weights meeting bfloat16 activations did not (issue #23). Eager torch: no C++ compile in CI.
+  out = run_bench('mfu.py', '--steps=2', '--warmup=1', '--baseline=torch', '--notorch_compile',
+                  '--config.model.dtype=bfloat16', f'--json={tmp_path}/r.json')
+  r = json.loads((tmp_path / 'r.json').read_text())
+  t = r['baseline']
+  assert t['framework'] == 'torch' and t['device'] == 'cpu' and t['params'] == r['params']
+  assert t['flops_per_token'] == r['flops_per_token'] and math.isfinite(t['loss'])
+  assert r['ratio'] == (r['tokens_per_s'] / r['num_devices']) / t['tokens_per_s']
+  rows = out[out.index('baseline, same model'):].splitlines()
+  assert rows[2].startswith('jaxlm (jax ') and f'{r["tokens_per_s"]:,.0f}' in rows[2]
+  assert rows[3].startswith('torch (') and 'bfloat16 autocast, float32 master weights' in rows[3]
+  assert f'{t["tokens_per_s"]:,.0f}' in rows[3]
+  assert rows[4] == f'ratio jaxlm/torch (tokens/s per device): {r["ratio"]:.3f}'

@@ -214,11 +214,14 @@ def test_checkpoint_restores_across_stage_counts(tmp_path):
     (dict(stage=2, microbatches=3), 'train.batch_size=16 is not divisible'),
     (dict(stage=16), 'exceed the 8 devices'),
     (dict(stage=2, schedule='1f1b'), "pipeline.schedule='1f1b' is unknown"),
+    (dict(stage=2, model=dict(scan_layers=False)), 'model.scan_layers=False cannot run as a pipeline'),
+    (dict(stage=2, model=dict(matmul_dtype='fp8')), 'model.matmul_dtype=fp8 does not run under a pipeline'),
 ])
 def test_bad_pipeline_configs_name_the_field_and_the_fix(overrides, says):
   c = small_config(layers=overrides.pop('layers', 8))
   c.train.batch_size = BATCH
   c.mesh.update(stage=overrides.pop('stage'), fsdp=-1)
+  c.model.update(**overrides.pop('model', {}))
   c.pipeline.update(**overrides)
   with pytest.raises(config_lib.ConfigError) as e:
     config_lib.validate(c, 8)

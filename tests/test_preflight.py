@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxlm import attention, preflight, sharding, step as step_lib
+from jaxlm import attention, perf, preflight, sharding, step as step_lib
 from jaxlm.tools import size
 from tests.helpers import assert_fails_with, load_config, run_cli, train_command, train_env
 
@@ -149,3 +149,48 @@ def test_trainer_refuses_a_step_that_cannot_fit(tmp_path, data_cache):
                 env=env)
   assert_fails_with(out, 2, 'the train step needs', 'a device holds', f'${preflight.MEMORY_ENV}',
                     '--config.model.remat=dots')
+
+
+def _remat_auto_config():
+  """palm_tiny with long enough rows that the remat policies' compiled sizes differ."""
+  cfg = load_config('palm_tiny')
+  cfg.model.remat = preflight.REMAT_AUTO
+  cfg.data.seq_len = 256
+  cfg.mesh.update(data=1, fsdp=1, tensor=1)
+  return cfg
+
+
+@pytest.mark.e2e  # compiles the step ten times: ~2 minutes on 2 shared cores
+def test_remat_auto_picks_the_least_recompute_that_fits(monkeypatch):
+  from jaxlm import config as config_lib, train  # pylint: disable=import-outside-toplevel
+  cfg = _remat_auto_config()
+  config_lib.validate(cfg, num_devices=1)  # `auto` is a valid model.remat
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+  sizes = {}
+  for policy in preflight.REMAT_LADDER:  # each candidate compiled here, independently of choose_remat
+    trial = preflight.with_setting(cfg, {'remat': policy, 'microbatches': 1})
+    program = step_lib.build_program(trial, mesh)
+    batch = step_lib.abstract_batch(trial.train.batch_size, trial.data.seq_len, program.batch_sharding)
+    sizes[policy] = preflight.step_memory(program.train_step.lower(program.abstract_state, batch).compile())[
+        'total_bytes']
+  # A budget just under `none`'s step: the answer is the first policy in recompute order at or under it.
+  budget = sizes['none'] - 1
+  expected = next(p for p in preflight.REMAT_LADDER if sizes[p] <= budget)
+  monkeypatch.setenv(preflight.MEMORY_ENV, str(budget))
+  printed = []
+  resolved = train.resolve_remat(cfg, mesh, printed.append)
+  assert resolved.model.remat == expected, (sizes, budget)
+  assert cfg.model.remat == preflight.REMAT_AUTO  # the caller's config is left as it was
+  assert len(printed) == 1 and printed[0].startswith(f'INFO model.remat=auto chose {expected}: '), printed
+  for policy in preflight.REMAT_LADDER[:preflight.REMAT_LADDER.index(expected) + 1]:
+    assert f'{policy} {perf.format_bytes(sizes[policy])}' in printed[0], printed[0]
+  # Unknown memory (a CPU without the variable): no recompute, and nothing compiled.
+  monkeypatch.delenv(preflight.MEMORY_ENV)
+  assert preflight.choose_remat(cfg, mesh)[0] == 'none'
+  # Nothing fits: one `jaxlm: <what>; <fix>` line with every candidate's size.
+  monkeypatch.setenv(preflight.MEMORY_ENV, str(min(sizes.values()) - 1))
+  with pytest.raises(preflight.DoesNotFitError) as e:
+    preflight.choose_remat(cfg, mesh)
+  message = str(e.value)
+  assert message.startswith('model.remat=auto: no activation checkpointing fits: ') and '; shard wider' in message
+  assert all(f'{p} ' in message for p in preflight.REMAT_LADDER) and '\n' not in message

@@ -41,6 +41,7 @@ from jaxlm import cli
 from jaxlm.data import pipeline as data_lib
 from jaxlm import errors
 from jaxlm.hf import export as export_lib
+from jaxlm import model as model_lib
 from jaxlm import sharding
 from jaxlm.data import readers as sources_lib
 from jaxlm import step as step_lib
@@ -156,7 +157,8 @@ def evaluate_run(workdir: str, *, step: int | None = None, batches: int | None =
     if prompt is not None:
       ids = [tokenizer.eos_id] + tokenizer.encode(prompt)  # EOS starts every document in training (data.py)
       stop = tokenizer.eos_id if tokenizer.eos_id >= 0 else None
-      out = generate(program.model, params, ids, max_tokens, temperature=temperature, seed=seed, stop_id=stop)
+      model = model_lib.Decoder(model_lib.inference_config(program.model.config))  # fp8 runs: no fp8 state here
+      out = generate(model, params, ids, max_tokens, temperature=temperature, seed=seed, stop_id=stop)
       result.update(prompt=prompt, continuation=tokenizer.decode(out))
   return result
 

@@ -311,19 +311,14 @@ def target_config(cfg, devices, slices: int) -> None:
 
 def fit_search(cfg, devices) -> tuple[dict | None, list]:
   """The first of preflight.candidates(cfg) whose step fits, compiled; and (setting, report) of every try."""
-  tried = []
-  for setting in preflight.candidates(cfg):
-    trial = cfg.copy_and_resolve_references()
-    trial.model.remat, trial.train.microbatches = setting['remat'], setting['microbatches']
+  def measure(trial):
     try:
       config_lib.validate(trial, len(devices), sharding.num_processes(devices), sharding.num_slices(devices))
     except ValueError:
-      continue
-    report = compile_step(trial, devices)
-    tried.append((setting, report))
-    if report['fits']:
-      return setting, tried
-  return None, tried
+      return None
+    return compile_step(trial, devices)
+
+  return preflight.search(cfg, preflight.candidates(cfg), measure)
 
 
 def target_rows(report: dict) -> list[tuple[str, str]]:
@@ -397,6 +392,8 @@ def main(argv):
     jax.config.update('jax_platforms', 'cpu')
     jax.config.update('jax_num_cpu_devices', FLAGS.fake_devices)
   cfg = FLAGS.config
+  if cfg.model.remat == preflight.REMAT_AUTO:  # sized with the least recompute; --fit climbs the ladder as auto does
+    cfg.model.remat = preflight.REMAT_LADDER[0]
   if FLAGS.target:
     return main_target(cfg)
   try:
