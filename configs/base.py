@@ -79,6 +79,8 @@ def get_config() -> ml_collections.ConfigDict:
   s.dcn_data = 1  # data-parallel ways across hosts: with fsdp=-1 this is HSDP (sharded in a host, replicated across)
   s.dcn_fsdp = 1  # fsdp ways across hosts (parameter all-gathers cross the slow network)
   s.dcn_tensor = 1  # tensor-parallel ways across hosts (rarely wise: every layer talks across the network)
+  s.context = 1  # context-parallel ways: each sequence split along its length (long context; seq_len % 2·context == 0)
+  s.dcn_context = 1  # context-parallel ways across hosts (the K/V all-gathers of every layer cross the network)
 
   c.dist = n = ml_collections.ConfigDict()  # multi-process jobs (jaxlm/distributed.py)
   n.initialize = 'auto'  # join other processes: auto (a cluster is detected) | always (JAX detects) | never

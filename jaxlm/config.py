@@ -127,8 +127,13 @@ def _train_errors(t, o) -> list[str]:
 def _mesh_errors(c, num_devices: int, num_processes: int, num_slices: int) -> list[str]:
   if layout := sharding.MeshShape.errors(c.mesh, num_devices, num_processes, num_slices):
     return layout
-  data, fsdp, tensor = sharding.MeshShape.resolve(c.mesh, num_devices).sizes
+  shape = sharding.MeshShape.resolve(c.mesh, num_devices)
+  data, fsdp, tensor, context = (shape.size(a) for a in ('data', 'fsdp', 'tensor', 'context'))
   e = []
+  if context > 1 and c.data.seq_len > 0 and c.data.seq_len % (2 * context):
+    e.append(f'data.seq_len={c.data.seq_len} is not divisible by 2 × mesh.context = 2×{context}: context '
+             f'parallelism cuts each sequence into 2·context chunks (the load-balanced zig-zag order); use a '
+             f'seq_len that is a multiple of {2 * context}, or a smaller mesh.context.')
   if c.train.batch_size % num_processes:
     e.append(f'train.batch_size={c.train.batch_size} is not divisible by the {num_processes} processes; each '
              f'reads batch_size / processes rows, so use a multiple of {num_processes}.')

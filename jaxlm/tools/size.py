@@ -356,8 +356,8 @@ def main_target(cfg) -> int:
   sizes = sharding.MeshShape.resolve(cfg.mesh, len(devices)).sizes
   report = compile_step(cfg, devices)
   where = f'{FLAGS.target}' + (f' × {FLAGS.slices} slices' if FLAGS.slices > 1 else '')
-  title = (f'per chip on {where} ({len(devices)} × {report["device_kind"]}), mesh data={sizes[0]} × '
-           f'fsdp={sizes[1]} × tensor={sizes[2]}, remat={cfg.model.remat}, '
+  axes = ' × '.join(f'{a}={n}' for a, n in zip(sharding.AXES, sizes) if a != 'context' or n > 1)
+  title = (f'per chip on {where} ({len(devices)} × {report["device_kind"]}), mesh {axes}, remat={cfg.model.remat}, '
            f'microbatches={cfg.train.microbatches}')
   sections = [(f'{cfg.name}: model', model_rows(a, cfg)), (title, target_rows(report))]
   if report['fits'] is False and FLAGS.fit:
@@ -400,8 +400,9 @@ def main(argv):
     needed = math.prod(sizes)
     # One mesh of the whole size, a -1 resolved: what a device holds depends on each axis's total ways, not on
     # which network (dcn_* across hosts, or inside one) carries them.
-    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = sizes
-    for axis in ('data', 'fsdp', 'tensor'):
+    for axis, n in zip(sharding.AXES, sizes):
+      cfg.mesh[axis] = n
+    for axis in sharding.AXES:
       if f'dcn_{axis}' in cfg.mesh:
         cfg.mesh[f'dcn_{axis}'] = 1
     config_lib.validate(cfg, needed)
