@@ -80,7 +80,8 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, microbatches: i
   m = model_lib.ModelConfig.from_config(model_cfg)
   model = model_lib.Decoder(m)
   fp16 = m.dtype == 'float16'
-  tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)  # shapes only: building creates no array
+  # Shapes only: building creates no array. Long enough to split over context (2·context zig-zag chunks).
+  tokens = jax.ShapeDtypeStruct((1, 8 * sharding.context_size(mesh)), jnp.int32)
 
   def init_params(rng):
     dummy = jnp.zeros(tokens.shape, tokens.dtype)
