@@ -20,6 +20,7 @@ from jaxlm.errors import ConfigError  # noqa: F401
 
 # Each list of allowed values is declared once, in the module that acts on it; validation reads it there.
 DTYPES = model.DTYPES
+ROPE_SCALINGS = model.ROPE_SCALINGS
 REMAT_POLICIES = model.REMAT_CHOICES
 ATTENTION_IMPLS = attention.IMPLS
 DATA_SOURCES = pipeline.SOURCES
@@ -56,6 +57,31 @@ def _model_errors(m) -> list[str]:
     e.append(f'model.z_loss={m.z_loss} must be >= 0 (0 turns it off).')
   if m.rope_theta <= 0 or m.norm_eps <= 0:
     e.append('model.rope_theta and model.norm_eps must be positive.')
+  e += _rope_errors(m)
+  return e
+
+
+def _rope_errors(m) -> list[str]:
+  kind = m.get('rope_scaling', 'none')
+  if kind not in ROPE_SCALINGS:
+    return [f'model.rope_scaling={kind!r} is unknown; use one of {", ".join(ROPE_SCALINGS)}.']
+  if kind == 'none':
+    return []
+  e = []
+  if m.rope_factor < 1:
+    e.append(f'model.rope_factor={m.rope_factor} must be >= 1 under rope_scaling={kind} (the new context is that '
+             f'many times the original); set it, e.g. --config.model.rope_factor=8.')
+  if kind in ('llama3', 'yarn') and m.rope_original_max_positions <= 0:
+    e.append(f'model.rope_scaling={kind} needs model.rope_original_max_positions: the context length the model was '
+             f'first trained at (e.g. 8192 for Llama 3.1).')
+  if kind == 'llama3' and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+    e.append(f'model.rope_low_freq_factor={m.rope_low_freq_factor} must be positive and below '
+             f'model.rope_high_freq_factor={m.rope_high_freq_factor} (Llama 3.1: 1 and 4).')
+  if kind == 'yarn' and not 0 < m.rope_beta_slow < m.rope_beta_fast:
+    e.append(f'model.rope_beta_slow={m.rope_beta_slow} must be positive and below '
+             f'model.rope_beta_fast={m.rope_beta_fast} (YaRN: 1 and 32).')
+  if kind == 'yarn' and m.rope_attention_factor < 0:
+    e.append(f'model.rope_attention_factor={m.rope_attention_factor} must be >= 0 (0 = 0.1·ln(factor) + 1).')
   return e
 
 
