@@ -21,5 +21,7 @@ def get_config():
   c.data.seq_len = 32768
   # 4 × 32768 = 131k tokens per step, in 4 sequential microbatches: one sequence's activations at a time.
   c.train.update(batch_size=4, microbatches=4)
-  c.mesh.update(data=1, fsdp=-1, tensor=1, context=4)  # fsdp: the rest (1 on a v5p-8)
+  # context=4 on a v5p-8's 4 chips; any devices beyond go to tensor (each sequence's microbatch is one row, so
+  # data and fsdp, which split rows, have none to split).
+  c.mesh.update(data=1, fsdp=1, tensor=-1, context=4)
   return c
