@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlm import attention, sharding, step
 from jaxlm import model as model_lib
-from tests.helpers import odd_config, plain_program, random_batch
+from tests.helpers import assert_fails_with, odd_config, plain_program, random_batch, run_cli
 
 
 def _config(**model):
@@ -189,3 +189,27 @@ def test_fused_kernels_fall_back_under_context_with_the_reason():
     assert kernel == 'xla' and 'context parallelism (mesh context=4)' in why, why
   assert attention.select('splash', dtype='bfloat16', head_dim=128, seq_len=4096, platform='tpu',
                           context=1)[0] == 'splash'
+
+
+@pytest.mark.e2e
+def test_activations_stay_split_along_the_sequence():
+  # Logits come out split as the rules say: rows over fsdp, sequence over context, vocabulary over tensor; and
+  # the compiled forward gathers (keys and values) rather than leaving everything replicated.
+  cfg = _config(num_kv_heads=1)
+  mesh = _mesh(cfg, fsdp=2, tensor=2, context=2)
+  with sharding.activate(mesh):
+    program = plain_program(cfg, mesh)
+    params = jax.device_put(_random_params(program), program.state_shardings.params)
+    b = step.global_batch(_packed_batch(), program.batch_sharding)
+    forward = jax.jit(lambda p, b: program.model.apply({'params': p}, b['inputs'], b['segment_ids'], b['positions']))
+    logits = forward(params, b)
+    hlo = forward.lower(params, b).compile().as_text()
+  assert logits.sharding.spec == P(('data', 'fsdp'), 'context', 'tensor')
+  assert logits.addressable_shards[0].data.shape == (2, 32, 128)
+  assert 'all-gather' in hlo
+
+
+def test_entry_point_refuses_a_seq_len_context_cannot_split(tmp_path):
+  out = run_cli('jaxlm.train', '--config=configs/palm_tiny.py', f'--workdir={tmp_path}', '--config.mesh.context=4',
+                '--config.data.seq_len=60', timeout=300)
+  assert_fails_with(out, 2, 'data.seq_len=60')

@@ -138,9 +138,9 @@ def test_plan_detects_clusters():
 def test_dcn_mesh_sizes_are_validated():
   cfg = load_config('palm_tiny')
   cfg.mesh.update(dcn_data=2, fsdp=-1)
-  assert sharding.MeshShape.resolve(cfg.mesh, 8).sizes == (2, 4, 1)  # the dcn factor times the per-host size
+  assert sharding.MeshShape.resolve(cfg.mesh, 8).sizes == (2, 4, 1, 1)  # (data, fsdp, tensor, context): the dcn factor times the per-host size
   config_lib.validate(cfg, 8, num_processes=2)
-  with pytest.raises(config_lib.ConfigError, match=r'dcn_data×dcn_fsdp×dcn_tensor = 2×1×1 = 2 must equal the '
+  with pytest.raises(config_lib.ConfigError, match=r'dcn_data×dcn_fsdp×dcn_tensor×dcn_context = 2×1×1×1 = 2 must equal the '
                                                    r'number of processes \(1\)'):
     config_lib.validate(cfg, 8)
   with pytest.raises(config_lib.ConfigError, match='dcn_data'):
