@@ -103,7 +103,7 @@ def memory(cfg, devices=None) -> dict:
   compiled. With them, the step is compiled ahead of time as train.run compiles it; nothing is allocated.
   """
   if devices is None:  # cfg.mesh must then be fully given (no -1): there are no devices to fill it from
-    mesh = jax.sharding.AbstractMesh((cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor), sharding.AXES)
+    mesh = jax.sharding.AbstractMesh(tuple(cfg.mesh.get(a, 1) for a in sharding.AXES), sharding.AXES)
   else:
     mesh = sharding.make_mesh(cfg.mesh, devices)
   t = cfg.train
