@@ -204,7 +204,7 @@ def test_supervised_job_survives_a_hung_and_a_lost_peer_and_matches_one_process(
   assert lost_s < 60, f'the surviving process took {lost_s:.0f}s to notice its lost peer'
   assert 'detected fatal errors' in text and 'another task died' in text, text[-5000:]
   assert 'attempt 3 finished (exit code 0)' in text, attempts[-1][-3000:]
-  assert "mesh: {'data': 2, 'fsdp': 4, 'tensor': 1}" in text
+  assert "mesh: {'data': 2, 'fsdp': 4, 'tensor': 1, 'context': 1}" in text
   resumed = [r['step'] for r in read_records(workdir, 'event') if r['event'] == 'resumed']
   assert resumed == [10, 20]
   assert_matches(workdir, reference, [5, 10, 15, 20, 25, 30])
