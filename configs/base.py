@@ -23,6 +23,15 @@ def get_config() -> ml_collections.ConfigDict:
   m.parallel_block = True  # PaLM block (one LayerNorm, attention + MLP in parallel); False = Llama pre-norm block
   m.tie_embeddings = True  # share input and output embeddings (PaLM)
   m.rope_theta = 10_000.0  # rotary embedding base wavelength
+  m.rope_scaling = 'none'  # extend a model's context: none | linear | llama3 | yarn (model.py, rope_frequencies)
+  m.rope_factor = 1.0  # linear/llama3/yarn: how many times longer the new context is than the original
+  m.rope_original_max_positions = 0  # llama3/yarn: the context length the model was first trained at
+  m.rope_low_freq_factor = 1.0  # llama3: wavelengths above original / this are fully interpolated
+  m.rope_high_freq_factor = 4.0  # llama3: wavelengths below original / this are kept
+  m.rope_beta_fast = 32.0  # yarn: dimensions turning more than this often in the original context are kept
+  m.rope_beta_slow = 1.0  # yarn: ... fewer than this often are interpolated (a linear ramp between)
+  m.rope_attention_factor = 0.0  # yarn: cos/sin scale; 0 = the paper's 0.1·ln(factor) + 1
+  m.rope_truncate = True  # yarn: round the ramp's ends to whole dimensions (transformers' default)
   m.norm_eps = 1e-6  # epsilon of LayerNorm / RMSNorm
   m.z_loss = 1e-4  # coefficient of the z-loss (PaLM): keeps log Z near 0 so bf16 softmax stays stable
   m.dropout_rate = 0.0  # dropout on the attention and MLP outputs (PaLM used none)
@@ -80,6 +89,8 @@ def get_config() -> ml_collections.ConfigDict:
   s.dcn_data = 1  # data-parallel ways across hosts: with fsdp=-1 this is HSDP (sharded in a host, replicated across)
   s.dcn_fsdp = 1  # fsdp ways across hosts (parameter all-gathers cross the slow network)
   s.dcn_tensor = 1  # tensor-parallel ways across hosts (rarely wise: every layer talks across the network)
+  s.context = 1  # context-parallel ways: each sequence split along its length (long context; seq_len % 2·context == 0)
+  s.dcn_context = 1  # context-parallel ways across hosts (the K/V all-gathers of every layer cross the network)
   s.stage = 1  # pipeline stages (consecutive layers per stage, see `pipeline`); 1 = no pipeline
   s.dcn_stage = 1  # pipeline stages across hosts: only stage-to-stage activations cross the network
 

@@ -9,6 +9,12 @@
           plus segment ids, so documents cost no mask tensor at all. Sequence length a multiple of 128.
   auto    gpu -> cudnn, tpu -> splash, anything else -> xla.
 
+Context parallelism (mesh.context = C > 1, `act_seq` split): the step hands the model every sequence in
+`sharding.zigzag_order` (shard i holds chunks i and 2C-1-i of 2C), so array order is not token order. Queries
+stay local; keys and values are all-gathered along the sequence (one (S, E) head per device under multi-query
+attention: cheap), and the causal mask comes from the zig-zag order, not from array indices. Only `xla` takes
+that mask: cudnn's and splash's causal masks assume array order, so they fall back to xla with that reason.
+
 A kernel that cannot run here (cudnn on a CPU, float32 for cudnn, splash off a TPU, an unsupported head size)
 falls back to `xla` and says so in the log, once per distinct reason: never silently.
 
@@ -25,6 +31,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxlm import sharding
+
 log = logging.getLogger(__name__)
 
 IMPLS = ('xla', 'cudnn', 'splash', 'auto')
@@ -32,17 +40,28 @@ _AUTO = {'gpu': 'cudnn', 'tpu': 'splash'}
 _logged = set()
 
 
-def attention_mask(segment_ids):
-  """(B, 1, 1, T, S) boolean: causal, within one document, and never from padding (segment 0)."""
+def attention_mask(segment_ids, order=None):
+  """(B, 1, 1, T, S) boolean: causal, within one document, and never from padding (segment 0).
+
+  `order` (T,): the original position in the row of each array slot (context parallelism's zig-zag order);
+  None means array order. Causality compares those, so it holds whatever order the tokens arrive in.
+  """
   T = segment_ids.shape[1]
-  causal = jnp.tril(jnp.ones((T, T), bool))  # (T, S)
+  if order is None:
+    causal = jnp.tril(jnp.ones((T, T), bool))  # (T, S)
+  else:
+    order = jnp.asarray(order)
+    causal = order[:, None] >= order[None, :]  # (T, S)
   same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, S)
   real = (segment_ids != 0)[:, :, None]  # (B, T, 1)
   return (causal & same_doc & real)[:, None, None]
 
 
-def xla_attention(q, k, v, segment_ids):
-  """Reference attention: einsum scores, softmax in float32. q: (B,T,H,E); k, v: (B,S,K,E) -> (B,T,H,E)."""
+def xla_attention(q, k, v, segment_ids, order=None):
+  """Reference attention: einsum scores, softmax in float32. q: (B,T,H,E); k, v: (B,S,K,E) -> (B,T,H,E).
+
+  `order`: the tokens' original positions in the row when they arrive permuted (see `attention_mask`).
+  """
   B, T, H, E = q.shape
   S, K = k.shape[1], k.shape[2]
   G = H // K  # query heads per kv head
@@ -53,7 +72,7 @@ def xla_attention(q, k, v, segment_ids):
   k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, K, S, E)
   scores = jnp.einsum('BKME,BKSE->BKMS', q, k).astype(jnp.float32) / math.sqrt(E)
   # Finite fill, not -inf: a fully masked (padding) row then gives a uniform softmax rather than NaN.
-  mask = attention_mask(segment_ids).reshape(B, 1, T, 1, S)
+  mask = attention_mask(segment_ids, order).reshape(B, 1, T, 1, S)
   scores = jnp.where(mask, scores.reshape(B, K, T, G, S), jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(B, K, T * G, S)
   out = jnp.einsum('BKMS,BKSE->BKME', probs, v)  # (B, K, M, E)
@@ -173,7 +192,10 @@ def _log_once(message: str, *args, level: int = logging.INFO) -> None:
     log.log(level, text)
 
 
-def _cudnn_problem(platform: str, dtype, head_dim: int, seq_len: int, device) -> str | None:
+def _cudnn_problem(platform: str, dtype, head_dim: int, seq_len: int, device, context: int = 1) -> str | None:
+  if context > 1:
+    return (f'context parallelism (mesh context={context}) puts tokens in zig-zag order, and the cuDNN kernel\'s '
+            f'causal mask assumes array order')
   if platform != 'gpu':
     return f'cuDNN runs only on NVIDIA GPUs and this backend is {platform}'
   version = getattr(getattr(device, 'client', None), 'platform_version', '') or ''
@@ -191,7 +213,10 @@ def _cudnn_problem(platform: str, dtype, head_dim: int, seq_len: int, device) ->
   return None
 
 
-def _splash_problem(platform: str, seq_len: int) -> str | None:
+def _splash_problem(platform: str, seq_len: int, context: int = 1) -> str | None:
+  if context > 1:
+    return (f'context parallelism (mesh context={context}) puts tokens in zig-zag order, and splash\'s causal '
+            f'mask assumes array order (and needs the whole sequence on one device)')
   if platform != 'tpu':
     return f'Pallas splash attention runs only on TPU and this backend is {platform}'
   if _splash_block(seq_len) is None:
@@ -207,15 +232,17 @@ def mesh_platform() -> str | None:
 
 
 def select(impl: str, *, dtype, head_dim: int, seq_len: int, platform: str | None = None,
-           device=None) -> tuple[str, str]:
+           device=None, context: int | None = None) -> tuple[str, str]:
   """(kernel that will run, why) for the configured `impl` on `platform`.
 
+  `context` (ways the sequence is split) defaults to that of the mesh being traced under.
   `platform` defaults to that of the mesh being traced under (a compile-only TPU mesh built on a CPU host
   compiles for the TPU), else JAX's default backend.
   """
   if impl not in IMPLS:
     raise ValueError(f'unknown attention implementation {impl!r}; use one of {", ".join(IMPLS)}')
   platform = platform or mesh_platform() or jax.default_backend()
+  context = context_ways() if context is None else context
   if device is None and platform == jax.default_backend():
     device = jax.devices()[0]
   if impl == 'xla':
@@ -224,18 +251,36 @@ def select(impl: str, *, dtype, head_dim: int, seq_len: int, platform: str | Non
     if platform not in _AUTO:
       return 'xla', f'attention=auto on {platform}: no fused kernel for this platform, using xla'
     kernel, why = select(_AUTO[platform], dtype=dtype, head_dim=head_dim, seq_len=seq_len, platform=platform,
-                         device=device)
+                         device=device, context=context)
     return kernel, f'attention=auto on {platform}: {why}'
-  problem = (_cudnn_problem(platform, dtype, head_dim, seq_len, device) if impl == 'cudnn'
-             else _splash_problem(platform, seq_len))
+  problem = (_cudnn_problem(platform, dtype, head_dim, seq_len, device, context) if impl == 'cudnn'
+             else _splash_problem(platform, seq_len, context))
   if problem:
     return 'xla', f'attention={impl} cannot run here: {problem}; falling back to xla'
   return impl, f'{impl} attention'
 
 
+def context_ways() -> int:
+  """Ways the mesh being traced under splits the sequence (`act_seq`); 1 outside a mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return 1
+  (axes,) = nn.logical_to_mesh_axes(('act_seq',))
+  axes = (axes,) if isinstance(axes, str) else (axes or ())
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def gather_sequence(x):
+  """x (B, S, ...) with its sequence axis all-gathered (replicated), the batch split as ever, the rest free."""
+  (batch_axes,) = nn.logical_to_mesh_axes(('act_batch',))
+  P = jax.sharding.PartitionSpec
+  return jax.lax.with_sharding_constraint(x, P(batch_axes, None, *[P.UNCONSTRAINED] * (x.ndim - 2)))
+
+
 def attention(q, k, v, segment_ids, impl: str = 'xla'):
   """Causal, document-masked attention with the kernel `impl` selects here (see `select`)."""
-  kernel, why = select(impl, dtype=q.dtype, head_dim=q.shape[-1], seq_len=q.shape[1])
+  context = context_ways()
+  kernel, why = select(impl, dtype=q.dtype, head_dim=q.shape[-1], seq_len=q.shape[1], context=context)
   # A requested kernel that cannot run is worth a warning; auto's choice and plain xla are information.
   _log_once(why, level=logging.WARNING if impl not in ('auto', 'xla') and kernel != impl else logging.INFO)
   if kernel != 'xla':
@@ -244,4 +289,10 @@ def attention(q, k, v, segment_ids, impl: str = 'xla'):
     except (NotImplementedError, ValueError, RuntimeError) as e:  # raised while tracing: shape/version limits
       _log_once('%s attention refused these inputs (%s: %s); falling back to xla', kernel, type(e).__name__, e,
                 level=logging.WARNING)
+  if context > 1:
+    # Queries (and so scores, probabilities and outputs) stay split along T; each device gathers the whole
+    # key and value sequence: K heads of (S, E) each, one under multi-query attention. The backward pass
+    # reduce-scatters their gradients. The mask's order is a constant: the step's zig-zag permutation.
+    order = sharding.zigzag_order(q.shape[1], context)
+    return xla_attention(q, gather_sequence(k), gather_sequence(v), segment_ids, order)
   return xla_attention(q, k, v, segment_ids)

@@ -23,6 +23,7 @@ from jaxlm.errors import ConfigError  # noqa: F401
 # Each list of allowed values is declared once, in the module that acts on it; validation reads it there.
 DTYPES = model.DTYPES
 MATMUL_DTYPES = model.MATMUL_DTYPES
+ROPE_SCALINGS = model.ROPE_SCALINGS
 REMAT_POLICIES = (*model.REMAT_CHOICES, preflight.REMAT_AUTO)
 ATTENTION_IMPLS = attention.IMPLS
 DATA_SOURCES = pipeline.SOURCES
@@ -60,6 +61,31 @@ def _model_errors(m) -> list[str]:
     e.append(f'model.z_loss={m.z_loss} must be >= 0 (0 turns it off).')
   if m.rope_theta <= 0 or m.norm_eps <= 0:
     e.append('model.rope_theta and model.norm_eps must be positive.')
+  e += _rope_errors(m)
+  return e
+
+
+def _rope_errors(m) -> list[str]:
+  kind = m.get('rope_scaling', 'none')
+  if kind not in ROPE_SCALINGS:
+    return [f'model.rope_scaling={kind!r} is unknown; use one of {", ".join(ROPE_SCALINGS)}.']
+  if kind == 'none':
+    return []
+  e = []
+  if m.rope_factor < 1:
+    e.append(f'model.rope_factor={m.rope_factor} must be >= 1 under rope_scaling={kind} (the new context is that '
+             f'many times the original); set it, e.g. --config.model.rope_factor=8.')
+  if kind in ('llama3', 'yarn') and m.rope_original_max_positions <= 0:
+    e.append(f'model.rope_scaling={kind} needs model.rope_original_max_positions: the context length the model was '
+             f'first trained at (e.g. 8192 for Llama 3.1).')
+  if kind == 'llama3' and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+    e.append(f'model.rope_low_freq_factor={m.rope_low_freq_factor} must be positive and below '
+             f'model.rope_high_freq_factor={m.rope_high_freq_factor} (Llama 3.1: 1 and 4).')
+  if kind == 'yarn' and not 0 < m.rope_beta_slow < m.rope_beta_fast:
+    e.append(f'model.rope_beta_slow={m.rope_beta_slow} must be positive and below '
+             f'model.rope_beta_fast={m.rope_beta_fast} (YaRN: 1 and 32).')
+  if kind == 'yarn' and m.rope_attention_factor < 0:
+    e.append(f'model.rope_attention_factor={m.rope_attention_factor} must be >= 0 (0 = 0.1·ln(factor) + 1).')
   return e
 
 
@@ -152,8 +178,15 @@ def _mesh_errors(c, num_devices: int, num_processes: int, num_slices: int) -> li
   if layout := sharding.MeshShape.errors(c.mesh, num_devices, num_processes, num_slices):
     return layout
   shape = sharding.MeshShape.resolve(c.mesh, num_devices)
-  data, fsdp, tensor = shape.sizes
+  data, fsdp, tensor, context = (shape.size(a) for a in ('data', 'fsdp', 'tensor', 'context'))
   e = _pipeline_errors(c, shape.stages, data * fsdp)
+  if context > 1 and c.data.seq_len > 0 and c.data.seq_len % (2 * context):
+    e.append(f'data.seq_len={c.data.seq_len} is not divisible by 2 × mesh.context = 2×{context}: context '
+             f'parallelism cuts each sequence into 2·context chunks (the load-balanced zig-zag order); use a '
+             f'seq_len that is a multiple of {2 * context}, or a smaller mesh.context.')
+  if context > 1 and shape.stages > 1:
+    e.append(f'mesh.context={context} with mesh.stage={shape.stages}: context parallelism does not run inside '
+             f'a pipeline yet; use one of them (mesh.context=1 or mesh.stage=1).')
   if c.train.batch_size % num_processes:
     e.append(f'train.batch_size={c.train.batch_size} is not divisible by the {num_processes} processes; each '
              f'reads batch_size / processes rows, so use a multiple of {num_processes}.')

@@ -14,6 +14,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax.linen import fp8_ops
 from jax.ad_checkpoint import checkpoint_name
 
@@ -25,6 +26,7 @@ DTYPES = ('bfloat16', 'float32', 'float16')  # model.dtype and model.param_dtype
 MATMUL_DTYPES = ('dtype', 'fp8')  # model.matmul_dtype: the projections in model.dtype, or in fp8 (`project`)
 # Flax's collection for fp8 scales and amax histories: their "gradient" is their next value (step.py).
 FP8 = fp8_ops.OVERWRITE_WITH_GRADIENT
+ROPE_SCALINGS = ('none', 'linear', 'llama3', 'yarn')  # model.rope_scaling
 
 
 def head_dim(model_cfg) -> int:
@@ -50,6 +52,15 @@ class ModelConfig:
   parallel_block: bool = True
   tie_embeddings: bool = True
   rope_theta: float = 10_000.0
+  rope_scaling: str = 'none'  # see rope_frequencies
+  rope_factor: float = 1.0
+  rope_original_max_positions: int = 0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_beta_fast: float = 32.0
+  rope_beta_slow: float = 1.0
+  rope_attention_factor: float = 0.0
+  rope_truncate: bool = True
   norm_eps: float = 1e-6
   z_loss: float = 1e-4
   dropout_rate: float = 0.0
@@ -64,7 +75,7 @@ class ModelConfig:
   @classmethod
   def from_config(cls, model_cfg) -> 'ModelConfig':
     """Builds the frozen config from `cfg.model`, filling the derived sizes (head_dim, mlp_dim)."""
-    # A run's saved config may predate a field (matmul_dtype): it then ran with the field's default.
+    # .get: a config saved before a key existed (an old checkpoint's) means that key's default.
     fields = {f.name: model_cfg.get(f.name, f.default) for f in dataclasses.fields(cls)}
     fields.update(head_dim=head_dim(model_cfg), mlp_dim=mlp_dim(model_cfg))
     return cls(**fields)
@@ -114,16 +125,61 @@ class Norm(nn.Module):
     return (x32 * scale).astype(self.config.dtype)
 
 
-def rope(x, positions, theta: float):
+def rope_frequencies(m: ModelConfig) -> tuple[np.ndarray, float]:
+  """RoPE's inverse frequencies (E/2,) and the cos/sin scale under `m.rope_scaling`, from the shape alone.
+
+  none    θ^(-2i/E), PaLM/Llama's rotary embeddings (Su et al. 2021).
+  linear  position interpolation (Chen et al. 2023): every frequency divided by `rope_factor`.
+  llama3  Llama 3.1: wavelengths longer than original_max_positions / low_freq_factor divided by `rope_factor`,
+          shorter than original_max_positions / high_freq_factor kept, a smooth blend between.
+  yarn    YaRN (Peng et al. 2023): per-frequency blend of interpolation and extrapolation with a linear ramp over
+          the dimensions that turn between beta_fast and beta_slow times within original_max_positions, and
+          cos/sin scaled by `rope_attention_factor` (0: 0.1·ln(factor) + 1, the paper's).
+  The same formulas as transformers' ROPE_INIT_FUNCTIONS (tests compare them), in float64 then rounded once.
+  """
+  E, theta, factor = m.head_dim, m.rope_theta, m.rope_factor
+  inv_freq = 1.0 / theta ** (np.arange(0, E, 2, dtype=np.float64) / E)  # (E/2,)
+  scale = 1.0
+  if m.rope_scaling == 'linear':
+    inv_freq = inv_freq / factor
+  elif m.rope_scaling == 'llama3':
+    original = m.rope_original_max_positions
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = original / m.rope_low_freq_factor, original / m.rope_high_freq_factor
+    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - m.rope_low_freq_factor) / (m.rope_high_freq_factor - m.rope_low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    inv_freq = np.where(medium, blended, scaled)
+  elif m.rope_scaling == 'yarn':
+    def dim_of(rotations):  # the dimension that turns `rotations` times over the original context
+      return E * math.log(m.rope_original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dim_of(m.rope_beta_fast), dim_of(m.rope_beta_slow)
+    if m.rope_truncate:
+      low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, E - 1)
+    ramp = np.clip((np.arange(E // 2) - low) / ((high - low) or 0.001), 0, 1)  # 0: extrapolate, 1: interpolate
+    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+    scale = m.rope_attention_factor or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+  return inv_freq.astype(np.float32), float(scale)
+
+
+def rope(x, positions, theta: float, frequencies: tuple[np.ndarray, float] | None = None):
   """Rotary embeddings, half-split layout (GPT-NeoX/Llama): dims [0, E/2) pair with [E/2, E).
 
   x: (B, T, N, E) for N heads; positions: (B, T). Angles in float32: bf16 positions lose integer precision
-  past 256.
+  past 256. `frequencies`: (inverse frequencies, cos/sin scale) of a scaled RoPE (`rope_frequencies`); None is
+  plain RoPE with base `theta`.
   """
   E = x.shape[-1]
-  inv_freq = theta ** (-jnp.arange(0, E, 2, dtype=jnp.float32) / E)  # (E/2,)
+  if frequencies is None:
+    inv_freq, scale = theta ** (-jnp.arange(0, E, 2, dtype=jnp.float32) / E), 1.0  # (E/2,)
+  else:
+    inv_freq, scale = jnp.asarray(frequencies[0]), frequencies[1]
   angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # (B, T, 1, E/2)
   sin, cos = jnp.sin(angles), jnp.cos(angles)
+  if scale != 1.0:  # YaRN's attention factor: scales q and k alike, so the logits by its square
+    sin, cos = sin * scale, cos * scale
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -237,7 +293,9 @@ class Attention(nn.Module):
     k = project(x, wk.astype(dt).reshape(D, K * E), 'key', m).reshape(B, T, K, E)
     v = project(x, wv.astype(dt).reshape(D, K * E), 'value', m).reshape(B, T, K, E)
     q = nn.with_logical_constraint(q, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
-    q, k = rope(q, positions, m.rope_theta), rope(k, positions, m.rope_theta)
+    # Plain RoPE keeps its float32 formula; a scaled one takes its precomputed frequencies.
+    frequencies = None if m.rope_scaling == 'none' else rope_frequencies(m)
+    q, k = rope(q, positions, m.rope_theta, frequencies), rope(k, positions, m.rope_theta, frequencies)
     out = attention_lib.attention(q, k, v, segment_ids, impl=m.attention)  # (B, T, H, E)
     out = nn.with_logical_constraint(out, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
     # Named so the `attn_out` remat policy can keep it instead of recomputing the whole attention.

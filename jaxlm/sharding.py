@@ -8,6 +8,8 @@ Mesh axes:
   stage   pipeline parallelism (jaxlm/pipeline.py): consecutive layers on each stage, microbatches flowing
           through. Outermost, and present only when mesh.stage × mesh.dcn_stage > 1, so an unpipelined mesh
           (and every PartitionSpec on it) is exactly (data, fsdp, tensor).
+  context context parallelism: every sequence split along its length (`act_seq`), in the load-balanced
+          zig-zag order of `zigzag_order`; attention gathers keys and values along it (attention.py).
 With mesh.dcn_* > 1 each axis also spans hosts (or TPU slices); see make_mesh.
 Storage names (parameters) and activation names (`act_*`) are kept apart, as in Levanter: they are sharded
 differently (parameters over fsdp, activations over the batch).
@@ -26,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxlm import errors
 from jaxlm.metrics import format_table
 
-AXES = ('data', 'fsdp', 'tensor')
+AXES = ('data', 'fsdp', 'tensor', 'context')
 STAGE = 'stage'  # the pipeline axis, placed before AXES when a mesh has one
 
 RULES = (
@@ -40,7 +42,7 @@ RULES = (
     ('layers', None),  # the scanned layer axis: every device holds its slice of every layer
     # Activations.
     ('act_batch', ('data', 'fsdp')),
-    ('act_seq', None),
+    ('act_seq', 'context'),
     ('act_embed', None),
     ('act_heads', 'tensor'),
     ('act_kv', None),
@@ -88,31 +90,37 @@ class MeshShape:
 
   The dcn_* factors split an axis across hosts or TPU slices (the slow data-centre network); the plain sizes
   split it inside one host or slice (ICI / NVLink). Config validation, the trainer, eval and size all use this.
-  The pipeline's stage axis is kept apart (`stage`, `dcn_stage`) so that (data, fsdp, tensor) read as before.
+  Both tuples follow AXES; an axis a config lacks (one saved before the axis existed) has size 1. The pipeline's
+  stage axis is kept apart (`stage`, `dcn_stage`): it exists on a mesh only when there is more than one stage.
   """
-  ici: tuple[int, int, int]  # (data, fsdp, tensor) inside one host or slice, a -1 filled in (0: cannot be)
-  dcn: tuple[int, int, int]  # (dcn_data, dcn_fsdp, dcn_tensor)
+  ici: tuple[int, ...]  # per AXES, inside one host or slice, a -1 filled in (0: cannot be)
+  dcn: tuple[int, ...]  # per AXES: dcn_data, dcn_fsdp, ...
   stage_ici: int = 1  # mesh.stage: pipeline stages inside one host or slice
   stage_dcn: int = 1  # mesh.dcn_stage: pipeline stages across hosts or slices
 
   @classmethod
   def resolve(cls, mesh_cfg, num_devices: int) -> 'MeshShape':
     """The shape `mesh_cfg` asks for on `num_devices` devices (unchecked: see `errors`)."""
-    # .get: configs saved before the dcn_* / stage keys existed (old checkpoints) mean one host, no pipeline.
+    # .get: configs saved before the dcn_* keys (or an axis, or stages) existed (old checkpoints) mean one host,
+    # size 1, no pipeline.
     dcn = tuple(mesh_cfg.get(f'dcn_{axis}', 1) for axis in AXES)
     stage_ici, stage_dcn = mesh_cfg.get('stage', 1), mesh_cfg.get('dcn_stage', 1)
     hosts = math.prod(dcn) * stage_dcn
     per_host = num_devices // hosts if hosts > 0 and num_devices % hosts == 0 else 0
-    sizes = [mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor]
+    sizes = [mesh_cfg.get(axis, 1) for axis in AXES]
     if sizes.count(-1) == 1:
       rest = math.prod(s for s in sizes if s != -1) * stage_ici
       sizes[sizes.index(-1)] = per_host // rest if rest > 0 and per_host % rest == 0 else 0
     return cls(tuple(sizes), dcn, stage_ici, stage_dcn)
 
   @property
-  def sizes(self) -> tuple[int, int, int]:
-    """The whole mesh's (data, fsdp, tensor): each axis is its dcn_* factor times its per-host size."""
+  def sizes(self) -> tuple[int, ...]:
+    """The whole mesh's size per AXES: each axis is its dcn_* factor times its per-host size."""
     return tuple(i * d for i, d in zip(self.ici, self.dcn))
+
+  def size(self, axis: str) -> int:
+    """The whole mesh's size along `axis`."""
+    return self.sizes[AXES.index(axis)]
 
   @property
   def stages(self) -> int:
@@ -122,12 +130,13 @@ class MeshShape:
   @staticmethod
   def errors(mesh_cfg, num_devices: int, num_processes: int = 1, num_slices: int = 1) -> list[str]:
     """Problems with the mesh sizes on `num_devices` devices in `num_processes` processes / `num_slices` slices."""
-    s = mesh_cfg
-    sizes = (s.data, s.fsdp, s.tensor)
+    sizes = tuple(mesh_cfg.get(axis, 1) for axis in AXES)
+    names = '×'.join(AXES)
+    given = ', '.join(f'{a}={x}' for a, x in zip(AXES, sizes))
+    text = '×'.join(map(str, sizes))
     if any(x == 0 or x < -1 for x in sizes) or sizes.count(-1) > 1:
-      return [f'mesh (data={s.data}, fsdp={s.fsdp}, tensor={s.tensor}): each must be positive, with at most one '
-              f'-1 meaning "the remaining devices".']
-    shape = MeshShape.resolve(s, num_devices)
+      return [f'mesh ({given}): each must be positive, with at most one -1 meaning "the remaining devices".']
+    shape = MeshShape.resolve(mesh_cfg, num_devices)
     if any(not isinstance(x, int) or x < 1 for x in (shape.stage_ici, shape.stage_dcn)):
       return [f'mesh.stage={shape.stage_ici} and mesh.dcn_stage={shape.stage_dcn} must be positive integers '
               f'(1 = no pipeline).']
@@ -136,27 +145,29 @@ class MeshShape:
               f'exceed the {num_devices} devices available; each stage needs at least one device, so use at most '
               f'{num_devices} stages.']
     dcn = shape.dcn
+    dcn_names = '×'.join(f'dcn_{a}' for a in AXES)
     if any(not isinstance(x, int) or x < 1 for x in dcn):
-      return [f'mesh (dcn_data, dcn_fsdp, dcn_tensor) = {dcn}: each must be a positive integer (1 = not split '
+      return [f'mesh ({dcn_names.replace("×", ", ")}) = {dcn}: each must be a positive integer (1 = not split '
               f'across hosts).']
     hosts = math.prod(dcn) * shape.stage_dcn
     dcn_text = '×'.join(map(str, dcn))
     if shape.stage_dcn > 1:
       dcn_text = f'{shape.stage_dcn}×{dcn_text}'
-    dcn_names = ('dcn_stage×' if shape.stage_dcn > 1 else '') + 'dcn_data×dcn_fsdp×dcn_tensor'
+    dcn_names = ('dcn_stage×' if shape.stage_dcn > 1 else '') + dcn_names
     if hosts > 1 and hosts not in (num_processes, num_slices):
       return [f'mesh {dcn_names} = {dcn_text} = {hosts} must equal the number of processes '
               f'({num_processes}) or of TPU slices ({num_slices}): the dcn_* axes run across hosts, each host '
-              f'holding a data×fsdp×tensor block. Set them so, or all to 1 for a single host.']
+              f'holding a {names} block. Set them so, or all to 1 for a single host.']
     if math.prod(shape.sizes) * shape.stages != num_devices:
-      ici_text = (f'{s.get("stage", 1)}×' if shape.stage_ici > 1 else '') + f'{s.data}×{s.fsdp}×{s.tensor}'
-      ici_names = ('stage×' if shape.stage_ici > 1 else '') + 'data×fsdp×tensor'
+      if shape.stage_ici > 1:
+        names, text = f'stage×{names}', f'{shape.stage_ici}×{text}'
       if hosts == 1:
-        return [f'mesh {ici_names} = {ici_text} does not match the {num_devices} devices available; make the '
-                f'product {num_devices}, or set one axis to -1 (e.g. --config.mesh.fsdp=-1).']
-      return [f'mesh ({ici_names}) × ({dcn_names}) = ({ici_text}) × ({dcn_text}) does not match the '
-              f'{num_devices} devices available: each of the {hosts} hosts/slices has {num_devices / hosts:g} '
-              f'devices, so make {ici_names} {num_devices / hosts:g}, or set one axis to -1.']
+        return [f'mesh {names} = {text} does not match the {num_devices} devices '
+                f'available; make the product {num_devices}, or set one axis to -1 (e.g. --config.mesh.fsdp=-1).']
+      return [f'mesh ({names}) × ({dcn_names}) = ({text}) × '
+              f'({dcn_text}) does not match the {num_devices} devices available: each of the {hosts} hosts/slices '
+              f'has {num_devices / hosts:g} devices, so make {names} {num_devices / hosts:g}, or set one '
+              f'axis to -1.']
     return []
 
 
@@ -166,14 +177,15 @@ def single_host_mesh_cfg(mesh_cfg, num_devices: int, num_processes: int):
   multi_host = math.prod(shape.dcn) * shape.stage_dcn > 1
   if (multi_host and num_processes == 1) or math.prod(shape.sizes) * shape.stages != num_devices:
     mesh_cfg = mesh_cfg.copy_and_resolve_references()
-    mesh_cfg.update(data=1, fsdp=-1, tensor=1, dcn_data=1, dcn_fsdp=1, dcn_tensor=1)
+    mesh_cfg.update({axis: 1 for axis in AXES}, **{f'dcn_{axis}': 1 for axis in AXES})
+    mesh_cfg.fsdp = -1
     if 'stage' in mesh_cfg:
       mesh_cfg.update(stage=1, dcn_stage=1)
   return mesh_cfg
 
 
 def make_mesh(mesh_cfg, devices=None) -> Mesh:
-  """A (data, fsdp, tensor) mesh over `devices` (default: all), one axis possibly given as -1.
+  """A (data, fsdp, tensor, context) mesh over `devices` (default: all), one axis possibly given as -1.
 
   With mesh.dcn_* > 1 the mesh is hybrid: each axis is dcn_* × its per-host size, the dcn factor outermost, so
   one host's (or TPU slice's) devices form a contiguous block and only the dcn axes cross the slow network.
@@ -223,8 +235,34 @@ def logical_to_mesh(logical_tree, mesh: Mesh):
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Batches are (B, T) and split along B over data and fsdp (and the pipeline's stages, when there are any)."""
-  return NamedSharding(mesh, P((STAGE, 'data', 'fsdp') if STAGE in mesh.axis_names else ('data', 'fsdp'), None))
+  """Batches are (B, T): split along B over data and fsdp (and the pipeline's stages, when there are any), along T
+  over context (in `zigzag_order`)."""
+  rows = (STAGE, 'data', 'fsdp') if STAGE in mesh.axis_names else ('data', 'fsdp')
+  return NamedSharding(mesh, P(rows, 'context'))
+
+
+def context_size(mesh=None) -> int:
+  """Ways the sequence is split (`act_seq`'s mesh axes) on `mesh`, default the mesh being traced under."""
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  if mesh.empty:
+    return 1
+  axes = dict(RULES)['act_seq']
+  return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+
+
+def zigzag_order(seq_len: int, context: int) -> np.ndarray:
+  """Token order that balances causal attention over `context` shards: (T,) original index per new slot.
+
+  The sequence is cut into 2·C chunks and shard i holds chunks i and 2C-1-i, so every shard has one early
+  (cheap) and one late (expensive) chunk of the causal triangle: no shard idles on the masked-out half while
+  another does twice its share (the zig-zag of Megatron / MaxText's load-balanced context parallelism).
+  C = 1 is the identity.
+  """
+  if context == 1:
+    return np.arange(seq_len)
+  chunks = np.arange(seq_len).reshape(2 * context, seq_len // (2 * context))
+  order = [c for i in range(context) for c in (i, 2 * context - 1 - i)]
+  return chunks[order].reshape(-1)
 
 
 def param_table(params, shardings) -> str:

@@ -84,7 +84,8 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
   m = model_lib.ModelConfig.from_config(model_cfg)
   model = model_lib.Decoder(m, pipeline=pipeline)
   fp16 = m.dtype == 'float16'
-  tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)  # shapes only: building creates no array
+  # Shapes only: building creates no array. Long enough to split over context (2·context zig-zag chunks).
+  tokens = jax.ShapeDtypeStruct((1, 8 * sharding.context_size(mesh)), jnp.int32)
 
   def init_variables(rng):
     dummy = jnp.zeros(tokens.shape, tokens.dtype)
@@ -245,8 +246,19 @@ def abstract_batch(batch_size: int, seq_len: int, batch_sharding) -> dict:
 
 
 def global_batch(local: dict, batch_sharding) -> dict:
-  """Assembles each process's rows into one global array per key, laid out as `batch_sharding` says."""
-  return {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v)) for k, v in local.items()}
+  """Assembles each process's rows into one global array per key, laid out as `batch_sharding` says.
+
+  Under context parallelism every row is first put in `sharding.zigzag_order`, on the host: inputs, targets,
+  weights, positions and segment ids alike, so each token keeps its own position, document and loss weight and
+  the loss (a sum over tokens) is unchanged. Done here, the permutation is a numpy gather before the transfer;
+  inside the step it would move tokens between the devices that already hold them.
+  """
+  context = sharding.context_size(batch_sharding.mesh)
+  order = None
+  if context > 1:
+    order = sharding.zigzag_order(np.shape(next(iter(local.values())))[1], context)
+  return {k: jax.make_array_from_process_local_data(
+      batch_sharding, np.asarray(v) if order is None else np.asarray(v)[:, order]) for k, v in local.items()}
 
 
 def evaluate(program: Program, params, batches: list[dict]) -> float:

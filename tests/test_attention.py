@@ -198,7 +198,7 @@ def test_splash_under_a_mesh_runs_per_shard(H, K):
 
   K = 1 keeps the one kv head on every shard; K = 3 does not split in two, so kv heads are repeated to H.
   """
-  mesh = jax.make_mesh((2, 2, 2), sharding.AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  mesh = jax.make_mesh((2, 2, 2, 1), sharding.AXES, axis_types=(jax.sharding.AxisType.Auto,) * 4)  # context 1
   B, T, E = 4, 128, 64
   q, k, v = qkv(B, T, H, K, E)
   seg = jnp.asarray(segments(B, T, docs=2, pad=8, seed=3))

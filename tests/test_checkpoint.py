@@ -240,7 +240,7 @@ def test_environment_record_saved(reference):
     files = list((reference / 'checkpoints' / str(STEPS) / 'env').iterdir())
     env = json.loads(files[0].read_text())
   assert env['config']['model']['d_model'] == 64 and env['device_count'] == 8
-  assert env['versions']['jax'] == jax.__version__ and env['mesh'] == {'data': 1, 'fsdp': 8, 'tensor': 1}
+  assert env['versions']['jax'] == jax.__version__ and env['mesh'] == {'data': 1, 'fsdp': 8, 'tensor': 1, 'context': 1}
 
 
 def _flip_bytes(step_dir: pathlib.Path, count: int = 64) -> pathlib.Path:

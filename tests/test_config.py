@@ -51,6 +51,9 @@ BAD = [
     ('data.source', dict(data=dict(source='web')), "data.source='web' is unknown"),
     ('data.paths', dict(data=dict(source='prepared')), 'needs data.paths'),
     ('mesh two -1', dict(mesh=dict(data=-1, fsdp=-1)), 'at most one'),
+    ('data.seq_len (context)', dict(data=dict(seq_len=60), mesh=dict(fsdp=-1, context=4)),
+     'not divisible by 2 × mesh.context = 2×4'),
+    ('mesh.context', dict(mesh=dict(data=1, fsdp=1, tensor=1, context=3)), 'does not match the 8 devices'),
 ]
 
 

@@ -138,9 +138,9 @@ def test_plan_detects_clusters():
 def test_dcn_mesh_sizes_are_validated():
   cfg = load_config('palm_tiny')
   cfg.mesh.update(dcn_data=2, fsdp=-1)
-  assert sharding.MeshShape.resolve(cfg.mesh, 8).sizes == (2, 4, 1)  # the dcn factor times the per-host size
+  assert sharding.MeshShape.resolve(cfg.mesh, 8).sizes == (2, 4, 1, 1)  # (data, fsdp, tensor, context): the dcn factor times the per-host size
   config_lib.validate(cfg, 8, num_processes=2)
-  with pytest.raises(config_lib.ConfigError, match=r'dcn_data×dcn_fsdp×dcn_tensor = 2×1×1 = 2 must equal the '
+  with pytest.raises(config_lib.ConfigError, match=r'dcn_data×dcn_fsdp×dcn_tensor×dcn_context = 2×1×1×1 = 2 must equal the '
                                                    r'number of processes \(1\)'):
     config_lib.validate(cfg, 8)
   with pytest.raises(config_lib.ConfigError, match='dcn_data'):
@@ -204,7 +204,7 @@ def test_supervised_job_survives_a_hung_and_a_lost_peer_and_matches_one_process(
   assert lost_s < 60, f'the surviving process took {lost_s:.0f}s to notice its lost peer'
   assert 'detected fatal errors' in text and 'another task died' in text, text[-5000:]
   assert 'attempt 3 finished (exit code 0)' in text, attempts[-1][-3000:]
-  assert "mesh: {'data': 2, 'fsdp': 4, 'tensor': 1}" in text
+  assert "mesh: {'data': 2, 'fsdp': 4, 'tensor': 1, 'context': 1}" in text
   resumed = [r['step'] for r in read_records(workdir, 'event') if r['event'] == 'resumed']
   assert resumed == [10, 20]
   assert_matches(workdir, reference, [5, 10, 15, 20, 25, 30])

@@ -82,8 +82,9 @@ def hf_config(m: model_lib.ModelConfig, *, max_positions: int, dtype: str, bos_i
       'vocab_size': m.vocab_size, 'hidden_size': m.d_model, 'intermediate_size': m.mlp_dim,
       'num_hidden_layers': m.num_layers, 'num_attention_heads': m.num_heads, 'num_key_value_heads': m.num_kv_heads,
       'hidden_act': 'silu', 'max_position_embeddings': max_positions,  # lm-eval truncates contexts to this
-      'rope_theta': m.rope_theta, 'rope_parameters': {'rope_type': 'default', 'rope_theta': m.rope_theta},
-      'rope_scaling': None, 'attention_bias': False, 'attention_dropout': 0.0, 'initializer_range': 0.02,
+      'rope_theta': m.rope_theta, 'rope_parameters': {**(rope_scaling_to_hf(m) or {'rope_type': 'default'}),
+                                                       'rope_theta': m.rope_theta},
+      'rope_scaling': rope_scaling_to_hf(m), 'attention_bias': False, 'attention_dropout': 0.0, 'initializer_range': 0.02,
       'bos_token_id': bos_id, 'eos_token_id': eos_id, 'pad_token_id': None, 'use_cache': True,
       'torch_dtype': dtype, 'dtype': dtype,
   }
@@ -107,14 +108,60 @@ class HFImportError(errors.ConfigError):
   """A Hugging Face directory jaxlm cannot import exactly; the message says why."""
 
 
-def _rope_theta(hf: dict) -> float:
-  """RoPE base from either config style; refuses any scaled RoPE (linear, dynamic, yarn, llama3, ...)."""
-  scaling = hf.get('rope_scaling')
+def rope_scaling_to_hf(m: model_lib.ModelConfig) -> dict | None:
+  """transformers' rope_scaling dict (rope_type and its parameters) for m.rope_scaling; None for plain RoPE."""
+  if m.rope_scaling == 'none':
+    return None
+  out = {'rope_type': m.rope_scaling, 'factor': m.rope_factor}
+  if m.rope_scaling == 'llama3':
+    out.update(low_freq_factor=m.rope_low_freq_factor, high_freq_factor=m.rope_high_freq_factor,
+               original_max_position_embeddings=m.rope_original_max_positions)
+  elif m.rope_scaling == 'yarn':
+    out.update(beta_fast=m.rope_beta_fast, beta_slow=m.rope_beta_slow, truncate=m.rope_truncate,
+               original_max_position_embeddings=m.rope_original_max_positions,
+               attention_factor=model_lib.rope_frequencies(m)[1])  # explicit: readers need not re-derive it
+  return out
+
+
+def _rope(hf: dict) -> dict:
+  """cfg.model RoPE values from either config style (4.x rope_theta + rope_scaling, 5.x rope_parameters).
+
+  Plain, linear, llama3 and yarn RoPE are computed exactly; dynamic NTK and longrope (whose frequencies change
+  with the sequence length) are refused.
+  """
   params = hf.get('rope_parameters') or {}
-  kind = (scaling or {}).get('rope_type') or (scaling or {}).get('type') or params.get('rope_type', 'default')
-  if kind != 'default':
-    raise HFImportError(f'rope scaling {scaling or params} is not supported: jaxlm implements plain RoPE only.')
-  return float(params.get('rope_theta') or hf.get('rope_theta') or 10_000.0)
+  scaling = hf.get('rope_scaling') or {}
+  kind = scaling.get('rope_type') or scaling.get('type') or params.get('rope_type', 'default')
+  p = {**params, **scaling}
+  out = dict(rope_theta=float(params.get('rope_theta') or hf.get('rope_theta') or 10_000.0),
+             rope_scaling='none' if kind == 'default' else kind)
+  if kind == 'default':
+    return out
+  if kind not in model_lib.ROPE_SCALINGS:
+    raise HFImportError(f'rope scaling {scaling or params} is not supported: jaxlm computes plain, linear, llama3 '
+                        f'and yarn RoPE exactly, not {kind!r}.')
+  if float(p.get('partial_rotary_factor', 1.0)) != 1.0:
+    raise HFImportError(f'partial_rotary_factor={p["partial_rotary_factor"]} is not supported: jaxlm rotates '
+                        f'the whole head.')
+  original = p.get('original_max_position_embeddings') or hf.get('max_position_embeddings') or 0
+  factor = p.get('factor')
+  if factor is None and kind == 'yarn' and p.get('original_max_position_embeddings'):
+    factor = hf['max_position_embeddings'] / p['original_max_position_embeddings']  # as transformers does
+  out.update(rope_factor=float(factor if factor is not None else 1.0))
+  if kind == 'llama3':
+    out.update(rope_low_freq_factor=float(p['low_freq_factor']), rope_high_freq_factor=float(p['high_freq_factor']),
+               rope_original_max_positions=int(original))
+  elif kind == 'yarn':
+    f = out['rope_factor']
+    mscale = lambda scale, k=1.0: 1.0 if scale <= 1 else 0.1 * k * math.log(scale) + 1.0
+    attention = p.get('attention_factor')
+    if attention is None:  # transformers' rule, folded into one number here
+      attention = (mscale(f, p['mscale']) / mscale(f, p['mscale_all_dim'])
+                   if p.get('mscale') and p.get('mscale_all_dim') else mscale(f))
+    out.update(rope_beta_fast=float(p.get('beta_fast') or 32.0), rope_beta_slow=float(p.get('beta_slow') or 1.0),
+               rope_attention_factor=float(attention), rope_truncate=bool(p.get('truncate', True)),
+               rope_original_max_positions=int(original))
+  return out
 
 
 def model_overrides(hf: dict) -> dict:
@@ -134,7 +181,7 @@ def model_overrides(hf: dict) -> dict:
     raise HFImportError(f'num_key_value_heads={K} must divide num_attention_heads={H}, and head_dim={E} be even.')
   return dict(vocab_size=hf['vocab_size'], d_model=D, num_layers=hf['num_hidden_layers'], num_heads=H,
               num_kv_heads=K, head_dim=E, mlp_dim=hf['intermediate_size'], parallel_block=False,
-              tie_embeddings=False, rope_theta=_rope_theta(hf), norm_eps=float(hf.get('rms_norm_eps', 1e-6)))
+              tie_embeddings=False, norm_eps=float(hf.get('rms_norm_eps', 1e-6)), **_rope(hf))
 
 
 def from_hf(tensors: dict[str, np.ndarray], m: model_lib.ModelConfig, *, scan_layers: bool) -> dict:

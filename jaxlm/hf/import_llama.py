@@ -8,8 +8,9 @@ config overrides that build the same model and point `checkpoint.init_from` at i
 --workdir (fresh optimizer, step 0).
 
 Only safetensors files are read: pickled PyTorch files (*.bin, *.pt) are refused, because unpickling one can run
-arbitrary code. Only what jaxlm's sequential block computes exactly is accepted: a config with RoPE scaling,
-attention or MLP biases, another activation, sliding-window attention or quantisation is refused by name.
+arbitrary code. Only what jaxlm's sequential block computes exactly is accepted: RoPE plain or scaled (linear,
+llama3, yarn: model.rope_scaling); a config with dynamic or longrope RoPE, attention or MLP biases, another
+activation, sliding-window attention or quantisation is refused by name.
 Tied Hugging Face embeddings become untied jaxlm ones (jaxlm ties with a 1/sqrt(D) logit scale Llama lacks).
 """
 

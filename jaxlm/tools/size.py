@@ -103,12 +103,12 @@ def memory(cfg, devices=None) -> dict:
   compiled. With them, the step is compiled ahead of time as train.run compiles it; nothing is allocated.
   """
   if devices is None:  # cfg.mesh must then be fully given (no -1): there are no devices to fill it from
+    sizes = tuple(cfg.mesh.get(a, 1) for a in sharding.AXES)
     stages = cfg.mesh.get('stage', 1) * cfg.mesh.get('dcn_stage', 1)
     if stages > 1:  # the pipeline's stage axis, outermost as make_mesh places it
-      mesh = jax.sharding.AbstractMesh((stages, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor),
-                                       (sharding.STAGE, *sharding.AXES))
+      mesh = jax.sharding.AbstractMesh((stages, *sizes), (sharding.STAGE, *sharding.AXES))
     else:
-      mesh = jax.sharding.AbstractMesh((cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor), sharding.AXES)
+      mesh = jax.sharding.AbstractMesh(sizes, sharding.AXES)
   else:
     mesh = sharding.make_mesh(cfg.mesh, devices)
   t = cfg.train
@@ -355,11 +355,12 @@ def main_target(cfg) -> int:
   except ValueError as e:
     raise config_lib.ConfigError(str(e)) from e
   a = analytic(cfg)
-  sizes = sharding.MeshShape.resolve(cfg.mesh, len(devices)).sizes
+  shape = sharding.MeshShape.resolve(cfg.mesh, len(devices))
   report = compile_step(cfg, devices)
   where = f'{FLAGS.target}' + (f' × {FLAGS.slices} slices' if FLAGS.slices > 1 else '')
-  title = (f'per chip on {where} ({len(devices)} × {report["device_kind"]}), mesh data={sizes[0]} × '
-           f'fsdp={sizes[1]} × tensor={sizes[2]}, remat={cfg.model.remat}, '
+  axes = ' × '.join([f'stage={shape.stages}'] * (shape.stages > 1) + [
+      f'{a}={n}' for a, n in zip(sharding.AXES, shape.sizes) if a != 'context' or n > 1])
+  title = (f'per chip on {where} ({len(devices)} × {report["device_kind"]}), mesh {axes}, remat={cfg.model.remat}, '
            f'microbatches={cfg.train.microbatches}')
   sections = [(f'{cfg.name}: model', model_rows(a, cfg)), (title, target_rows(report))]
   if report['fits'] is False and FLAGS.fit:
@@ -405,8 +406,9 @@ def main(argv):
     needed = math.prod(sizes) * shape.stages
     # One mesh of the whole size, a -1 resolved: what a device holds depends on each axis's total ways, not on
     # which network (dcn_* across hosts, or inside one) carries them.
-    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = sizes
-    for axis in ('data', 'fsdp', 'tensor'):
+    for axis, n in zip(sharding.AXES, sizes):
+      cfg.mesh[axis] = n
+    for axis in sharding.AXES:
       if f'dcn_{axis}' in cfg.mesh:
         cfg.mesh[f'dcn_{axis}'] = 1
     if 'stage' in cfg.mesh:

@@ -65,7 +65,7 @@ def test_resume_on_other_topologies_matches_an_uninterrupted_run(tmp_path, data_
   events = [r for r in read_records(run, 'event') if r['event'] == 'data_resumed']
   assert [e['step'] for e in events] == [4, 8]
   assert 'processes 2 -> 1, devices_per_process 4 -> 8' in events[0]['message']
-  assert "mesh {'data': 1, 'fsdp': 8, 'tensor': 1} -> {'data': 2, 'fsdp': 4, 'tensor': 1}" in events[1]['message']
+  assert "mesh {'data': 1, 'fsdp': 8, 'tensor': 1, 'context': 1} -> {'data': 2, 'fsdp': 4, 'tensor': 1, 'context': 1}" in events[1]['message']
   rows = 6 * 8 + 2 * 16 if case == 'ramp' else 8 * 8  # 8 steps of 8 rows (ramp: 6 of 8 rows, up to 3072 tokens)
   assert f'data position carried over: global row {rows}' in events[1]['message']
   if case == 'plain':

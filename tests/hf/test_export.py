@@ -5,6 +5,7 @@ trainer's checkpoint layout (with optimizer state), exported, and loaded by tran
 directory with the network off.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -227,8 +228,10 @@ def test_import_refuses_pickles_and_unsupported_configs(tmp_path):
   base = dict(model_type='llama', hidden_size=48, num_attention_heads=4, num_key_value_heads=2,
               num_hidden_layers=2, intermediate_size=100, vocab_size=397)
   assert import_hf.model_overrides(base)['head_dim'] == 12
-  for bad, match in [(dict(rope_scaling={'rope_type': 'llama3', 'factor': 8.0}), 'rope'),
-                     (dict(rope_parameters={'rope_type': 'yarn', 'factor': 4.0}), 'rope'),
+  for bad, match in [(dict(rope_scaling={'rope_type': 'dynamic', 'factor': 8.0}), 'rope'),
+                     (dict(rope_parameters={'rope_type': 'longrope', 'factor': 4.0}), 'rope'),
+                     (dict(rope_parameters={'rope_type': 'linear', 'factor': 2.0, 'partial_rotary_factor': 0.5}),
+                      'partial_rotary_factor'),
                      (dict(attention_bias=True), 'attention_bias'), (dict(mlp_bias=True), 'mlp_bias'),
                      (dict(hidden_act='gelu'), 'silu'), (dict(sliding_window=4096), 'sliding_window'),
                      (dict(model_type='qwen2'), 'llama')]:
@@ -243,3 +246,66 @@ def test_export_refuses_models_without_a_faithful_equivalent():
   cfg = _config(parallel_block=True, head_dim=16)  # Cohere always derives head_dim = D / H
   with pytest.raises(export.ExportError, match='Cohere'):
     export.architecture(model_lib.ModelConfig.from_config(cfg.model))
+
+
+# RoPE scaling (model.rope_scaling): transformers' rope_parameters for each kind jaxlm computes exactly. The original
+# context is short (16 positions) so the 40-token test sequences reach well past it, where the kinds differ.
+SCALED_ROPE = {
+    'linear': {'rope_type': 'linear', 'factor': 4.0},
+    'llama3': {'rope_type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0,
+               'original_max_position_embeddings': 16},
+    'yarn': {'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': 16},
+}
+
+
+@pytest.mark.parametrize('kind', list(SCALED_ROPE))
+def test_imported_scaled_llama_matches_transformers_and_exports_back(hf, tmp_path, kind):
+  torch, transformers = hf
+  if not hasattr(transformers.LlamaConfig(), 'rope_parameters'):
+    pytest.skip('transformers 4.x: rope_parameters is a 5.x config key')
+  config = transformers.LlamaConfig(vocab_size=397, hidden_size=48, intermediate_size=100, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-5,
+                                    max_position_embeddings=64,
+                                    rope_parameters={**SCALED_ROPE[kind], 'rope_theta': 1000.0})
+  original = transformers.LlamaForCausalLM(config).float().eval()
+  original.save_pretrained(str(tmp_path / 'hf'), safe_serialization=True)
+  result = import_hf.import_hf(str(tmp_path / 'hf'), str(tmp_path / 'run'))
+  assert result['overrides']['rope_scaling'] == kind and f'--config.model.rope_scaling={kind}' in result['flags']
+
+  cfg = export.read_config(result['checkpoint'])
+  cfg.model.dtype = 'float32'
+  m = model_lib.ModelConfig.from_config(cfg.model)
+  params = import_hf.from_hf(import_hf.read_safetensors(str(tmp_path / 'hf')), m, scan_layers=cfg.model.scan_layers)
+  tokens = np.random.default_rng(3).integers(0, 397, (2, 40)).astype(np.int32)
+  with torch.no_grad():
+    theirs = original(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+  ours = _jax_logits(model_lib.Decoder(m), params, tokens)
+  MAX_ABS[f'import-{kind}'] = float(np.abs(ours - theirs).max())
+  assert MAX_ABS[f'import-{kind}'] < 1e-4
+  # Plain RoPE would not have matched: the scaling is what made the logits agree.
+  plain = dataclasses.replace(m, rope_scaling='none')
+  assert np.abs(_jax_logits(model_lib.Decoder(plain), params, tokens) - theirs).max() > 1e-3
+
+  # Export writes the scaling back; transformers reads it and computes the same logits.
+  export.export(str(tmp_path / 'run'), str(tmp_path / 'back'))
+  written = json.loads((tmp_path / 'back' / 'config.json').read_text())
+  assert written['rope_scaling']['rope_type'] == kind and written['rope_parameters']['rope_type'] == kind
+  back = _load_hf(hf, str(tmp_path / 'back'))
+  with torch.no_grad():
+    again = back(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+  assert np.abs(again - theirs).max() < 1e-4
+
+
+def test_exported_scaled_cohere_matches_transformers(hf, tmp_path):
+  # The parallel block (Cohere, interleaved rotary) under YaRN: the scaled frequencies follow the pair permutation.
+  torch, _ = hf
+  cfg = _config(parallel_block=True, num_kv_heads=1, rope_scaling='yarn', rope_factor=4.0,
+                rope_original_max_positions=16)
+  model, params = _random_run(cfg, tmp_path / 'run')
+  export.export(str(tmp_path / 'run'), str(tmp_path / 'hf'))
+  hf_model = _load_hf(hf, str(tmp_path / 'hf'))
+  tokens = np.random.default_rng(4).integers(0, 397, (2, 40)).astype(np.int32)
+  with torch.no_grad():
+    theirs = hf_model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+  MAX_ABS['export-cohere-yarn'] = float(np.abs(_jax_logits(model, params, tokens) - theirs).max())
+  assert MAX_ABS['export-cohere-yarn'] < 1e-4

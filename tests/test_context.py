@@ -1,0 +1,215 @@
+"""Context parallelism: the sequence split over `mesh.context` computes what one device does.
+
+The batch goes through `step.global_batch`, which puts every row in the zig-zag order on the host; the loss is a
+sum over tokens, so losses and gradients must equal the unsplit run's (float32, rtol 1e-5) for every attention
+layout (MQA, GQA, MHA), both blocks, packed documents, remat, and with fsdp and tensor beside context.
+"""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxlm import attention, sharding, step
+from jaxlm import model as model_lib
+from tests.helpers import assert_fails_with, odd_config, plain_program, random_batch, run_cli
+
+
+def _config(**model):
+  c = odd_config()
+  c.model.update(vocab_size=256, d_model=48, num_heads=4, num_kv_heads=1, head_dim=12, mlp_dim=96, num_layers=2,
+                 remat='none', z_loss=1e-3)
+  c.model.update(**model)
+  c.data.seq_len = 64
+  return c
+
+
+def _mesh(cfg, data=1, fsdp=1, tensor=1, context=1):
+  cfg.mesh.update(data=data, fsdp=fsdp, tensor=tensor, context=context)
+  return sharding.make_mesh(cfg.mesh, jax.devices()[:data * fsdp * tensor * context])
+
+
+def _random_params(program, seed=0):
+  """Random parameters drawn in numpy from the abstract shapes (a compiled init costs seconds per mesh here)."""
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda x: (0.3 * rng.standard_normal(x.shape)).astype(x.dtype),
+                      program.abstract_state.params)
+
+
+def _loss_and_grads(cfg, batch, **axes):
+  """(total loss, aux, gradients, batch) of one batch on the mesh `axes`, through the trainer's batch path."""
+  mesh = _mesh(cfg, **axes)
+  with sharding.activate(mesh):
+    program = plain_program(cfg, mesh)
+    params = jax.device_put(_random_params(program), program.state_shardings.params)
+    b = step.global_batch(batch, program.batch_sharding)
+
+    def loss(params, b):
+      logits = program.model.apply({'params': params}, b['inputs'], b['segment_ids'], b['positions'])
+      return model_lib.loss_fn(logits, b['targets'], b['weights'], cfg.model.z_loss)
+
+    (total, aux), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, b)
+    return float(total), {k: float(v) for k, v in aux.items()}, jax.device_get(grads), b
+
+
+def _assert_same(got, want, what):
+  total, aux, grads, _ = got
+  np.testing.assert_allclose(total, want[0], rtol=1e-5, err_msg=what)
+  for k in ('loss', 'z_loss'):
+    np.testing.assert_allclose(aux[k], want[1][k], rtol=1e-5, err_msg=f'{what}: {k}')
+  for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(want[2])):
+    # rtol 1e-5 per element; entries near zero (float32 sums in another order) are held to 1e-5 of the tensor's
+    # largest gradient instead.
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max(),
+                               err_msg=f'{what}: {jax.tree_util.keystr(path)}')
+
+
+LAYOUTS = {'mqa': 1, 'gqa': 2, 'mha': 4}
+
+
+@pytest.mark.parametrize('context', [2, 4, 8])
+def test_zigzag_order_balances_causal_work(context):
+  T = 16 * context
+  order = sharding.zigzag_order(T, context)
+  assert sorted(order.tolist()) == list(range(T))
+  shards = order.reshape(context, -1)
+  # Shard i holds chunks i and 2C-1-i: the keys each shard's queries see causally add up to the same count.
+  work = [int(sum(p + 1 for p in shard)) for shard in shards]
+  assert len(set(work)) == 1, work
+  chunk = T // (2 * context)
+  assert shards[0][:chunk].tolist() == list(range(chunk))
+  assert shards[0][chunk:].tolist() == list(range(T - chunk, T))
+  np.testing.assert_array_equal(sharding.zigzag_order(T, 1), np.arange(T))
+
+
+_REFERENCE = {}  # (layout, block, remat) -> the unsplit run, shared by the grid
+
+
+def _reference(cfg, batch, key):
+  if key not in _REFERENCE:
+    _REFERENCE[key] = _loss_and_grads(cfg, batch)
+  return _REFERENCE[key]
+
+
+def _packed_batch():
+  # Three packed documents per row, the third cut short by padding (segment 0, weight 0).
+  batch = random_batch(4, 64, 256, seed=1, docs=3)
+  batch['segment_ids'][:, -5:] = 0
+  batch['positions'][:, -5:] = 0
+  batch['weights'][:, -5:] = 0.0
+  return batch
+
+
+def test_context_matches_single_device_fast():
+  # The fast loop's representative: multi-query (PaLM), context=4 beside fsdp=2, packed documents.
+  cfg = _config(num_kv_heads=1)
+  batch = _packed_batch()
+  want = _reference(cfg, batch, ('mqa', 'palm', 'none'))
+  got = _loss_and_grads(cfg, batch, fsdp=2, context=4)
+  _assert_same(got, want, 'mqa fsdp=2 context=4')
+  # The batch arrived split as the rules say: rows over fsdp, the sequence over context, in zig-zag order.
+  b = got[3]
+  assert b['inputs'].sharding.spec == P(('data', 'fsdp'), 'context')
+  assert b['inputs'].addressable_shards[0].data.shape == (2, 16)
+  order = sharding.zigzag_order(64, 4)
+  for key in ('inputs', 'targets', 'positions', 'segment_ids', 'weights'):
+    np.testing.assert_array_equal(np.asarray(b[key]), batch[key][:, order], err_msg=key)
+
+
+# Each context size beside the other axes: 2 with fsdp and tensor, 4 with fsdp, 8 alone.
+MESHES = {2: dict(fsdp=2, tensor=2, context=2), 4: dict(fsdp=2, context=4), 8: dict(context=8)}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize('context', [2, 4, 8])
+@pytest.mark.parametrize('block', ['palm', 'llama'])
+@pytest.mark.parametrize('layout', ['mqa', 'gqa', 'mha'])
+def test_context_matches_single_device(layout, block, context):
+  cfg = _config(num_kv_heads=LAYOUTS[layout], parallel_block=block == 'palm')
+  batch = _packed_batch()
+  want = _reference(cfg, batch, (layout, block, 'none'))
+  _assert_same(_loss_and_grads(cfg, batch, **MESHES[context]), want, f'{layout} {block} {MESHES[context]}')
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize('remat', ['full', 'dots'])
+def test_context_matches_single_device_under_remat(remat):
+  cfg = _config(num_kv_heads=2, remat=remat)
+  batch = _packed_batch()
+  want = _reference(cfg, batch, ('gqa', 'palm', remat))
+  _assert_same(_loss_and_grads(cfg, batch, tensor=2, context=4), want, f'remat={remat} tensor=2 context=4')
+
+
+@pytest.mark.e2e
+def test_train_and_eval_steps_match_single_device():
+  # The whole step (z-loss, gradient norm, AdamW update) and eval's token sums, with microbatches.
+  cfg = _config(num_kv_heads=1, remat='full')
+  batch = _packed_batch()
+  results = []
+  for axes in ({}, dict(fsdp=2, context=4)):
+    mesh = _mesh(cfg, **axes)
+    with sharding.activate(mesh):
+      program = plain_program(cfg, mesh, microbatches=2)
+      state = program.init()
+      b = step.global_batch(batch, program.batch_sharding)
+      state, m1 = program.train_step(state, b)
+      state, m2 = program.train_step(state, b)
+      e = program.eval_step(state.params, b)
+      results.append([float(m1['loss']), float(m1['z_loss']), float(m1['grad_norm']), float(m2['loss']),
+                      float(e['loss_sum']), float(e['tokens'])])
+  np.testing.assert_allclose(results[1], results[0], rtol=1e-5)
+  assert results[0][3] < results[0][0]  # the step did something
+
+
+def _temp_bytes(cfg, **axes) -> int:
+  """Temporary (activation) bytes per device of the compiled train step."""
+  mesh = _mesh(cfg, **axes)
+  program = plain_program(cfg, mesh)
+  batch = step.abstract_batch(cfg.train.batch_size, cfg.data.seq_len, program.batch_sharding)
+  compiled = program.train_step.lower(program.abstract_state, batch).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.e2e
+def test_activation_memory_falls_as_one_over_context():
+  # Long enough that attention's (T, S) scores dominate; one row, so only the sequence can be split.
+  cfg = _config(num_kv_heads=1, remat='none')
+  cfg.data.seq_len = 1024
+  cfg.train.batch_size = 1
+  one = _temp_bytes(cfg)
+  for context in (2, 4, 8):
+    ratio = _temp_bytes(cfg, context=context) / one
+    assert ratio < 1.5 / context, (context, ratio)
+
+
+def test_fused_kernels_fall_back_under_context_with_the_reason():
+  for impl, platform in [('cudnn', 'gpu'), ('splash', 'tpu'), ('auto', 'tpu')]:
+    kernel, why = attention.select(impl, dtype='bfloat16', head_dim=128, seq_len=4096, platform=platform,
+                                   context=4)
+    assert kernel == 'xla' and 'context parallelism (mesh context=4)' in why, why
+  assert attention.select('splash', dtype='bfloat16', head_dim=128, seq_len=4096, platform='tpu',
+                          context=1)[0] == 'splash'
+
+
+@pytest.mark.e2e
+def test_activations_stay_split_along_the_sequence():
+  # Logits come out split as the rules say: rows over fsdp, sequence over context, vocabulary over tensor; and
+  # the compiled forward gathers (keys and values) rather than leaving everything replicated.
+  cfg = _config(num_kv_heads=1)
+  mesh = _mesh(cfg, fsdp=2, tensor=2, context=2)
+  with sharding.activate(mesh):
+    program = plain_program(cfg, mesh)
+    params = jax.device_put(_random_params(program), program.state_shardings.params)
+    b = step.global_batch(_packed_batch(), program.batch_sharding)
+    forward = jax.jit(lambda p, b: program.model.apply({'params': p}, b['inputs'], b['segment_ids'], b['positions']))
+    logits = forward(params, b)
+    hlo = forward.lower(params, b).compile().as_text()
+  assert logits.sharding.spec == P('fsdp', 'context', 'tensor')  # (data of size 1 is dropped)
+  assert logits.addressable_shards[0].data.shape == (2, 32, 128)
+  assert 'all-gather' in hlo
+
+
+def test_entry_point_refuses_a_seq_len_context_cannot_split(tmp_path):
+  out = run_cli('jaxlm.train', '--config=configs/palm_tiny.py', f'--workdir={tmp_path}', '--config.mesh.context=4',
+                '--config.data.seq_len=60', timeout=300)
+  assert_fails_with(out, 2, 'data.seq_len=60')
