@@ -46,7 +46,7 @@ def test_sharded_steps_match_single_device(parallel_block, shape):
   np.testing.assert_allclose(got, reference, rtol=1e-5, err_msg=f'mesh {shape}')
 
 
-@pytest.mark.parametrize('shape', grid([(1, 1, 1), (1, 8, 1), (2, 2, 2)], fast=[(1, 8, 1)], ids=_mesh_id))
+@pytest.mark.parametrize('shape', grid([(1, 1, 1), (1, 8, 1), (2, 2, 2)], fast=[], ids=_mesh_id))
 def test_explicit_transpose_grads_sharded_match_single_device(shape):
   # Transposed copies of FSDP-sharded activations: the weight gradients must still reduce over every shard.
   reference, _ = _odd_two_steps(True, (1, 1, 1))
