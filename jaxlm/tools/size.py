@@ -303,7 +303,7 @@ def compile_step(cfg, devices) -> dict:
 
 def target_config(cfg, devices, slices: int) -> None:
   """Resolves cfg.mesh (a -1) for `devices`; multi-slice without dcn_* set spans slices with dcn_data."""
-  dcn = [cfg.mesh.get(f'dcn_{a}', 1) for a in sharding.AXES]
+  dcn = [cfg.mesh.get(f'dcn_{a}', 1) for a in sharding.AXES] + [cfg.mesh.get('dcn_stage', 1)]
   if slices > 1 and math.prod(dcn) == 1:
     cfg.mesh.dcn_data = slices
   config_lib.validate(cfg, len(devices), sharding.num_processes(devices), sharding.num_slices(devices))
