@@ -222,7 +222,7 @@ def test_pipeline_stages_across_two_processes_match_one_process(tmp_path, data_c
                        cwd=ROOT, env=train_env(DEVICES), capture_output=True, text=True, timeout=900)
   text = out.stdout + out.stderr
   assert out.returncode == 0, text[-5000:]
-  assert "mesh: {'stage': 2, 'data': 1, 'fsdp': 4, 'tensor': 1}" in text, text[-5000:]
+  assert "mesh: {'stage': 2, 'data': 1, 'fsdp': 4, 'tensor': 1, 'context': 1}" in text, text[-5000:]
   assert 'stage 0: layers 0\n' in text and 'stage 1: layers 1\n' in text
   assert 'bubble (S−1)/(R·M+S−1) = 0.333' in text
   assert_matches(workdir, reference, [5, 10, 15, 20, 25, 30])

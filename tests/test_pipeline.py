@@ -249,7 +249,7 @@ def test_a_pipelined_run_reports_its_stages_and_its_checkpoint_serves_eval_expor
   workdir = str(tmp_path / 'run')
   trained = train.run(cfg, workdir)
   report = capsys.readouterr().out
-  assert "mesh: {'stage': 2, 'data': 1, 'fsdp': 4, 'tensor': 1}" in report
+  assert "mesh: {'stage': 2, 'data': 1, 'fsdp': 4, 'tensor': 1, 'context': 1}" in report
   assert 'pipeline: gpipe, 2 stages × 1 repeat(s), 2 microbatches, 3 iterations; bubble' in report
   assert 'stage 0: layers 0\n' in report and 'stage 1: layers 1\n' in report and 'parameters per device' in report
   records = read_records(workdir)
