@@ -1,6 +1,6 @@
 """Context parallelism on the CPU mesh: step time and compiled memory per device vs context size and sequence length.
 
-  python bench/context.py [--seq_lens=1024,4096,16384] [--contexts=1,2,4,8] [--steps=2] [--json=out.json]
+  python bench/context.py [--seq_lens=1024,4096,16384] [--contexts=1,2,4,8] [--block_q=0] [--steps=2] [--json=out.json]
 
 palm_tiny (float32, remat=full), one sequence per step, so only the context axis can split it: context=C runs
 on C of 8 fake CPU devices (mesh context=C, every other axis 1). For each sequence length the context=1 step is
@@ -9,6 +9,7 @@ compiled in the same run, and each row's memory is given as a ratio of it. "temp
 holds. Step time is the median of --steps timed steps after one untimed one; the fake devices share this
 machine's cores, so it shows the cost of the extra collectives, not a speed-up (a real mesh has a core per
 device). Rows where the compiled step needs more than --time_max_gib per device are compiled, not run.
+--block_q sets model.attention_block_q (xla attention's query rows per block on each context shard; 0 = all).
 """
 
 import argparse
@@ -30,10 +31,10 @@ from jaxlm import cli, perf, sharding, step  # noqa: E402
 GiB = 1024 ** 3
 
 
-def config(seq_len: int, context: int):
+def config(seq_len: int, context: int, block_q: int = 0):
   """palm_tiny at `seq_len`, one sequence per step, split `context` ways."""
   cfg = cli.load_file(pathlib.Path(__file__).absolute().parents[1] / 'configs' / 'palm_tiny.py')
-  cfg.model.update(remat='full', dtype='float32')
+  cfg.model.update(remat='full', dtype='float32', attention_block_q=block_q)
   cfg.data.seq_len = seq_len
   cfg.train.update(batch_size=1, microbatches=1)
   cfg.stability.policy = 'off'
@@ -52,8 +53,8 @@ def batch(seq_len: int, vocab: int, seed: int) -> dict:
               weights=np.ones((1, seq_len), np.float32))
 
 
-def measure(seq_len: int, context: int, steps: int, time_max_gib: float) -> dict:
-  cfg = config(seq_len, context)
+def measure(seq_len: int, context: int, steps: int, time_max_gib: float, block_q: int = 0) -> dict:
+  cfg = config(seq_len, context, block_q)
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:context])
   with sharding.activate(mesh):
     program = step.build_program(cfg, mesh)
@@ -63,7 +64,7 @@ def measure(seq_len: int, context: int, steps: int, time_max_gib: float) -> dict
     compile_s = time.perf_counter() - started
     memory = perf.compiled_memory(compiled)
     stats = compiled.memory_analysis()
-    r = dict(seq_len=seq_len, context=context, temp=stats.temp_size_in_bytes, args=stats.argument_size_in_bytes,
+    r = dict(seq_len=seq_len, context=context, block_q=block_q, temp=stats.temp_size_in_bytes, args=stats.argument_size_in_bytes,
              compile_s=compile_s, step_s=None, loss=None, memory=memory)
     if (stats.temp_size_in_bytes + stats.argument_size_in_bytes) / GiB > time_max_gib:
       return r
@@ -83,6 +84,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--seq_lens', default='1024,4096,16384')
   parser.add_argument('--contexts', default='1,2,4,8')
+  parser.add_argument('--block_q', type=int, default=0)
   parser.add_argument('--steps', type=int, default=2)
   parser.add_argument('--time_max_gib', type=float, default=8.0)
   parser.add_argument('--json', default='')
@@ -91,7 +93,7 @@ def main() -> None:
   for seq_len in map(int, args.seq_lens.split(',')):
     base = None
     for context in map(int, args.contexts.split(',')):
-      r = measure(seq_len, context, args.steps, args.time_max_gib)
+      r = measure(seq_len, context, args.steps, args.time_max_gib, args.block_q)
       results.append(r)
       base = r['temp'] if context == 1 else base
       ratio = f'{r["temp"] / base:.3f} (1/{base / r["temp"]:.2f})' if base else 'n/a'

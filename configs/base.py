@@ -40,6 +40,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.remat = 'full'  # activation checkpointing per layer: none | full | dots | dots_no_batch | attn_out
   m.scan_layers = True  # nn.scan over layers: one compiled layer body (fast compiles); False unrolls
   m.attention = 'xla'  # attention kernel: xla | cudnn | splash | auto
+  m.attention_block_q = 0  # xla attention: query rows per block on each context shard (long sequences); 0 = all
   m.matmul_dtype = 'dtype'  # the layers' projections: dtype (model.dtype) | fp8 (e4m3/e5m2, delayed scaling; GPUs with fp8)
   m.explicit_transpose_grads = False  # weight gradients as plain products of a transposed copy: faster on XLA:CPU only
 

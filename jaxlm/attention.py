@@ -1,6 +1,8 @@
 """Attention kernels behind one function, chosen by `cfg.model.attention`.
 
   xla     the reference: einsum scores, float32 softmax, an explicit (B, 1, 1, T, S) mask. Runs everywhere.
+          `model.attention_block_q` > 0 takes the queries in blocks (recomputed in the backward pass), so long
+          sequences need (block, S) scores at a time instead of (T, S).
   cudnn   cuDNN flash attention through jax.nn.dot_product_attention(implementation='cudnn'): NVIDIA GPUs,
           bfloat16/float16, head dim a multiple of 8 (<= 128; <= 256 on Hopper and later). Causal masking is
           the kernel's own (it skips the upper triangle); documents are a boolean mask, which JAX turns into
@@ -30,6 +32,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxlm import sharding
 
@@ -40,28 +43,25 @@ _AUTO = {'gpu': 'cudnn', 'tpu': 'splash'}
 _logged = set()
 
 
-def attention_mask(segment_ids, order=None):
+def attention_mask(segment_ids, order=None, kv_segment_ids=None, kv_order=None):
   """(B, 1, 1, T, S) boolean: causal, within one document, and never from padding (segment 0).
 
   `order` (T,): the original position in the row of each array slot (context parallelism's zig-zag order);
   None means array order. Causality compares those, so it holds whatever order the tokens arrive in.
+  `kv_segment_ids` (B, S) and `kv_order` (S,) describe the keys when they are not the queries (a block of
+  queries against the whole row); by default they are the queries'.
   """
-  T = segment_ids.shape[1]
-  if order is None:
-    causal = jnp.tril(jnp.ones((T, T), bool))  # (T, S)
-  else:
-    order = jnp.asarray(order)
-    causal = order[:, None] >= order[None, :]  # (T, S)
-  same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, S)
+  kv_segment_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
+  order = np.arange(segment_ids.shape[1]) if order is None else order
+  kv_order = order if kv_order is None else kv_order
+  causal = jnp.asarray(order)[:, None] >= jnp.asarray(kv_order)[None, :]  # (T, S)
+  same_doc = segment_ids[:, :, None] == kv_segment_ids[:, None, :]  # (B, T, S)
   real = (segment_ids != 0)[:, :, None]  # (B, T, 1)
   return (causal & same_doc & real)[:, None, None]
 
 
-def xla_attention(q, k, v, segment_ids, order=None):
-  """Reference attention: einsum scores, softmax in float32. q: (B,T,H,E); k, v: (B,S,K,E) -> (B,T,H,E).
-
-  `order`: the tokens' original positions in the row when they arrive permuted (see `attention_mask`).
-  """
+def _scores_attention(q, k, v, segment_ids, order, kv_segment_ids, kv_order):
+  """Queries q (B,T,H,E) over keys and values (B,S,K,E), the whole (T, S) scores at once -> (B,T,H,E)."""
   B, T, H, E = q.shape
   S, K = k.shape[1], k.shape[2]
   G = H // K  # query heads per kv head
@@ -72,11 +72,37 @@ def xla_attention(q, k, v, segment_ids, order=None):
   k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, K, S, E)
   scores = jnp.einsum('BKME,BKSE->BKMS', q, k).astype(jnp.float32) / math.sqrt(E)
   # Finite fill, not -inf: a fully masked (padding) row then gives a uniform softmax rather than NaN.
-  mask = attention_mask(segment_ids, order).reshape(B, 1, T, 1, S)
+  mask = attention_mask(segment_ids, order, kv_segment_ids, kv_order).reshape(B, 1, T, 1, S)
   scores = jnp.where(mask, scores.reshape(B, K, T, G, S), jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(B, K, T * G, S)
   out = jnp.einsum('BKMS,BKSE->BKME', probs, v)  # (B, K, M, E)
   return out.reshape(B, K, T, G, E).transpose(0, 2, 1, 3, 4).reshape(B, T, H, E)
+
+
+def xla_attention(q, k, v, segment_ids, order=None, block_q: int = 0, shards: int = 1):
+  """Reference attention: einsum scores, softmax in float32. q: (B,T,H,E); k, v: (B,S,K,E) -> (B,T,H,E).
+
+  `order`: the tokens' original positions in the row when they arrive permuted (see `attention_mask`).
+  `block_q` > 0: the queries go through in blocks of that many rows of each of the `shards` contiguous parts
+  of T (the context shards: block i of every part together), each block recomputed in the backward pass, so
+  the live scores are (shards·block_q, S) rather than (T, S); the result is the same. 0: all rows at once.
+  """
+  B, T = q.shape[:2]
+  order = np.arange(T) if order is None else np.asarray(order)
+  blocks = T // (shards * block_q) if block_q else 1
+  if blocks <= 1:
+    return _scores_attention(q, k, v, segment_ids, order, segment_ids, order)
+
+  def split(x):  # (B, T, ...) -> (blocks, B, shards·block_q, ...)
+    x = x.reshape(B, shards, blocks, block_q, *x.shape[2:])
+    return jnp.moveaxis(x, 2, 0).reshape(blocks, B, shards * block_q, *x.shape[4:])
+
+  q_order = order.reshape(shards, blocks, block_q).transpose(1, 0, 2).reshape(blocks, shards * block_q)
+  # Checkpointed: otherwise the backward pass keeps every block's probabilities, all of (T, S) again.
+  one = jax.checkpoint(lambda qb, sb, ob: _scores_attention(qb, k, v, sb, ob, segment_ids, order))
+  out = jax.lax.map(lambda xs: one(*xs), (split(q), split(segment_ids), q_order))  # (blocks, B, shards·block_q, ..)
+  out = out.reshape(blocks, B, shards, block_q, *out.shape[3:])
+  return jnp.moveaxis(out, 0, 2).reshape(q.shape)
 
 
 def document_mask(segment_ids):
@@ -277,8 +303,11 @@ def gather_sequence(x):
   return jax.lax.with_sharding_constraint(x, P(batch_axes, None, *[P.UNCONSTRAINED] * (x.ndim - 2)))
 
 
-def attention(q, k, v, segment_ids, impl: str = 'xla'):
-  """Causal, document-masked attention with the kernel `impl` selects here (see `select`)."""
+def attention(q, k, v, segment_ids, impl: str = 'xla', block_q: int = 0):
+  """Causal, document-masked attention with the kernel `impl` selects here (see `select`).
+
+  `block_q`: xla attention's query rows per block on each context shard (0 = all at once; see xla_attention).
+  """
   context = context_ways()
   kernel, why = select(impl, dtype=q.dtype, head_dim=q.shape[-1], seq_len=q.shape[1], context=context)
   # A requested kernel that cannot run is worth a warning; auto's choice and plain xla are information.
@@ -294,5 +323,5 @@ def attention(q, k, v, segment_ids, impl: str = 'xla'):
     # key and value sequence: K heads of (S, E) each, one under multi-query attention. The backward pass
     # reduce-scatters their gradients. The mask's order is a constant: the step's zig-zag permutation.
     order = sharding.zigzag_order(q.shape[1], context)
-    return xla_attention(q, gather_sequence(k), gather_sequence(v), segment_ids, order)
-  return xla_attention(q, k, v, segment_ids)
+    return xla_attention(q, gather_sequence(k), gather_sequence(v), segment_ids, order, block_q, context)
+  return xla_attention(q, k, v, segment_ids, block_q=block_q)

@@ -184,6 +184,13 @@ def _mesh_errors(c, num_devices: int, num_processes: int, num_slices: int) -> li
     e.append(f'data.seq_len={c.data.seq_len} is not divisible by 2 × mesh.context = 2×{context}: context '
              f'parallelism cuts each sequence into 2·context chunks (the load-balanced zig-zag order); use a '
              f'seq_len that is a multiple of {2 * context}, or a smaller mesh.context.')
+  block_q = c.model.get('attention_block_q', 0)
+  if block_q < 0:
+    e.append(f'model.attention_block_q={block_q} must be >= 0 (0 = all query rows at once).')
+  elif block_q and c.data.seq_len > 0 and c.data.seq_len % (context * block_q):
+    e.append(f'model.attention_block_q={block_q} does not divide the {c.data.seq_len // context} query rows of '
+             f'each context shard (data.seq_len={c.data.seq_len} / mesh.context={context}); use a divisor of '
+             f'{c.data.seq_len // context}, or 0.')
   if context > 1 and shape.stages > 1:
     e.append(f'mesh.context={context} with mesh.stage={shape.stages}: context parallelism does not run inside '
              f'a pipeline yet; use one of them (mesh.context=1 or mesh.stage=1).')

@@ -69,6 +69,7 @@ class ModelConfig:
   remat: str = 'full'
   scan_layers: bool = True
   attention: str = 'xla'
+  attention_block_q: int = 0
   explicit_transpose_grads: bool = False
   matmul_dtype: str = 'dtype'
 
@@ -296,7 +297,7 @@ class Attention(nn.Module):
     # Plain RoPE keeps its float32 formula; a scaled one takes its precomputed frequencies.
     frequencies = None if m.rope_scaling == 'none' else rope_frequencies(m)
     q, k = rope(q, positions, m.rope_theta, frequencies), rope(k, positions, m.rope_theta, frequencies)
-    out = attention_lib.attention(q, k, v, segment_ids, impl=m.attention)  # (B, T, H, E)
+    out = attention_lib.attention(q, k, v, segment_ids, m.attention, m.attention_block_q)  # (B, T, H, E)
     out = nn.with_logical_constraint(out, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
     # Named so the `attn_out` remat policy can keep it instead of recomputing the whole attention.
     out = checkpoint_name(out, 'attn_out')

@@ -155,6 +155,25 @@ def test_xla_matches_numpy(H, K):
   assert np.isfinite(np.asarray(out)).all()
 
 
+@pytest.mark.parametrize('shards', [1, 4])
+def test_query_blocks_give_the_unblocked_result(shards):
+  """block_q: the same outputs and gradients (f32), in array order and in context parallelism's zig-zag order."""
+  B, T, H, K, E = 2, 64, 4, 2, 8
+  q, k, v = qkv(B, T, H, K, E)
+  seg = jnp.asarray(segments(B, T, docs=3, pad=5))
+  order = sharding.zigzag_order(T, shards) if shards > 1 else None
+  whole = lambda q, k, v, s: attention.xla_attention(q, k, v, s, order)  # noqa: E731
+  want, want_grads = jax.jit(whole)(q, k, v, seg), loss_grads(whole, q, k, v, seg)
+  for block_q in (4, 8):
+    blocked = lambda q, k, v, s: attention.xla_attention(q, k, v, s, order, block_q, shards)  # noqa: E731
+    np.testing.assert_allclose(real(jax.jit(blocked)(q, k, v, seg), seg), real(want, seg), rtol=1e-5, atol=1e-6)
+    for got, ref in zip(loss_grads(blocked, q, k, v, seg), want_grads):
+      np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    # The blocks are a loop: the largest scores array in the program is one block's, not (T, T).
+    hlo = jax.jit(blocked).lower(q, k, v, seg).as_text()
+    assert f'x{block_q * shards * H // K}x{T}xf32>' in hlo and f'x{T * H // K}x{T}xf32>' not in hlo
+
+
 @pytest.mark.parametrize('H, K', grid([(4, 1), (6, 2), (4, 4)], fast=[], ids=_heads, unpack=True))
 def test_cudnn_call_through_xla_matches_reference(H, K):
   """The mask and call the cudnn kernel uses, run by jax.nn's XLA implementation: forward and gradients."""

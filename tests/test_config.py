@@ -54,6 +54,8 @@ BAD = [
     ('data.seq_len (context)', dict(data=dict(seq_len=60), mesh=dict(fsdp=-1, context=4)),
      'not divisible by 2 × mesh.context = 2×4'),
     ('mesh.context', dict(mesh=dict(data=1, fsdp=1, tensor=1, context=3)), 'does not match the 8 devices'),
+    ('model.attention_block_q', dict(model=dict(attention_block_q=24), mesh=dict(fsdp=-1, context=2)),
+     'does not divide the 32 query rows of each context shard'),
 ]
 
 

@@ -182,6 +182,27 @@ def test_activation_memory_falls_as_one_over_context():
     assert ratio < 1.5 / context, (context, ratio)
 
 
+@pytest.mark.e2e
+def test_query_blocks_under_context_match_single_device():
+  # model.attention_block_q: each context shard's queries in blocks of 4, against the unblocked single device.
+  batch = _packed_batch()
+  want = _reference(_config(num_kv_heads=2, remat='full'), batch, ('gqa', 'palm', 'full'))
+  cfg = _config(num_kv_heads=2, remat='full', attention_block_q=4)
+  _assert_same(_loss_and_grads(cfg, batch, fsdp=2, context=4), want, 'attention_block_q=4 fsdp=2 context=4')
+
+
+@pytest.mark.e2e
+def test_query_blocks_cut_the_activation_memory():
+  # The (T/C, T) scores are the bulk at long sequences; in blocks of 32 rows only one block's are live.
+  cfg = _config(num_kv_heads=1, remat='full')
+  cfg.data.seq_len = 1024
+  cfg.train.batch_size = 1
+  whole = _temp_bytes(cfg, context=4)
+  cfg.model.attention_block_q = 32
+  blocked = _temp_bytes(cfg, context=4)
+  assert blocked < whole / 3, (whole, blocked)
+
+
 def test_fused_kernels_fall_back_under_context_with_the_reason():
   for impl, platform in [('cudnn', 'gpu'), ('splash', 'tpu'), ('auto', 'tpu')]:
     kernel, why = attention.select(impl, dtype='bfloat16', head_dim=128, seq_len=4096, platform=platform,
