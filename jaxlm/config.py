@@ -194,9 +194,12 @@ def _mesh_errors(c, num_devices: int, num_processes: int, num_slices: int) -> li
   if context > 1 and shape.stages > 1:
     e.append(f'mesh.context={context} with mesh.stage={shape.stages}: context parallelism does not run inside '
              f'a pipeline yet; use one of them (mesh.context=1 or mesh.stage=1).')
-  if c.train.batch_size % num_processes:
-    e.append(f'train.batch_size={c.train.batch_size} is not divisible by the {num_processes} processes; each '
-             f'reads batch_size / processes rows, so use a multiple of {num_processes}.')
+  # Processes that differ only along tensor or context across hosts read the same rows (sharding.row_share).
+  same_rows = shape.dcn[sharding.AXES.index('tensor')] * shape.dcn[sharding.AXES.index('context')]
+  shares = num_processes // same_rows if num_processes % same_rows == 0 else num_processes
+  if c.train.batch_size % shares:
+    e.append(f'train.batch_size={c.train.batch_size} is not divisible by the {shares} processes that read '
+             f'different rows; each reads batch_size / {shares} rows, so use a multiple of {shares}.')
   m = c.model
   micro = max(c.train.microbatches, 1)
   try:

@@ -17,6 +17,7 @@ differently (parameters over fsdp, activations over the batch).
 
 import contextlib
 import dataclasses
+import functools
 import math
 
 import flax.linen as nn
@@ -239,6 +240,26 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   over context (in `zigzag_order`)."""
   rows = (STAGE, 'data', 'fsdp') if STAGE in mesh.axis_names else ('data', 'fsdp')
   return NamedSharding(mesh, P(rows, 'context'))
+
+
+@functools.lru_cache(maxsize=None)
+def row_share(batch_sharding: NamedSharding) -> tuple[int, int]:
+  """(index, count): this process reads rows index·B/count … (index+1)·B/count of every global batch.
+
+  A process reads the rows its devices hold. Processes whose devices differ only along axes that do not split
+  the rows (tensor or context across hosts: mesh.dcn_tensor, mesh.dcn_context) hold the same rows, so they read
+  the same share, and each device takes its part of the sequence from the whole rows. One process: (0, 1).
+  """
+  mesh, (rows_axes, seq_axes) = batch_sharding.mesh, batch_sharding.spec
+  ways = lambda axes: math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))  # noqa: E731
+  n = ways(rows_axes)
+  indices = batch_sharding.addressable_devices_indices_map((n, ways(seq_axes))).values()
+  held = {index[0].indices(n)[:2] for index in indices}  # (start, stop) of each local device's rows
+  lo, hi = min(start for start, _ in held), max(stop for _, stop in held)
+  if sum(stop - start for start, stop in held) < hi - lo:  # a gap: the mesh does not give each host a block
+    raise errors.ConfigError(f'this process\'s devices hold rows {sorted(held)} of the {n} batch shards, not one '
+                             f'contiguous block; use the mesh make_mesh builds (dcn_* axes outermost).')
+  return lo // (hi - lo), n // (hi - lo)
 
 
 def context_size(mesh=None) -> int:

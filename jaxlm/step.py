@@ -254,11 +254,13 @@ def global_batch(local: dict, batch_sharding) -> dict:
   inside the step it would move tokens between the devices that already hold them.
   """
   context = sharding.context_size(batch_sharding.mesh)
-  order = None
-  if context > 1:
-    order = sharding.zigzag_order(np.shape(next(iter(local.values())))[1], context)
+  rows, seq_len = np.shape(next(iter(local.values())))
+  order = sharding.zigzag_order(seq_len, context) if context > 1 else None
+  # Whole rows from each process (its share of them, sharding.row_share): with the sequence or the model split
+  # across hosts, each device takes its own part of the rows its process read.
+  shape = (rows * sharding.row_share(batch_sharding)[1], seq_len)
   return {k: jax.make_array_from_process_local_data(
-      batch_sharding, np.asarray(v) if order is None else np.asarray(v)[:, order]) for k, v in local.items()}
+      batch_sharding, np.asarray(v) if order is None else np.asarray(v)[:, order], shape) for k, v in local.items()}
 
 
 def evaluate(program: Program, params, batches: list[dict]) -> float:

@@ -104,11 +104,13 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
   # Data before compiling: a bad dataset fails in seconds, not after a long compile. The iterator yields ramp
   # units (the first stage's size); a step draws size // unit of them, so its position stays exact.
   vocab = cfg.model.vocab_size
-  train_iter = data_lib.make_train_iterator(cfg.data, batch_size=ramp.unit, seed=t.seed, vocab_size=vocab)
+  share, shares = sharding.row_share(program.batch_sharding)  # which rows this process reads
+  train_iter = data_lib.make_train_iterator(cfg.data, batch_size=ramp.unit, seed=t.seed, vocab_size=vocab,
+                                            process_index=share, process_count=shares)
   if hasattr(train_iter, 'close'):
     shutdown.callback(_quietly, train_iter.close)  # stops Grain's worker processes (data.num_workers > 0)
   eval_data = data_lib.eval_batches(cfg.data, batch_size=t.batch_size, num_batches=t.eval_batches,
-                                    vocab_size=vocab)
+                                    vocab_size=vocab, process_index=share, process_count=shares)
   ckpt = checkpoint_lib.Checkpointer(rundir.path(workdir, rundir.CHECKPOINTS), cfg.checkpoint, log.event)
   shutdown.callback(_quietly, ckpt.close)
   profiler = perf.Profiler(cfg.log, workdir, is_primary=primary)

@@ -230,6 +230,21 @@ def test_pipeline_stages_across_two_processes_match_one_process(tmp_path, data_c
 
 
 @pytest.mark.slow
+def test_context_across_two_processes_matches_one_process(tmp_path, data_cache, reference):
+  """mesh.dcn_context=2: every sequence split between the two processes, which therefore read the same rows
+  (sharding.row_share) and each place their half of them; the losses and the eval loss equal the 1-process run."""
+  workdir = tmp_path / 'run'
+  out = subprocess.run(local_command(workdir, *overrides(data_cache, '--config.mesh.dcn_context=2')),
+                       cwd=ROOT, env=train_env(DEVICES), capture_output=True, text=True, timeout=900)
+  text = out.stdout + out.stderr
+  assert out.returncode == 0, text[-5000:]
+  assert "mesh: {'data': 1, 'fsdp': 4, 'tensor': 1, 'context': 2}" in text, text[-5000:]
+  assert_matches(workdir, reference, [5, 10, 15, 20, 25, 30])
+  saved = workdir / 'checkpoints' / '30'
+  assert sorted(p.name for p in (saved / 'data').glob('process_*')) == ['process_0-of-2.json', 'process_1-of-2.json']
+
+
+@pytest.mark.slow
 def test_sigterm_to_one_process_stops_every_process_after_the_same_step(tmp_path, data_cache):
   # A preemption notice that reaches one process only: both must checkpoint the same step and exit 0.
   workdir = tmp_path / 'run'
