@@ -54,6 +54,8 @@ BAD = [
     ('data.seq_len (context)', dict(data=dict(seq_len=60), mesh=dict(fsdp=-1, context=4)),
      'not divisible by 2 × mesh.context = 2×4'),
     ('mesh.context', dict(mesh=dict(data=1, fsdp=1, tensor=1, context=3)), 'does not match the 8 devices'),
+    ('data.seq_len (tensor)', dict(data=dict(seq_len=36), mesh=dict(fsdp=1, tensor=4, context=2)),
+     'not divisible by mesh.context × mesh.tensor = 2×4'),
 ]
 
 
