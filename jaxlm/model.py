@@ -418,9 +418,11 @@ class Decoder(nn.Module):
     D, V = m.d_model, m.vocab_size
     # PaLM: N(0, 1) embeddings, since no norm follows the lookup; logits are then scaled by 1/sqrt(D) when tied.
     embedding = _param(self, 'embedding', ('vocab', 'embed'), (V, D), 1.0, m)
-    # Gather from a replicated view of the table: a gather from a vocab-split table makes XLA rematerialise
-    # the whole result, and FSDP all-gathers every weight before use anyway.
-    table = nn.with_logical_constraint(embedding, (None, None))
+    # Gather from a view of the table whole along V and split along D over tensor: a gather from a vocab-split
+    # table makes XLA rematerialise the whole result, and a replicated view would hold the whole (V, D) table,
+    # and backward its whole float32 gradient, on every device. The looked-up rows then move to the residual
+    # stream's sequence split (an all-to-all over tensor).
+    table = nn.with_logical_constraint(embedding, (None, 'act_table_embed'))
     x = jnp.take(table, inputs, axis=0).astype(m.dtype)  # (B, T, D)
     x = nn.with_logical_constraint(x, RESIDUAL)
 

@@ -51,6 +51,7 @@ RULES = (
     # (sequence parallelism). data.seq_len must divide by context × tensor (config validation, as Megatron
     # asserts); a length that does not (a sampled prompt) is still computed right, only not evenly split.
     ('act_res_seq', ('context', 'tensor')),
+    ('act_table_embed', 'tensor'),  # the embedding table's view that tokens are looked up in (model.Decoder)
     ('act_embed', None),
     ('act_heads', 'tensor'),
     ('act_kv', None),

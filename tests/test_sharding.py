@@ -91,10 +91,9 @@ def test_check_sharded_rejects_replicated_params():
     sharding.check_sharded(program.abstract_state.params, replicated, mesh)
 
 
-def test_residual_stream_is_sequence_split_over_tensor():
-  # Megatron's sequence parallelism: between layers each device holds T/tensor of its rows' tokens. Under
-  # remat=full the step keeps every layer's input for the backward, a (L, B/fsdp, T/tensor, D) stack; without
-  # the split it would be (L, B/fsdp, T, D), the same on every tensor device.
+@functools.cache
+def _remat_step_hlo() -> str:
+  """The compiled train step of a 3-layer remat=full odd_config on (data 1, fsdp 4, tensor 2), T = 24, B = 4."""
   cfg = odd_config()
   cfg.model.update(num_layers=3, remat='full')
   cfg.data.seq_len, cfg.train.batch_size = 24, 4
@@ -103,9 +102,24 @@ def test_residual_stream_is_sequence_split_over_tensor():
   with sharding.activate(mesh):
     program = plain_program(cfg, mesh)
     batch = step.abstract_batch(4, 24, program.batch_sharding)
-    hlo = program.train_step.lower(program.abstract_state, batch).compile().as_text()
+    return program.train_step.lower(program.abstract_state, batch).compile().as_text()
+
+
+def test_residual_stream_is_sequence_split_over_tensor():
+  # Megatron's sequence parallelism: between layers each device holds T/tensor of its rows' tokens. Under
+  # remat=full the step keeps every layer's input for the backward, a (L, B/fsdp, T/tensor, D) stack; without
+  # the split it would be (L, B/fsdp, T, D), the same on every tensor device.
+  hlo = _remat_step_hlo()
   assert 'f32[3,1,12,56]' in hlo, 'no (L, B/fsdp, T/tensor, D) stack of layer inputs'
   assert 'f32[3,1,24,56]' not in hlo, 'layer inputs kept whole along the sequence on each tensor device'
+
+
+def test_embedding_lookup_holds_one_tensor_share_of_the_table():
+  # Tokens are looked up in a (V, D/tensor) view, and the lookup's gradient is scattered into one: no device
+  # holds the whole (V, D) table or its whole float32 gradient (at PaLM 540B's 256k × 18432, 17.6 GiB).
+  hlo = _remat_step_hlo()
+  assert 'f32[398,28]' in hlo
+  assert 'f32[398,56]' not in hlo, 'a whole (V, D) table on one device'
 
 
 def test_a_length_tensor_does_not_divide_still_gives_the_same_logits():
