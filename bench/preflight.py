@@ -26,8 +26,8 @@ ROWS = [
     ('palm_8b', 'v4:4x4x2', 1, 'v4-64'),
     ('palm_8b', 'v5p:4x4x2', 1, 'v5p-64'),
     ('palm_62b', 'v4:8x8x8', 1, 'v4-1024'),
-    # 1536 hosts: the batch must be a multiple of them (2048 is not); 256000 vocab splits 16 ways, not 12.
-    ('palm_540b', 'v4:16x16x12', 2, '2 × v4-6144 (PaLM)', (1, 192, 16), 3072),
+    # 1536 hosts: the batch must be a multiple of them (the config's 3072 is); 256000 vocab splits 16 ways, not 12.
+    ('palm_540b', 'v4:16x16x12', 2, '2 × v4-6144 (PaLM)', (1, 192, 16)),
 ]
 
 

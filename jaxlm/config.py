@@ -191,6 +191,12 @@ def _mesh_errors(c, num_devices: int, num_processes: int, num_slices: int) -> li
     e.append(f'model.attention_block_q={block_q} does not divide the {c.data.seq_len // context} query rows of '
              f'each context shard (data.seq_len={c.data.seq_len} / mesh.context={context}); use a divisor of '
              f'{c.data.seq_len // context}, or 0.')
+  if tensor > 1 and c.data.seq_len > 0 and c.data.seq_len % (context * tensor):
+    # As Megatron asserts seq_length % tensor_parallel_size == 0 under --sequence-parallel: an uneven split
+    # would leave the residual stream padded or whole, silently losing the memory the tensor axis should save.
+    e.append(f'data.seq_len={c.data.seq_len} is not divisible by mesh.context × mesh.tensor = {context}×{tensor}: '
+             f'between layers each sequence is split over context and then tensor (sequence parallelism); use a '
+             f'seq_len that is a multiple of {context * tensor}, or a smaller mesh.tensor.')
   if context > 1 and shape.stages > 1:
     e.append(f'mesh.context={context} with mesh.stage={shape.stages}: context parallelism does not run inside '
              f'a pipeline yet; use one of them (mesh.context=1 or mesh.stage=1).')

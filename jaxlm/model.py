@@ -9,6 +9,7 @@ device mesh. Parameters are stored in `param_dtype` (float32 master weights) and
 """
 
 import dataclasses
+import functools
 import math
 
 import flax.linen as nn
@@ -323,6 +324,49 @@ class SwiGLU(nn.Module):
     return project(tokens(h), w_down.astype(dt), 'down', m).reshape(B, T, D)
 
 
+# The residual stream between layers, (B, T, D): its sequence split over context and tensor (sharding.RULES);
+# GATHERED: the same activation whole along the sequence but for context, as the layer's matmuls take it.
+RESIDUAL = ('act_batch', 'act_res_seq', 'act_embed')
+GATHERED = ('act_batch', 'act_seq', 'act_embed')
+
+
+def gathered(h):
+  """A norm's output (B, T, D) made whole along the sequence (but for context) for the input matmuls."""
+  return nn.with_logical_constraint(h, GATHERED)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather_cotangent(y, spec):
+  return y
+
+
+def _gather_cotangent_fwd(y, spec):
+  return y, None
+
+
+def _gather_cotangent_bwd(spec, _, dy):
+  return (jax.lax.with_sharding_constraint(dy, spec),)
+
+
+_gather_cotangent.defvjp(_gather_cotangent_fwd, _gather_cotangent_bwd)
+
+
+def to_residual(y):
+  """An output projection's (B, T, D) on its way into the residual stream: itself, with its gradient gathered.
+
+  Forward, the partial sums over tensor go straight to the residual's sequence split (Megatron's reduce-scatter;
+  XLA may all-reduce and keep its slice instead, where the flattened (N, D) product hides the sequence axis).
+  Backward, the residual's gradient arrives sequence-split; left alone, XLA:SPMD feeds it to the output
+  projections' weight gradients by replicating it whole (an "involuntary full rematerialization" of the global
+  (N, D)), so it is made whole along the sequence here first, one all-gather: Megatron's backward of its
+  reduce-scatter. The spec is resolved now, under the rules the forward runs with (a pipeline stage's).
+  """
+  rules = nn.get_logical_axis_rules()
+  if not rules or jax.sharding.get_abstract_mesh().empty:
+    return y
+  return nn.with_logical_constraint(_gather_cotangent(y, nn.logical_to_mesh_axes(GATHERED, rules)), RESIDUAL)
+
+
 class Block(nn.Module):
   """One decoder layer: PaLM's parallel block, or the sequential pre-norm block when parallel_block=False."""
   config: ModelConfig
@@ -332,14 +376,21 @@ class Block(nn.Module):
   def __call__(self, x, segment_ids, positions):  # x: (B, T, D)
     m = self.config
     drop = nn.Dropout(m.dropout_rate, deterministic=self.deterministic)
+    # x arrives sequence-split over tensor (RESIDUAL, Megatron's sequence parallelism): the norms and residual
+    # adds run on T/tensor tokens per device; `gathered` makes each norm's output whole along the sequence for
+    # the input matmuls (one all-gather), and `to_residual` returns the output projections' partial sums to
+    # the split.
     if m.parallel_block:
       # PaLM: y = x + Attn(LN(x)) + MLP(LN(x)); the two input matmuls can fuse (PaLM reports it faster at scale).
-      h = Norm(m, rms=False, name='norm')(x)
-      x = x + drop(Attention(m, name='attention')(h, segment_ids, positions)) + drop(SwiGLU(m, name='mlp')(h))
+      h = gathered(Norm(m, rms=False, name='norm')(x))
+      attn, mlp = Attention(m, name='attention')(h, segment_ids, positions), SwiGLU(m, name='mlp')(h)
+      x = x + drop(to_residual(attn)) + drop(to_residual(mlp))
     else:
-      x = x + drop(Attention(m, name='attention')(Norm(m, rms=True, name='attn_norm')(x), segment_ids, positions))
-      x = x + drop(SwiGLU(m, name='mlp')(Norm(m, rms=True, name='mlp_norm')(x)))
-    x = nn.with_logical_constraint(x, ('act_batch', 'act_seq', 'act_embed'))
+      h = gathered(Norm(m, rms=True, name='attn_norm')(x))
+      x = x + drop(to_residual(Attention(m, name='attention')(h, segment_ids, positions)))
+      x = nn.with_logical_constraint(x, RESIDUAL)
+      x = x + drop(to_residual(SwiGLU(m, name='mlp')(gathered(Norm(m, rms=True, name='mlp_norm')(x)))))
+    x = nn.with_logical_constraint(x, RESIDUAL)
     return x, None  # (carry, output) as nn.scan wants
 
 
@@ -368,11 +419,13 @@ class Decoder(nn.Module):
     D, V = m.d_model, m.vocab_size
     # PaLM: N(0, 1) embeddings, since no norm follows the lookup; logits are then scaled by 1/sqrt(D) when tied.
     embedding = _param(self, 'embedding', ('vocab', 'embed'), (V, D), 1.0, m)
-    # Gather from a replicated view of the table: a gather from a vocab-split table makes XLA rematerialise
-    # the whole result, and FSDP all-gathers every weight before use anyway.
-    table = nn.with_logical_constraint(embedding, (None, None))
+    # Gather from a view of the table whole along V and split along D over tensor: a gather from a vocab-split
+    # table makes XLA rematerialise the whole result, and a replicated view would hold the whole (V, D) table,
+    # and backward its whole float32 gradient, on every device. The looked-up rows then move to the residual
+    # stream's sequence split (an all-to-all over tensor).
+    table = nn.with_logical_constraint(embedding, (None, 'act_table_embed'))
     x = jnp.take(table, inputs, axis=0).astype(m.dtype)  # (B, T, D)
-    x = nn.with_logical_constraint(x, ('act_batch', 'act_seq', 'act_embed'))
+    x = nn.with_logical_constraint(x, RESIDUAL)
 
     block = Block
     if m.remat != 'none':
@@ -385,7 +438,7 @@ class Decoder(nn.Module):
       policy = REMAT_POLICIES.get(m.remat)
       x = pipeline_lib.run(layer, self.variables['params']['layers'], x, segment_ids, positions, rng,
                            self.pipeline, policy)
-      x = nn.with_logical_constraint(x, ('act_batch', 'act_seq', 'act_embed'))
+      x = nn.with_logical_constraint(x, RESIDUAL)
     elif m.scan_layers:
       # One compiled layer body applied L times; parameters get a leading `layers` axis.
       stack = nn.scan(block, variable_axes={'params': 0, FP8: 0}, split_rngs={'params': True, 'dropout': True},
@@ -396,7 +449,7 @@ class Decoder(nn.Module):
       for i in range(m.num_layers):
         x, _ = block(m, deterministic, name=f'layers_{i}')(x, segment_ids, positions)
 
-    x = Norm(m, rms=not m.parallel_block, name='final_norm')(x)
+    x = gathered(Norm(m, rms=not m.parallel_block, name='final_norm')(x))
     B, T, _ = x.shape
     if m.tie_embeddings:
       # The 1/sqrt(D) goes on the (N, D) input, not the (N, V) logits: the same product, one pass fewer over

@@ -113,7 +113,8 @@ def run(layer: Callable, params, x, segment_ids, positions, rng, lay: Layout, po
       p.reshape(R, S, Lc, *p.shape[1:]),
       jax.sharding.PartitionSpec(None, sharding.STAGE, None, *[free] * (p.ndim - 1))),
       params)
-  act = ('act_batch', 'act_seq', 'act_embed')
+  act = ('act_batch', 'act_res_seq', 'act_embed')  # the stage buffer holds the residual stream (model.RESIDUAL)
+  tok = ('act_batch', 'act_seq')  # segment ids and positions, whole along the sequence but for context
   xs = split(x, M)  # (M, mb, T, D)
   seg, pos = split(segment_ids, M), split(positions, M)  # (M, mb, T)
 
@@ -141,8 +142,8 @@ def run(layer: Callable, params, x, segment_ids, positions, rng, lay: Layout, po
     first = stage_ids == 0
     take = lambda new, old: jnp.where(first.reshape(-1, *[1] * (old.ndim - 1)), new[None], jnp.roll(old, 1, axis=0))
     h = sharding.constrain_stages(take(buf[jnp.mod(t, M)], prev), act)
-    seg_now = sharding.constrain_stages(take(seg[jnp.mod(t, M)], prev_seg), act[:2])
-    pos_now = sharding.constrain_stages(take(pos[jnp.mod(t, M)], prev_pos), act[:2])
+    seg_now = sharding.constrain_stages(take(seg[jnp.mod(t, M)], prev_seg), tok)
+    pos_now = sharding.constrain_stages(take(pos[jnp.mod(t, M)], prev_pos), tok)
     w_now = jax.tree.map(lambda p: p[0] if R == 1 else jax.vmap(lambda ps, r: ps[r], in_axes=(1, 0))(p, repeat), w)
     with sharding.in_stage():
       out = jax.vmap(stage_fn, spmd_axis_name=sharding.STAGE)(
@@ -155,7 +156,7 @@ def run(layer: Callable, params, x, segment_ids, positions, rng, lay: Layout, po
     buf = buf.at[slot].set(jnp.where(valid, out[S - 1], buf[slot]))
     return ((out, seg_now, pos_now), buf), None
 
-  zeros = lambda a: sharding.constrain_stages(jnp.zeros((S, *a.shape[1:]), a.dtype), act[:a.ndim - 1])
-  init = ((zeros(xs), zeros(seg), zeros(pos)), xs)
+  zeros = lambda a, names: sharding.constrain_stages(jnp.zeros((S, *a.shape[1:]), a.dtype), names)
+  init = ((zeros(xs, act), zeros(seg, tok), zeros(pos, tok)), xs)
   (_, buf), _ = jax.lax.scan(iteration, init, jnp.arange(lay.iterations))
   return merge(buf)

@@ -4,7 +4,11 @@ Mesh axes:
   data    plain data parallelism: parameters replicated, batch split.
   fsdp    fully-sharded data parallelism (ZeRO-3): batch split, and parameters + optimizer state split along
           `embed`, gathered layer by layer inside the step.
-  tensor  Megatron tensor parallelism: attention heads, MLP hidden and vocabulary split.
+  tensor  Megatron tensor parallelism: attention heads, MLP hidden and vocabulary split; between layers the
+          residual stream is split along the sequence over it too (`act_res_seq`, Megatron's sequence
+          parallelism, Korthikanti et al. 2022), so norms, residual adds and the layer inputs remat keeps are
+          not replicated: each norm's output is all-gathered for the input matmuls, and the output
+          projections' partial sums end split again (model.gathered, model.to_residual).
   stage   pipeline parallelism (jaxlm/pipeline.py): consecutive layers on each stage, microbatches flowing
           through. Outermost, and present only when mesh.stage × mesh.dcn_stage > 1, so an unpipelined mesh
           (and every PartitionSpec on it) is exactly (data, fsdp, tensor).
@@ -44,6 +48,11 @@ RULES = (
     # Activations.
     ('act_batch', ('data', 'fsdp')),
     ('act_seq', 'context'),
+    # The residual stream between layers (and a norm's input): the sequence over context, then over tensor
+    # (sequence parallelism). data.seq_len must divide by context × tensor (config validation, as Megatron
+    # asserts); a length that does not (a sampled prompt) is still computed right, only not evenly split.
+    ('act_res_seq', ('context', 'tensor')),
+    ('act_table_embed', 'tensor'),  # the embedding table's view that tokens are looked up in (model.Decoder)
     ('act_embed', None),
     ('act_heads', 'tensor'),
     ('act_kv', None),

@@ -56,6 +56,8 @@ BAD = [
     ('mesh.context', dict(mesh=dict(data=1, fsdp=1, tensor=1, context=3)), 'does not match the 8 devices'),
     ('model.attention_block_q', dict(model=dict(attention_block_q=24), mesh=dict(fsdp=-1, context=2)),
      'does not divide the 32 query rows of each context shard'),
+    ('data.seq_len (tensor)', dict(data=dict(seq_len=36), mesh=dict(fsdp=1, tensor=4, context=2)),
+     'not divisible by mesh.context × mesh.tensor = 2×4'),
 ]
 
 

@@ -9,7 +9,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxlm import sharding, train
+from jaxlm import sharding, step, train
 from tests.helpers import grid, odd_config, plain_program, random_batch
 
 MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 4, 2)]
@@ -89,3 +89,51 @@ def test_check_sharded_rejects_replicated_params():
   sharding.check_sharded(program.abstract_state.params, program.state_shardings.params, mesh)
   with pytest.raises(AssertionError, match='not sharded as asked'):
     sharding.check_sharded(program.abstract_state.params, replicated, mesh)
+
+
+@functools.cache
+def _remat_step_hlo() -> str:
+  """The compiled train step of a 3-layer remat=full odd_config on (data 1, fsdp 4, tensor 2), T = 24, B = 4."""
+  cfg = odd_config()
+  cfg.model.update(num_layers=3, remat='full')
+  cfg.data.seq_len, cfg.train.batch_size = 24, 4
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, 4, 2
+  mesh = sharding.make_mesh(cfg.mesh)
+  with sharding.activate(mesh):
+    program = plain_program(cfg, mesh)
+    batch = step.abstract_batch(4, 24, program.batch_sharding)
+    return program.train_step.lower(program.abstract_state, batch).compile().as_text()
+
+
+def test_residual_stream_is_sequence_split_over_tensor():
+  # Megatron's sequence parallelism: between layers each device holds T/tensor of its rows' tokens. Under
+  # remat=full the step keeps every layer's input for the backward, a (L, B/fsdp, T/tensor, D) stack; without
+  # the split it would be (L, B/fsdp, T, D), the same on every tensor device.
+  hlo = _remat_step_hlo()
+  assert 'f32[3,1,12,56]' in hlo, 'no (L, B/fsdp, T/tensor, D) stack of layer inputs'
+  assert 'f32[3,1,24,56]' not in hlo, 'layer inputs kept whole along the sequence on each tensor device'
+
+
+def test_embedding_lookup_holds_one_tensor_share_of_the_table():
+  # Tokens are looked up in a (V, D/tensor) view, and the lookup's gradient is scattered into one: no device
+  # holds the whole (V, D) table or its whole float32 gradient (at PaLM 540B's 256k × 18432, 17.6 GiB).
+  hlo = _remat_step_hlo()
+  assert 'f32[398,28]' in hlo
+  assert 'f32[398,56]' not in hlo, 'a whole (V, D) table on one device'
+
+
+def test_a_length_tensor_does_not_divide_still_gives_the_same_logits():
+  # Sampling feeds prompts of any length: the residual's sequence split cannot be even there, and XLA must
+  # still compute the unsplit model's logits.
+  cfg = odd_config()
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, 4, 2
+  mesh = sharding.make_mesh(cfg.mesh)
+  tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (4, 13)).astype(np.int32)
+  segments, positions = np.ones_like(tokens), np.broadcast_to(np.arange(13, dtype=np.int32), tokens.shape)
+  with sharding.activate(mesh):
+    program = plain_program(cfg, mesh)
+    params = program.init().params
+    forward = jax.jit(lambda p, x, s, q: program.model.apply({'params': p}, x, s, q))
+    split = forward(params, tokens, segments, positions)
+  whole = program.model.apply({'params': jax.device_get(params)}, tokens, segments, positions)
+  np.testing.assert_allclose(np.asarray(split), np.asarray(whole), rtol=1e-5, atol=1e-5)
