@@ -65,3 +65,12 @@ def pytest_collection_modifyitems(config, items):
             for d in (fixtures.name2fixturedefs.get(name) or ())]
     if any(_starts_processes(f, seen) for f in [getattr(item, 'function', None), *defs] if f is not None):
       item.add_marker(pytest.mark.e2e)
+
+
+def pytest_configure(config):
+  """JAX's persistent compilation cache in pytest's cache folder: a rerun of the loop loads the programs an
+  earlier run compiled (keyed by the program and the compiler, so a changed program compiles afresh)."""
+  cache = getattr(config, 'cache', None)  # None under -p no:cacheprovider
+  if cache is not None:
+    jax.config.update('jax_compilation_cache_dir', str(cache.mkdir('jax_compilation_cache')))
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.2)
