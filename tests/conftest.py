@@ -65,9 +65,6 @@ def pytest_collection_modifyitems(config, items):
             for d in (fixtures.name2fixturedefs.get(name) or ())]
     if any(_starts_processes(f, seen) for f in [getattr(item, 'function', None), *defs] if f is not None):
       item.add_marker(pytest.mark.e2e)
-  # The e2e tests first (each group in its collection order): under -n 2 the long tests then start early and the
-  # run ends on the short ones, rather than one worker idling while the other finishes a long test.
-  items.sort(key=lambda item: not item.get_closest_marker('e2e'))
 
 
 def pytest_configure(config):
