@@ -292,8 +292,7 @@ def context_ways() -> int:
   if mesh.empty:
     return 1
   (axes,) = nn.logical_to_mesh_axes(('act_seq',))
-  axes = (axes,) if isinstance(axes, str) else (axes or ())
-  return math.prod(mesh.shape[a] for a in axes)
+  return sharding.ways(mesh, axes)
 
 
 def gather_sequence(x):

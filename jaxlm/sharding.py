@@ -260,9 +260,8 @@ def row_share(batch_sharding: NamedSharding) -> tuple[int, int]:
   the same share, and each device takes its part of the sequence from the whole rows. One process: (0, 1).
   """
   mesh, (rows_axes, seq_axes) = batch_sharding.mesh, batch_sharding.spec
-  ways = lambda axes: math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))  # noqa: E731
-  n = ways(rows_axes)
-  indices = batch_sharding.addressable_devices_indices_map((n, ways(seq_axes))).values()
+  n = ways(mesh, rows_axes)
+  indices = batch_sharding.addressable_devices_indices_map((n, ways(mesh, seq_axes))).values()
   held = {index[0].indices(n)[:2] for index in indices}  # (start, stop) of each local device's rows
   lo, hi = min(start for start, _ in held), max(stop for _, stop in held)
   if sum(stop - start for start, stop in held) < hi - lo:  # a gap: the mesh does not give each host a block
@@ -276,7 +275,11 @@ def context_size(mesh=None) -> int:
   mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
   if mesh.empty:
     return 1
-  axes = dict(RULES)['act_seq']
+  return ways(mesh, dict(RULES)['act_seq'])
+
+
+def ways(mesh, axes) -> int:
+  """How many parts a PartitionSpec entry (an axis name, a tuple of them, or None) cuts a dimension into."""
   return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
 
 
