@@ -258,8 +258,30 @@ def format_memory(memory: dict) -> str:
   return ', '.join(f'{k.removesuffix("_bytes")} {format_bytes(v)}' for k, v in memory.items())
 
 
+# Why the persistent cache stays off on a CPU backend with several devices (issue #32; README, Testing): an
+# XLA:CPU executable read back from the cache (jaxlib 0.10.2) runs independent collectives of one device at the
+# same time, where the one it compiles runs them one after another; each waiting collective blocks one thread of
+# the intra-op pool, which has one thread per device. When one group of devices runs ahead, as in the first step
+# (data 2 x fsdp 4: one fsdp group reaches the all-8 all-reduce of the loss denominator and the final norm's
+# all-gather, both at once, while the other group is still in its first layer), it holds every thread, the
+# others never reach the rendezvous, and XLA aborts the process after 40 s.
+CPU_MESH_CACHE_OFF = ('off on a multi-device CPU mesh: XLA:CPU executables read back from the cache can run one '
+                      "device's collectives concurrently and deadlock (README, Testing)")
+
+
+def compilation_cache_safe() -> bool:
+  """Whether programs of this backend may be read back from the persistent cache (see CPU_MESH_CACHE_OFF)."""
+  return not (jax.default_backend() == 'cpu' and jax.device_count() > 1)
+
+
 def enable_compilation_cache(log_cfg) -> str | None:
-  """Turns on JAX's persistent compilation cache at `log.compilation_cache`; call before the first compile."""
+  """Turns on JAX's persistent compilation cache at `log.compilation_cache`; call before the first compile.
+
+  None when it is off: not configured, or a multi-device CPU backend (CPU_MESH_CACHE_OFF says why).
+  """
+  if not compilation_cache_safe():
+    jax.config.update('jax_enable_compilation_cache', False)  # a directory set by the environment included
+    return None
   path = os.path.expanduser(log_cfg.compilation_cache)
   if not path:
     return None

@@ -81,7 +81,7 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
   """Everything before the first step; each piece registers its own shutdown on `shutdown`."""
   acct = perf.TimeAccounting()  # wall time from process start: start-up counts against goodput
   t = cfg.train
-  perf.enable_compilation_cache(cfg.log)
+  cache = perf.enable_compilation_cache(cfg.log)
   mesh = sharding.make_mesh(cfg.mesh)
   primary = jax.process_index() == 0
   log = metrics_lib.MetricsLogger(workdir, cfg.log, total_steps=t.steps, is_primary=primary, config=cfg)
@@ -92,6 +92,8 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
   say(f'config:\n{cfg}')
   say(f'mesh: {dict(mesh.shape)} on {mesh.size} {jax.devices()[0].device_kind} devices')
   say(f'bit-reproducible: {reproducibility(t, jax.devices()[0].platform)}')
+  if cfg.log.compilation_cache:
+    say(f'compilation cache: {cache or perf.CPU_MESH_CACHE_OFF}')
   program = step_lib.build_program(cfg, mesh)
   say(f'parameters ({model_lib.param_count(program.model.config):,}):\n'
       + sharding.param_table(program.abstract_state.params, program.state_shardings.params))

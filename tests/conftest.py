@@ -68,9 +68,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
-  """JAX's persistent compilation cache in pytest's cache folder: a rerun of the loop loads the programs an
-  earlier run compiled (keyed by the program and the compiler, so a changed program compiles afresh)."""
-  cache = getattr(config, 'cache', None)  # None under -p no:cacheprovider
-  if cache is not None:
-    jax.config.update('jax_compilation_cache_dir', str(cache.mkdir('jax_compilation_cache')))
-    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.2)
+  """No persistent compilation cache: on this 8-device CPU mesh an executable read back from it can run one
+  device's collectives concurrently and deadlock the test (jaxlm/perf.py, CPU_MESH_CACHE_OFF; issue #32). The
+  trainer subprocesses keep it off by the same rule."""
+  del config
+  jax.config.update('jax_enable_compilation_cache', False)

@@ -111,3 +111,42 @@ def test_deterministic_sets_xla_flags_and_the_report_says_when_runs_are_bit_for_
   assert os.environ['XLA_FLAGS'].split() == ['--xla_force_host_platform_device_count=8',
                                              '--xla_gpu_deterministic_ops=true']
   assert train.reproducibility(t, 'gpu').startswith('yes')
+
+
+# The first steps of a data 2 x fsdp 4 run, each from a fresh init (the trainer's start), in a process that
+# turns on the compilation cache the way the trainer does. Run twice on one cache directory: with the cache on,
+# the second process read the train step back from it and aborted in a rendezvous within a few steps (issue #32).
+_FIRST_STEPS = '''
+import sys
+import jax, ml_collections, numpy as np
+from jaxlm import perf, sharding, step
+from tests.helpers import load_config, random_batch
+perf.enable_compilation_cache(ml_collections.ConfigDict({'compilation_cache': sys.argv[1]}))
+jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)  # what the trainer caches at >= 1 s
+cfg = load_config('palm_tiny')
+cfg.model.update(dtype='float32', parallel_block=False)
+cfg.train.update(steps=100, batch_size=8)
+cfg.mesh.update(data=2, fsdp=4, tensor=1)
+mesh = sharding.make_mesh(cfg.mesh)
+program = step.build_program(cfg, mesh)
+batch = step.global_batch(random_batch(8, cfg.data.seq_len, cfg.model.vocab_size), program.batch_sharding)
+compiled = program.train_step.lower(program.abstract_state, step.abstract_batch(8, cfg.data.seq_len,
+                                                                               program.batch_sharding)).compile()
+losses = set()
+for _ in range(int(sys.argv[2])):
+  state, metrics = compiled(program.init(), batch)  # no wait between init and step, as in the trainer
+  losses.add(float(metrics['loss']))
+print('losses', sorted(losses))
+'''
+
+
+def test_first_steps_on_data2_fsdp4_never_deadlock(tmp_path):
+  cache = tmp_path / 'xla'
+  env = dict(train_env(8), XLA_FLAGS='--xla_force_host_platform_device_count=8 '
+             '--xla_cpu_collective_call_terminate_timeout_seconds=10')  # a deadlock fails in 10 s, not 40
+  outs = [subprocess.run([sys.executable, '-c', _FIRST_STEPS, str(cache), '30'], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=400) for _ in range(2)]
+  for out in outs:
+    assert out.returncode == 0, out.stderr[-3000:]
+  assert outs[0].stdout == outs[1].stdout and outs[0].stdout.count(',') == 0  # one loss, the same in both
+  assert not cache.exists() or not os.listdir(cache)  # nothing cached on a multi-device CPU mesh
