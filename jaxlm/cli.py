@@ -5,10 +5,13 @@ in `main`, ends with one line `jaxlm: <what>; <fix>` on stderr and the error's e
 traceback.
 """
 
+import ctypes
 import difflib
 import importlib.util
 import os
 import re
+import signal
+import subprocess
 import sys
 from typing import Callable, NoReturn
 
@@ -121,3 +124,34 @@ def run(main: Callable[[list[str]], int | None], *, define: Callable[[], None] |
       fail(e)
 
   app.run(wrapped, flags_parser=_parse_flags)
+
+
+WATCHED = 'JAXLM_WATCHED'  # set in the child that a watcher runs
+
+
+def run_watched() -> None:
+  """Runs this very command again in a child process and ends this process as the child ended; returns in the child.
+
+  JAX and XLA end a process they cannot keep consistent with abort() from a C++ thread (a collective whose peers
+  never arrived, a lost coordination-service peer): nothing in that process can print jaxlm's last line, so the
+  parent does, as launch/local.sh does for a job. Linux only (the child dies with its parent through
+  PR_SET_PDEATHSIG, so a SIGKILL of this process ends the run as before); elsewhere the command runs unwatched.
+  """
+  if os.environ.get(WATCHED) or not sys.platform.startswith('linux'):
+    return
+  libc = ctypes.CDLL(None, use_errno=True)
+  pr_set_pdeathsig = 1
+  child = subprocess.Popen([sys.executable, *sys.orig_argv[1:]], env={**os.environ, WATCHED: '1'},
+                           preexec_fn=lambda: libc.prctl(pr_set_pdeathsig, signal.SIGKILL))
+  for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+    signal.signal(sig, lambda signum, _: child.send_signal(signum))  # preemption notices reach the trainer
+  code = child.wait()
+  if code == -signal.SIGABRT:
+    print('jaxlm: JAX/XLA aborted the run (SIGABRT; the lines above say why: a collective whose peers never '
+          'arrived, or a lost peer); restart from the newest checkpoint with the same command '
+          '(jaxlm.cluster.supervise restarts for you)', file=sys.stderr, flush=True)
+    sys.exit(errors.HUNG_EXIT)
+  if code < 0:  # killed by a signal: end the same way, so a launcher sees what it would have seen
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+  sys.exit(code)

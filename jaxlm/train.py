@@ -5,6 +5,10 @@ Reads in the order a run goes: `start` (config report, mesh, program, data, comp
 runs, even when the run raises.
 """
 
+if __name__ == '__main__':  # the command runs in a child its watcher waits for; start it before JAX loads (cli.py)
+  from jaxlm import cli as _watch
+  _watch.run_watched()
+
 import contextlib
 import dataclasses
 import os
@@ -383,7 +387,8 @@ def main(argv):
 
 
 def console() -> None:
-  """The command line (also the console script in pyproject.toml)."""
+  """The command line (also the console script in pyproject.toml), in a child that a watcher process waits for."""
+  cli.run_watched()
   cli.run(main, required=('config',))
 
 

@@ -14,6 +14,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import psutil
 import pytest
 
 from jaxlm import checkpoint as checkpoint_lib
@@ -79,8 +80,10 @@ def test_sigkill_at_several_steps_resumes_bit_for_bit(reference, tmp_path, data_
   for kill_after in (6, 15):  # two kills, at unrelated points of the checkpoint interval
     proc = _start(tmp_path, data_cache)
     _wait_for_step(proc, tmp_path, kill_after)
+    trainer = _trainer_of(proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    trainer.wait(timeout=10)  # the trainer a watcher ran dies with it: nothing trains on behind a kill -9
   out = _run(tmp_path, data_cache)
   assert 'resumed from checkpoint step' in out.stdout
   expected = {step: losses[0] for step, losses in _losses(reference).items()}
@@ -91,6 +94,30 @@ def test_sigkill_at_several_steps_resumes_bit_for_bit(reference, tmp_path, data_
   a, b = _final_params(reference), _final_params(tmp_path)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(x, y)
+
+
+def _trainer_of(proc) -> psutil.Process:
+  """The training process that `python -m jaxlm.train` (its watcher, cli.run_watched) runs as its child."""
+  children = psutil.Process(proc.pid).children()
+  assert len(children) == 1 and children[0].environ().get('JAXLM_WATCHED') == '1', children
+  return children[0]
+
+
+def test_an_abort_inside_jax_ends_with_one_jaxlm_line_and_the_restart_code(tmp_path, data_cache):
+  # JAX/XLA end a process with abort() from a C++ thread (a rendezvous whose peers never arrive, a lost peer):
+  # SIGABRT, which no Python code in that process outlives. Its watcher prints the last line.
+  proc = _start(tmp_path, data_cache)
+  _wait_for_step(proc, tmp_path, 5)
+  deadline = time.time() + 120
+  while not (tmp_path / 'checkpoints' / '4').is_dir() and time.time() < deadline:  # finalized, not '4.orbax-...-tmp'
+    time.sleep(0.05)
+  _trainer_of(proc).send_signal(signal.SIGABRT)
+  output = proc.communicate(timeout=120)[0]
+  assert proc.returncode == 75, output[-3000:]  # errors.HUNG_EXIT: a restart from the checkpoint may work
+  last = output.strip().splitlines()[-1]
+  assert last.startswith('jaxlm: JAX/XLA aborted the run (SIGABRT') and '; restart from the newest' in last, last
+  assert 'Traceback (most recent call last)' not in output
+  assert 'resumed from checkpoint step' in _run(tmp_path, data_cache).stdout  # and the same command resumes
 
 
 def test_sigterm_checkpoints_and_exits_zero(reference, tmp_path, data_cache):
