@@ -58,10 +58,12 @@ def mfu(tokens_per_s: float, flops_per_token: float, num_devices: int, device_ki
   return tokens_per_s * flops_per_token / (num_devices * peak)
 
 
-# Where time goes. 'step' is productive; everything else is badput. 'startup' is untracked time before the
-# first step (imports, init, restore not otherwise tracked), 'redo' is steps computed again after a resume or a
-# rollback, 'other' is untracked time after the first step (logging, Python overhead).
-TRACKED = ('step', 'compile', 'data', 'checkpoint', 'eval')
+# Where time goes. 'step' is productive; everything else is badput. 'checkpoint' is what saves (and restores)
+# block the loop for, 'final_save' the wait for the last save to reach the disk at the end of a run (a cost
+# that does not grow with the run, so it is kept apart). 'startup' is untracked time before the first step
+# (imports, init, restore not otherwise tracked), 'redo' is steps computed again after a resume or a rollback,
+# 'other' is untracked time after the first step (logging, Python overhead).
+TRACKED = ('step', 'compile', 'data', 'checkpoint', 'final_save', 'eval')
 BUCKETS = TRACKED + ('redo', 'startup', 'other')
 
 
@@ -139,8 +141,8 @@ class TimeAccounting:
     s = self.summary()
     rows = sorted(BUCKETS, key=lambda k: -s[f'{k}_s'])
     share = lambda k: s[f'{k}_s'] / s['wall_s'] if s['wall_s'] > 0 else 0.0  # noqa: E731
-    body = [('step (productive)' if k == 'step' else k, f'{s[f"{k}_s"]:.1f}s', f'{100 * share(k):.1f}%')
-            for k in rows]
+    label = {'step': 'step (productive)', 'final_save': 'final save'}
+    body = [(label.get(k, k), f'{s[f"{k}_s"]:.1f}s', f'{100 * share(k):.1f}%') for k in rows]
     return (f'time accounting: wall {duration(s["wall_s"])}, goodput {100 * s["goodput"]:.1f}%\n'
             + format_table(body, right=(False, True, True), indent='  '))
 

@@ -233,7 +233,7 @@ def loop(r: Run, state: step_lib.TrainState) -> dict:
       break
   distributed.disarm()  # the final save may take longer than a step
   r.profiler.stop(block_on=metrics)
-  with acct.track('checkpoint'):
+  with acct.track('final_save'):  # the last save reaching the disk (and its checksums): apart from the saves above
     r.ckpt.close()
   r.log.write(int(state.step), acct.summary(), kind='system')
   if jax.process_index() == 0:

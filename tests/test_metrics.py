@@ -256,6 +256,24 @@ def test_time_accounting_on_a_fake_clock():
   assert table.splitlines()[1].split() == ['compile', '10.0s', '26.3%']  # largest bucket first
 
 
+def test_the_final_save_is_accounted_apart_from_the_saves_during_the_run():
+  clock = FakeClock()
+  acct = perf.TimeAccounting(clock=clock, start=0.0)
+  for step in range(1, 5):
+    with acct.track('step'):
+      clock.advance(1.0)
+    with acct.track('checkpoint'):  # the loop's on_step: blocked for the copy when a save is due
+      clock.advance(0.5 if step % 2 == 0 else 0.0)
+  with acct.track('final_save'):  # close(): the last save reaching the disk
+    clock.advance(6.0)
+  s = acct.summary()
+  assert s['checkpoint_s'] == pytest.approx(1.0) and s['final_save_s'] == pytest.approx(6.0)
+  assert s['badput_final_save'] == pytest.approx(6.0 / 11.0) and s['goodput'] == pytest.approx(4.0 / 11.0)
+  assert s['goodput'] + sum(v for k, v in s.items() if k.startswith('badput_')) == pytest.approx(1.0)
+  rows = {line.split('  ')[1].strip(): line for line in acct.table().splitlines()[1:]}
+  assert rows['final save'].split()[-2:] == ['6.0s', '54.5%'] and rows['checkpoint'].split()[-2:] == ['1.0s', '9.1%']
+
+
 def test_time_accounting_before_the_first_step_is_startup():
   clock = FakeClock()
   acct = perf.TimeAccounting(clock=clock, start=0.0)
