@@ -253,8 +253,10 @@ class MetricsLogger:
     values = {k: _plain(v) for k, v in values.items() if v is not None}
     step = int(step)
     if kind == 'train':
-      now, eta = self._clock(), None
-      if self._last is not None and step > self._last[1] and self._total_steps:
+      # The trainer passes `eta_s` (jaxlm.perf.Eta: saves and evals priced apart from steps); without it, the
+      # time since the previous record, which a save or an eval in between inflates.
+      now, eta = self._clock(), values.get('eta_s')
+      if eta is None and self._last is not None and step > self._last[1] and self._total_steps:
         eta = (now - self._last[0]) / (step - self._last[1]) * (self._total_steps - step)
       self._last = (now, step)
       print(progress_line(step, self._total_steps, values, eta), flush=True)

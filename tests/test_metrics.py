@@ -274,6 +274,58 @@ def test_the_final_save_is_accounted_apart_from_the_saves_during_the_run():
   assert rows['final save'].split()[-2:] == ['6.0s', '54.5%'] and rows['checkpoint'].split()[-2:] == ['1.0s', '9.1%']
 
 
+def _steady_run(eta, total=600, log_every=25, save_every=100, eval_every=150, save_s=1.5, eval_s=2.0,
+                first_eval_extra_s=4.0, final_save_s=20.0):
+  """A steady run on a fake clock, in the loop's order (data, step, progress line, eval, save): yields
+  (clock, step, ETA from `eta`, ETA from the wall time between lines) at every progress line."""
+  clock = FakeClock()
+  acct = perf.TimeAccounting(clock=clock, start=0.0)
+  clock.advance(30.0)  # start-up
+  eta.begin(0, acct.summary())
+  last = None
+  for step in range(1, total + 1):
+    with acct.track('data'):
+      clock.advance(0.02)
+    with acct.track('step'):
+      clock.advance(0.43)
+    clock.advance(0.001)  # loop overhead: 'other'
+    if step % log_every == 0:
+      naive = (clock.t - last[0]) / (step - last[1]) * (total - step) if last else None
+      last = (clock.t, step)
+      yield clock.t, step, eta(step, acct.summary(), final_save_s=final_save_s), naive
+    if step % eval_every == 0 or step == total:
+      with acct.track('eval'):  # the first eval compiles the eval step too
+        clock.advance(eval_s + (first_eval_extra_s if step == eval_every else 0.0))
+    with acct.track('checkpoint'):
+      clock.advance(0.0005 + (save_s if step % save_every == 0 or step == total else 0.0))
+
+
+def test_eta_of_a_steady_run_moves_less_than_a_fifth_between_progress_lines():
+  """The predicted end (now + ETA) moves by < 20 % of the time left between consecutive lines, saves and evals
+  included; the ETA from the wall time between lines (what the progress line showed before) does not."""
+  eta = perf.Eta(600, save_every=100, eval_every=150, eval_batches=8)
+  lines = list(_steady_run(eta))
+  assert [l[1] for l in lines] == list(range(25, 601, 25))
+  for (t0, s0, e0, _), (t1, s1, e1, _) in zip(lines, lines[1:]):
+    assert abs((t1 + e1) - (t0 + e0)) < 0.2 * e0, (s0, e0, s1, e1)
+  end = lines[-1][0] + 2.0 + 1.5 + 20.0  # the last eval, save and final save still ahead of the last line
+  assert lines[0][2] == pytest.approx(end - lines[0][0], rel=0.1)  # right from the first line, within 10 %
+  naive_moves = [abs((t1 + n1) - (t0 + n0)) / n0 for (t0, _, _, n0), (t1, _, _, n1) in zip(lines[1:], lines[2:])]
+  assert max(naive_moves) > 0.2  # the timeline is one where the old estimate jumped
+
+
+def test_eta_counts_the_saves_and_evals_ahead():
+  eta = perf.Eta(1000, save_every=100, eval_every=0, eval_batches=3)
+  summary = dict.fromkeys([f'{k}_s' for k in perf.BUCKETS], 0.0)
+  eta.begin(200, summary)  # resumed at step 200
+  now = dict(summary, step_s=75.0, checkpoint_s=2.0)  # 150 steps of 0.5 s and the save at 300, 2 s
+  # 650 steps left; saves at 400..1000 (7) at 2 s each; the final eval priced at 3 batches × 0.5 s / 3; the final
+  # save's write.
+  assert eta(350, now, final_save_s=9.0) == pytest.approx(650 * 0.5 + 7 * 2.0 + 0.5 + 9.0)
+  # At the line of step 400 its save is still ahead: 600 steps and 7 saves (400..1000).
+  assert eta(400, dict(now, step_s=100.0)) == pytest.approx(600 * 0.5 + 7 * 2.0 + 0.5)
+
+
 def test_time_accounting_before_the_first_step_is_startup():
   clock = FakeClock()
   acct = perf.TimeAccounting(clock=clock, start=0.0)
