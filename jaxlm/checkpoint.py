@@ -47,6 +47,7 @@ EventFn = Callable[..., None]  # event(step, name, message, **fields), e.g. Metr
 
 
 from jaxlm.errors import CheckpointError  # noqa: F401
+from jaxlm import metrics as metrics_lib
 from jaxlm.data import format as format_lib
 
 def environment(cfg, mesh) -> dict:
@@ -208,6 +209,9 @@ def _listen_to_orbax() -> None:
   jax.monitoring.register_event_duration_secs_listener(listener)
 
 
+STALL_SAY_S = 0.5  # a wait for the previous save shorter than this is not worth a warning
+
+
 def stall_message(step: int, previous: int, waited_s: float, interval_s: float) -> str:
   """What to say when a save came due while the previous one was still being written, and the cadence that avoids it."""
   steps = step - previous
@@ -299,7 +303,7 @@ class Checkpointer:
     previous = self.timings[-1] if self.timings and self.timings[-1]['step'] == self.pending else None
     self.poll(wait=True)
     waited = self._clock() - now
-    if previous is not None and not self._stall_said:
+    if previous is not None and self.last_good == previous['step'] and waited >= STALL_SAY_S and not self._stall_said:
       self._stall_said = True
       self.event(step, 'checkpoint_stall', stall_message(step, previous['step'], waited, now - previous['start']),
                  waited_s=waited, write_s=now - previous['start'] + waited)
@@ -391,11 +395,11 @@ class Checkpointer:
       self.manager.reload()
       newest = max(self.manager.all_steps(), default=None)  # finalized steps only: a failed save is never listed
       last = f'step {newest}' if newest is not None else 'none'
-      raise CheckpointError(
-          f'{self.failures} checkpoint saves failed in a row, the last with {type(error).__name__}: {error}. '
-          f'Directory {self.directory} has {free_text} free; the newest good checkpoint is {last}. '
-          f'Fix: free disk space or make the directory writable (or pass a --workdir on another disk), then '
-          f'run the same command again to resume.')
+      # One short line: the library's whole message is in the checkpoint_failed event above (and metrics.jsonl).
+      raise CheckpointError(metrics_lib.fit_line(
+          f'{self.failures} checkpoint saves failed in a row (saving step {step} to {{path}}: '
+          f'{metrics_lib.short_cause(error)}; {free_text} free); the newest good checkpoint is {last}. Fix: free '
+          f'space or use a writable --workdir, then rerun to resume', self.directory))
 
   def _clean_partial(self) -> None:
     """Removes temporary directories left by failed saves so they cannot fill the disk further."""

@@ -169,6 +169,11 @@ def test_full_disk_is_detected_never_newest_and_resumable(tmp_path, tiny_disk, d
   assert good and max(good) < failed[0]['step']  # the failed save never became the newest
   assert 'newest good checkpoint is step' in out.stderr
   assert not [p for p in tiny_disk.iterdir() if 'tmp' in p.name]  # partial saves cleaned up
+  # One short last line: where, why, how much room, what to do; TensorStore's own message is in the events only.
+  last = out.stderr.strip().splitlines()[-1]
+  assert len(last) <= 300 and last.startswith('jaxlm: 3 checkpoint saves failed in a row (saving step '), last
+  assert f'{workdir}/checkpoints: No space left on device; ' in last and ' MiB free)' in last and 'Fix:' in last
+  assert 'os_error_code' not in last and all('os_error_code' in e['message'] for e in failed)
 
 
 @pytest.mark.e2e  # four compiled programs, a save and three restores
@@ -307,6 +312,9 @@ def test_a_full_disk_stops_every_writer_the_same_way(tiny_workdir, data_cache):
   assert 'Traceback' not in text and 'Event loop is closed' not in text
   last = out.stderr.strip().splitlines()[-1]
   assert last.startswith('jaxlm: ') and str(tiny_workdir) in last and 'free' in last and 'Fix:' in last
+  assert len(last) <= 300 and 'No space left on device' in last, last  # the cause in the OS's words, short
+  earlier = out.stdout + '\n'.join(out.stderr.strip().splitlines()[:-1])
+  assert 'No space left on device' in earlier  # the library's own message went to the log before it
 
 
 @pytest.fixture

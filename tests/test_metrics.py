@@ -417,3 +417,18 @@ def test_nan_loss_is_kept(tmp_path):
   record = json.loads((tmp_path / 'metrics.jsonl').read_text())
   assert math.isnan(record['loss']) and record['grad_norm'] == math.inf
   assert not (tmp_path / 'tb').exists()
+
+
+def test_a_storage_error_is_one_short_line_with_the_library_message_in_the_log(tmp_path, caplog):
+  raw = ('RESOURCE_EXHAUSTED: Error writing "opt_state.mu/0.0" in OCDBT database at local file "' + 'x' * 400
+         + '": Failed to write 1144507 bytes to file 17: No space left on device [os_error_code=\'28\'] '
+         '[source locations=\'tensorstore/internal/os/file_util_posix.cc:312\n' + 'tensorstore/kvstore ' * 20)
+  path = str(tmp_path / 'run' / 'checkpoints')
+  line = 'jaxlm: ' + str(metrics.storage_error(path, ValueError(raw)))
+  assert len(line) <= metrics.LAST_LINE and 'source locations' not in line and 'x' * 50 not in line
+  assert line.startswith(f'jaxlm: cannot write {path} (ValueError: [Errno 28] No space left on device); ')
+  assert ' MiB free there. Fix: free space or use a writable --workdir' in line
+  assert raw in caplog.text  # the whole library message, in the log
+  deep = '/mnt/' + '/'.join(['a_rather_long_directory_name'] * 12) + '/checkpoints'
+  line = 'jaxlm: ' + str(metrics.storage_error(deep, OSError(13, 'Permission denied')))
+  assert len(line) <= metrics.LAST_LINE and '/mnt/a_rather' in line and 'name/checkpoints (PermissionError: [Errno 13]' in line
