@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from ml_collections import config_flags
 
+from jaxlm import attention as attention_lib
 from jaxlm import checkpoint as checkpoint_lib
 from jaxlm import cli
 from jaxlm import config as config_lib
@@ -353,7 +354,7 @@ def roll_back(r: Run, rollback: stability_lib.Rollback):
   return state
 
 
-DETERMINISTIC_XLA_FLAGS = '--xla_gpu_deterministic_ops=true'
+DETERMINISTIC_XLA_FLAGS = attention_lib.DETERMINISTIC_XLA_FLAGS  # attention.py chooses its kernel by it
 
 
 def set_deterministic(train_cfg) -> None:
