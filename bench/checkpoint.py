@@ -59,8 +59,9 @@ def random_state(cfg, mesh):
     return jax.block_until_ready(state)
 
 
-def run(state, ckpt_cfg, directory: str, repeats: int, interval: float, events: list) -> list[dict]:
-  """Saves `state` `repeats` times; returns the Checkpointer's timing of each save plus on-disk and checksum times."""
+def run(state, ckpt_cfg, directory: str, repeats: int, interval: float, events: list) -> tuple[list[dict], int]:
+  """Saves `state` `repeats` times; returns the Checkpointer's timing of each save (plus on-disk and checksum
+  times) and the bytes of the last save on disk."""
   shutil.rmtree(directory, ignore_errors=True)
   ckpt = checkpoint_lib.Checkpointer(directory, ckpt_cfg, lambda *a, **k: events.append((a, k)))
   rows = []
@@ -79,7 +80,9 @@ def run(state, ckpt_cfg, directory: str, repeats: int, interval: float, events: 
       timing['checksums_s'] = timing['write_s'] + time.monotonic() - start
     rows.append(timing)
   ckpt.close()
-  return rows
+  size = _dir_bytes(os.path.join(directory, str(repeats)))
+  shutil.rmtree(directory, ignore_errors=True)  # a 1B model's state is gigabytes: one mode's copies on disk at a time
+  return rows, size
 
 
 def main():
@@ -106,10 +109,9 @@ def main():
   for mode in ('sync', 'async'):
     ckpt_cfg = cfg.checkpoint.copy_and_resolve_references()
     ckpt_cfg.async_save = mode == 'async'
-    ckpt_cfg.keep = args.repeats + 1
-    results[mode] = run(state, ckpt_cfg, os.path.join(args.dir, mode), args.repeats,
-                        args.interval if mode == 'async' else 0.0, events)
-  size = _dir_bytes(os.path.join(args.dir, 'async', str(args.repeats)))
+    ckpt_cfg.keep = 2  # the step being written and the one before: what a training run holds at least
+    results[mode], size = run(state, ckpt_cfg, os.path.join(args.dir, mode), args.repeats,
+                              args.interval if mode == 'async' else 0.0, events)
   failed = [e for e in events if e[0][1] != 'checkpoint_stall']
   assert not failed, failed  # no save failed
 

@@ -326,7 +326,8 @@ def _other_errors(c) -> list[str]:
 
 def validate(c: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1, num_slices: int = 1) -> None:
   """Raises ConfigError listing every problem with `c` on `num_devices` devices in `num_processes` processes."""
-  errors = (_model_errors(c.model) + _fp8_errors(c) + _deterministic_errors(c) + _data_errors(c.data) + _train_errors(c.train, c.optim)
+  errors = (_model_errors(c.model) + _fp8_errors(c) + _deterministic_errors(c) + _data_errors(c.data)
+            + _train_errors(c.train, c.optim)
             + _mesh_errors(c, num_devices, num_processes, num_slices) + distributed.dist_errors(c.dist) + _other_errors(c))
   if errors:
     raise ConfigError('invalid config:\n  - ' + '\n  - '.join(errors))
