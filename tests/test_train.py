@@ -28,6 +28,11 @@ def test_entry_point_trains_palm_tiny_and_loss_falls(tmp_path, data_cache):
                'compiled the train step', 'goodput', 'ETA', 'bit-reproducible: yes (cpu'):
     assert text in out.stdout, text
   assert (tmp_path / 'checkpoints' / '40').is_dir() and list((tmp_path / 'tb').iterdir())
+  # What start-up spent its time on, and the final save's wait apart from the saves during the run.
+  startup = next(line for line in out.stdout.splitlines() if line.startswith('start-up '))
+  assert 'python, imports' in startup and 'compile train step' in startup, startup
+  assert any(line.split()[:2] == ['final', 'save'] for line in out.stdout.splitlines())
+  assert all(r['eta_s'] >= 0 for r in train)  # the progress line's ETA, recorded
 
 
 
