@@ -296,6 +296,17 @@ class Checkpointer:
       self.poll(wait=True)
       timing['blocked_s'] = self._clock() - start
 
+  def stats(self) -> dict:
+    """The saves of this process in numbers for the run's last system record: count, and the median and largest
+    seconds each blocked the loop, waited for the previous save, copied off the devices and took to be written."""
+    out = {'checkpoint_saves': len(self.timings)}
+    for key in ('blocked_s', 'waited_s', 'copy_s', 'write_s'):
+      values = sorted(t[key] for t in self.timings if key in t)
+      if values:
+        name = key.removesuffix('_s')
+        out.update({f'checkpoint_{name}_median_s': values[len(values) // 2], f'checkpoint_{name}_max_s': values[-1]})
+    return out
+
   def _wait_for_previous(self, step: int, now: float) -> float:
     """Waits for a save still being written (confirming it); says so once. Returns the seconds waited."""
     if self.pending is None or not self.manager.is_saving_in_progress():

@@ -247,7 +247,7 @@ def loop(r: Run, state: step_lib.TrainState) -> dict:
   r.profiler.stop(block_on=metrics)
   with acct.track('final_save'):  # the last save reaching the disk (and its checksums): apart from the saves above
     r.ckpt.close()
-  r.log.write(int(state.step), acct.summary(), kind='system')
+  r.log.write(int(state.step), {**acct.summary(), **r.ckpt.stats()}, kind='system')
   if jax.process_index() == 0:
     print(acct.table(), flush=True)
   return last

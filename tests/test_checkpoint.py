@@ -389,6 +389,9 @@ def test_a_save_due_while_the_previous_is_written_waits_and_says_so_once(tmp_pat
   assert [t['step'] for t in ckpt.timings] == [10, 20, 30] and ckpt.timings[1]['waited_s'] == fields['waited_s']
   assert all('write_s' in t for t in ckpt.timings)  # every save confirmed, none overwritten unchecked
   assert ckpt.manager.all_steps() == [10, 20, 30] and ckpt.last_good == 30
+  stats = ckpt.stats()  # what the run's last system record carries
+  assert stats['checkpoint_saves'] == 3 and stats['checkpoint_waited_max_s'] == max(t['waited_s'] for t in ckpt.timings)
+  assert stats['checkpoint_blocked_median_s'] == sorted(t['blocked_s'] for t in ckpt.timings)[1]
   assert all((tmp_path / 'ckpt' / str(s) / checkpoint_lib.CHECKSUMS).exists() for s in (10, 20, 30))
 
 

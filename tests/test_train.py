@@ -33,6 +33,8 @@ def test_entry_point_trains_palm_tiny_and_loss_falls(tmp_path, data_cache):
   assert 'python, imports' in startup and 'compile train step' in startup, startup
   assert any(line.split()[:2] == ['final', 'save'] for line in out.stdout.splitlines())
   assert all(r['eta_s'] >= 0 for r in train)  # the progress line's ETA, recorded
+  final = read_records(tmp_path, 'system')[-1]  # with the saves in numbers: steps 10, 20, 30 and 40
+  assert final['checkpoint_saves'] == 4 and final['checkpoint_blocked_max_s'] <= final['checkpoint_s'] + 1e-6
 
 
 
