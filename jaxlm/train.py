@@ -94,6 +94,9 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
   say(f'config:\n{cfg}')
   say(f'mesh: {dict(mesh.shape)} on {mesh.size} {jax.devices()[0].device_kind} devices')
   say(f'bit-reproducible: {reproducibility(t, jax.devices()[0].platform)}')
+  m = cfg.model  # which attention kernel runs, and why (deterministic mode rules cuDNN's out on a GPU)
+  say('attention: ' + attention_lib.select(m.attention, dtype=m.dtype, head_dim=model_lib.head_dim(m),
+                                           seq_len=cfg.data.seq_len, context=mesh.shape.get('context', 1))[1])
   with acct.phase('program'):
     program = step_lib.build_program(cfg, mesh)
   say(f'parameters ({model_lib.param_count(program.model.config):,}):\n'

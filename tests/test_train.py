@@ -25,7 +25,7 @@ def test_entry_point_trains_palm_tiny_and_loss_falls(tmp_path, data_cache):
   assert all(r['tokens_per_s'] > 0 and r['lr'] > 0 and r['grad_norm'] > 0 for r in train)
   # The start-up report: resolved config, mesh, the parameter table, the compiled step's memory.
   for text in ("mesh: {'data': 1, 'fsdp': 8, 'tensor': 1, 'context': 1}", 'layers/attention/query', "P(None, 'fsdp', 'tensor', None)",
-               'compiled the train step', 'goodput', 'ETA', 'bit-reproducible: yes (cpu'):
+               'compiled the train step', 'goodput', 'ETA', 'bit-reproducible: yes (cpu', 'attention: xla attention'):
     assert text in out.stdout, text
   assert (tmp_path / 'checkpoints' / '40').is_dir() and list((tmp_path / 'tb').iterdir())
   # What start-up spent its time on, and the final save's wait apart from the saves during the run.
