@@ -129,6 +129,7 @@ class Bench:
         compile_s=self.compile_s, loss=float(self.out['loss']),
         compiled_memory=perf.compiled_memory(self.compiled),
         runtime_memory=perf.device_memory_stats(), xla_flags=os.environ.get('XLA_FLAGS', ''),
+        deterministic=bool(t.deterministic),
         host=platform.node(), load_average=os.getloadavg()[0])
 
 
@@ -167,6 +168,7 @@ def table(r: dict) -> str:
       ('compiled memory', perf.format_memory(r['compiled_memory'])),
       ('compile', f'{r["compile_s"]:.1f} s'),
       ('loss after the timed steps', f'{r["loss"]:.3f}'),
+      ('deterministic', f'train.deterministic={r["deterministic"]}'),
       ('XLA_FLAGS', r['xla_flags'] or '(none)'),
   ]
   width = max(len(k) for k, _ in rows)
@@ -231,9 +233,20 @@ def baseline_rows(j: dict, t: dict) -> tuple[str, float]:
   return text + f'\nratio jaxlm/torch (tokens/s per device): {ratio:.3f}', ratio
 
 
+def set_deterministic(train_cfg) -> str:
+  """train.deterministic as the trainer honours it (train.set_deterministic): XLA's deterministic GPU kernels,
+  asked for before JAX starts its backend. Returns the XLA_FLAGS this run uses."""
+  flags_now = os.environ.get('XLA_FLAGS', '')
+  if train_cfg.deterministic and attention_lib.DETERMINISTIC_XLA_FLAGS not in flags_now.split():
+    os.environ['XLA_FLAGS'] = f'{flags_now} {attention_lib.DETERMINISTIC_XLA_FLAGS}'.strip()
+  return os.environ.get('XLA_FLAGS', '')
+
+
 def main(argv):
   del argv
   cfg = _CONFIG.value
+  xla_flags = set_deterministic(cfg.train)  # before the first JAX call starts the backend
+  print(f'train.deterministic={cfg.train.deterministic}; XLA_FLAGS: {xla_flags or "(none)"}', flush=True)
   try:
     baseline = torch_baseline(cfg, FLAGS.steps, FLAGS.warmup, FLAGS.torch_compile) if FLAGS.baseline else None
     result = measure(cfg, FLAGS.steps, FLAGS.warmup, FLAGS.docs)

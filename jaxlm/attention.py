@@ -11,6 +11,12 @@
           plus segment ids, so documents cost no mask tensor at all. Sequence length a multiple of 128.
   auto    gpu -> cudnn, tpu -> splash, anything else -> xla.
 
+Deterministic mode (train.deterministic, i.e. XLA_FLAGS holding --xla_gpu_deterministic_ops=true): on a GPU,
+auto chooses xla, whose einsums and softmax XLA runs deterministically. cuDNN flash attention's backward is the
+part without a deterministic form we can count on: under that flag palm_1b (cuDNN attention) crashed at its first
+step while palm_small (xla attention) was bit-exact (issue #31). So `config.validate` refuses
+model.attention=cudnn with train.deterministic, and cudnn asked for under the flag by hand falls back to xla.
+
 Context parallelism (mesh.context = C > 1, `act_seq` split): the step hands the model every sequence in
 `sharding.zigzag_order` (shard i holds chunks i and 2C-1-i of 2C), so array order is not token order. Queries
 stay local; keys and values are all-gathered along the sequence (one (S, E) head per device under multi-query
@@ -28,6 +34,7 @@ carry zero loss weight, so no kernel has to agree there.
 import functools
 import logging
 import math
+import os
 
 import flax.linen as nn
 import jax
@@ -39,6 +46,9 @@ from jaxlm import sharding
 log = logging.getLogger(__name__)
 
 IMPLS = ('xla', 'cudnn', 'splash', 'auto')
+# What train.deterministic adds to XLA_FLAGS (before JAX starts its backend); GPU only: CPU and TPU kernels are
+# deterministic already.
+DETERMINISTIC_XLA_FLAGS = '--xla_gpu_deterministic_ops=true'
 _AUTO = {'gpu': 'cudnn', 'tpu': 'splash'}
 _logged = set()
 
@@ -257,11 +267,17 @@ def mesh_platform() -> str | None:
   return None if abstract_device is None else abstract_device.platform  # None: a mesh of axis sizes alone
 
 
+def deterministic_ops() -> bool:
+  """Whether this process asked XLA for deterministic GPU kernels (train.deterministic, or XLA_FLAGS by hand)."""
+  return DETERMINISTIC_XLA_FLAGS in os.environ.get('XLA_FLAGS', '').split()
+
+
 def select(impl: str, *, dtype, head_dim: int, seq_len: int, platform: str | None = None,
-           device=None, context: int | None = None) -> tuple[str, str]:
+           device=None, context: int | None = None, deterministic: bool | None = None) -> tuple[str, str]:
   """(kernel that will run, why) for the configured `impl` on `platform`.
 
   `context` (ways the sequence is split) defaults to that of the mesh being traced under.
+  `deterministic` (default: `deterministic_ops()`): on a GPU, cudnn is not chosen; xla runs instead.
   `platform` defaults to that of the mesh being traced under (a compile-only TPU mesh built on a CPU host
   compiles for the TPU), else JAX's default backend.
   """
@@ -277,10 +293,15 @@ def select(impl: str, *, dtype, head_dim: int, seq_len: int, platform: str | Non
     if platform not in _AUTO:
       return 'xla', f'attention=auto on {platform}: no fused kernel for this platform, using xla'
     kernel, why = select(_AUTO[platform], dtype=dtype, head_dim=head_dim, seq_len=seq_len, platform=platform,
-                         device=device, context=context)
+                         device=device, context=context, deterministic=deterministic)
     return kernel, f'attention=auto on {platform}: {why}'
-  problem = (_cudnn_problem(platform, dtype, head_dim, seq_len, device, context) if impl == 'cudnn'
-             else _splash_problem(platform, seq_len, context))
+  deterministic = deterministic_ops() if deterministic is None else deterministic
+  if impl == 'cudnn' and deterministic and platform == 'gpu':
+    problem = (f'deterministic mode ({DETERMINISTIC_XLA_FLAGS}) has no reliable deterministic form of cuDNN '
+               f'attention\'s backward')
+  else:
+    problem = (_cudnn_problem(platform, dtype, head_dim, seq_len, device, context) if impl == 'cudnn'
+               else _splash_problem(platform, seq_len, context))
   if problem:
     return 'xla', f'attention={impl} cannot run here: {problem}; falling back to xla'
   return impl, f'{impl} attention'

@@ -12,15 +12,22 @@ chunk data, so flipped bytes inside an array file would otherwise restore silent
 the check, or cannot be read, is moved aside to `<directory>.unreadable/` (kept for inspection, never resumed
 from, and out of the way of the step number being saved again) and the one before it is used.
 
+Async saves block the loop only for the device-to-host copy: Orbax writes, finalizes and renames in the
+background, and the checksums are hashed on a thread of their own. A save that comes due while the previous one is
+still being written waits for it; that wait is said once, with the durations and the cadence that avoids it, and
+every save's blocked / copy / write seconds are kept in `Checkpointer.timings` (bench/checkpoint.py prints them).
+
 Failures are loud: an error from a save — raised at once, or later by the background writer — is logged as an
 event with the directory and its free space, the save is retried on the next step, and after
 `max_failures` failures in a row training stops (a public run once trained for weeks while every save failed).
 """
 
+import concurrent.futures
 import hashlib
 import importlib.metadata
 import json
 import logging as py_logging
+import math
 import os
 import shutil
 import subprocess
@@ -40,6 +47,7 @@ EventFn = Callable[..., None]  # event(step, name, message, **fields), e.g. Metr
 
 
 from jaxlm.errors import CheckpointError  # noqa: F401
+from jaxlm import metrics as metrics_lib
 from jaxlm.data import format as format_lib
 
 def environment(cfg, mesh) -> dict:
@@ -105,7 +113,8 @@ def verify_checksums(step_dir: str) -> str | None:
 
 
 class _WriterErrors(py_logging.Filter):
-  """Takes Orbax's background-thread error logs (one traceback per array fragment) off the console.
+  """Takes Orbax's background-thread error logs (one traceback per array fragment) and its repeated
+  waiting-for-the-previous-save warnings off the console.
 
   A failed save is reported once, as a `checkpoint_failed` event that counts these; printing them would bury
   the one line that says what to do.
@@ -119,7 +128,9 @@ class _WriterErrors(py_logging.Filter):
     if record.levelno >= py_logging.ERROR and ('orbax' in record.pathname or record.name == 'asyncio'):
       self.messages.append(record.getMessage().splitlines()[0][:300])
       return False
-    return True
+    # Orbax repeats this at every overlapping save; the `checkpoint_stall` event says it once, with the cadence.
+    return not (record.levelno == py_logging.WARNING and 'orbax' in record.pathname
+                and record.getMessage().startswith('Waiting for previous save to complete'))
 
   def take(self) -> list[str]:
     taken, self.messages = self.messages, []
@@ -172,6 +183,47 @@ def with_shardings(abstract_tree, shardings):
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_tree, shardings)
 
 
+# Orbax reports the parts of a save's blocking phase through jax.monitoring; these are the ones a slow save is
+# made of (the rest is validation and bookkeeping, milliseconds). Its wait for the previous save is not among
+# them: `Checkpointer.save` waits for that itself, first, and times it.
+_ORBAX_BLOCKING = {'/jax/orbax/write/blocking_d2h_duration_secs': 'copy_s',  # device -> host, the part that must block
+                   '/jax/orbax/write/blocking_tree_map_duration_secs': 'plan_s',  # which array goes to which file
+                   '/jax/orbax/write/blocking_sync_item_duration_secs': 'sync_items_s',  # data/env/guard JSON
+                   '/jax/orbax/write/blocking_directory_creation_secs': 'mkdir_s'}
+_orbax_blocking: dict[str, float] = {}  # filled by the listener during one `manager.save` on the main thread
+_listening = False
+
+
+def _listen_to_orbax() -> None:
+  """Registers (once per process) the jax.monitoring listener that fills `_orbax_blocking`."""
+  global _listening
+  if _listening:
+    return
+  _listening = True
+
+  def listener(event: str, duration_s: float, **_):
+    if event in _ORBAX_BLOCKING and threading.current_thread() is threading.main_thread():
+      name = _ORBAX_BLOCKING[event]
+      _orbax_blocking[name] = _orbax_blocking.get(name, 0.0) + duration_s
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+
+
+STALL_SAY_S = 0.5  # a wait for the previous save shorter than this is not worth a warning
+
+
+def stall_message(step: int, previous: int, waited_s: float, interval_s: float) -> str:
+  """What to say when a save came due while the previous one was still being written, and the cadence that avoids it."""
+  steps = step - previous
+  write_s = interval_s + waited_s  # the previous save started `interval_s` ago and has just finished
+  # Room for a quarter more than the write took: the disk is shared and write times vary.
+  every = max(steps + 1, math.ceil(1.25 * write_s / max(interval_s, 1e-9) * steps))
+  return (f'checkpoint {step} came due while checkpoint {previous} was still being written: the loop waited '
+          f'{waited_s:.1f}s for it. A save takes {write_s:.1f}s to write here but came every {interval_s:.1f}s '
+          f'({steps} steps); set checkpoint.every >= {every} so saves do not overlap (said once; later waits '
+          f'count as checkpoint time)')
+
+
 class Checkpointer:
   """Saves and restores training state in `<workdir>/checkpoints`, and refuses to fail quietly."""
 
@@ -184,9 +236,15 @@ class Checkpointer:
     self.pending: int | None = None  # step of a save whose success is not confirmed yet
     self.last_good: int | None = None
     self.is_primary = jax.process_index() == 0
-    self._hashing: threading.Thread | None = None  # writes checksums.json of the last confirmed step
+    # Writes checksums.json of each confirmed step, one at a time, beside training: a save never waits for it.
+    self._hasher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix='jaxlm_checksums')
+    self._hashing: list[concurrent.futures.Future] = []
     self._closed = False
+    self.timings: list[dict] = []  # per save: step, blocked_s, waited_s, copy_s, ... and write_s once confirmed
+    self._stall_said = False
+    self._clock = time.monotonic
     _capture_writer_errors()
+    _listen_to_orbax()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=ckpt_cfg.keep, keep_period=ckpt_cfg.keep_every or None,
         enable_async_checkpointing=ckpt_cfg.async_save, create=False)
@@ -208,12 +266,18 @@ class Checkpointer:
       self.wait()
 
   def save(self, step: int, state, data_iter, env: dict, guard: dict | None = None) -> None:
-    """Starts an (async) save of `step`; failures are counted and retried, never silent."""
+    """Starts an (async) save of `step`; returns once the state is copied off the devices.
+
+    Failures are counted and retried, never silent. A previous save still being written is waited for first
+    (and said once: `stall_message`), so its outcome is confirmed before the next one starts.
+    """
+    start = self._clock()
+    waited = self._wait_for_previous(step, start)
     self.poll()
     if step in self.manager.all_steps():
       return  # already saved (e.g. the final step of a resumed run that had finished)
     self._warn_if_low_space(step)
-    self._join_hashing()
+    _orbax_blocking.clear()
     try:
       os.makedirs(self.directory, exist_ok=True)
       self.manager.save(step, args=ocp.args.Composite(
@@ -225,8 +289,36 @@ class Checkpointer:
     except Exception as e:  # pylint: disable=broad-except  -- every save error must be counted
       self._failed(step, e)
       return
+    timing = {'step': step, 'start': start, 'blocked_s': self._clock() - start, 'waited_s': waited,
+              **_orbax_blocking}
+    self.timings.append(timing)
     if not self.cfg.async_save:
       self.poll(wait=True)
+      timing['blocked_s'] = self._clock() - start
+
+  def stats(self) -> dict:
+    """The saves of this process in numbers for the run's last system record: count, and the median and largest
+    seconds each blocked the loop, waited for the previous save, copied off the devices and took to be written."""
+    out = {'checkpoint_saves': len(self.timings)}
+    for key in ('blocked_s', 'waited_s', 'copy_s', 'write_s'):
+      values = sorted(t[key] for t in self.timings if key in t)
+      if values:
+        name = key.removesuffix('_s')
+        out.update({f'checkpoint_{name}_median_s': values[len(values) // 2], f'checkpoint_{name}_max_s': values[-1]})
+    return out
+
+  def _wait_for_previous(self, step: int, now: float) -> float:
+    """Waits for a save still being written (confirming it); says so once. Returns the seconds waited."""
+    if self.pending is None or not self.manager.is_saving_in_progress():
+      return 0.0
+    previous = self.timings[-1] if self.timings and self.timings[-1]['step'] == self.pending else None
+    self.poll(wait=True)
+    waited = self._clock() - now
+    if previous is not None and self.last_good == previous['step'] and waited >= STALL_SAY_S and not self._stall_said:
+      self._stall_said = True
+      self.event(step, 'checkpoint_stall', stall_message(step, previous['step'], waited, now - previous['start']),
+                 waited_s=waited, write_s=now - previous['start'] + waited)
+    return waited
 
   def poll(self, wait: bool = False) -> None:
     """Confirms or fails the pending save once the background writer is done (`wait` blocks for it)."""
@@ -246,10 +338,15 @@ class Checkpointer:
       return
     self.failures, self.last_good = 0, step
     _writer_errors.take()
-    logging.info('checkpoint %d saved in %s', step, self.directory)
+    timing = self.timings[-1] if self.timings and self.timings[-1]['step'] == step else {}
+    if timing:
+      timing['write_s'] = self._clock() - timing['start']  # at most one step late when not waited for
+    logging.info('checkpoint %d saved in %s (the loop was blocked %.2fs, the copy off the devices %.2fs; '
+                 'written within %.1fs)', step, self.directory, timing.get('blocked_s', math.nan),
+                 timing.get('copy_s', math.nan), timing.get('write_s', math.nan))
     if self.is_primary:
-      self._hashing = threading.Thread(target=self._write_checksums, args=(step,), daemon=True)
-      self._hashing.start()
+      self._hashing = [f for f in self._hashing if not f.done()]
+      self._hashing.append(self._hasher.submit(self._write_checksums, step))
 
   def _write_checksums(self, step: int) -> None:
     """Runs beside training: hashes the confirmed step's files and writes checksums.json atomically."""
@@ -261,9 +358,10 @@ class Checkpointer:
       logging.warning('checksums of checkpoint %d not written: %s', step, e)
 
   def _join_hashing(self) -> None:
-    if self._hashing is not None:
-      self._hashing.join()
-      self._hashing = None
+    """Waits until every confirmed step has its checksums.json (before a restore reads them, and at close)."""
+    for f in self._hashing:
+      f.result()
+    self._hashing = []
 
   def wait(self) -> None:
     """Blocks until the pending save is complete and checked."""
@@ -308,11 +406,11 @@ class Checkpointer:
       self.manager.reload()
       newest = max(self.manager.all_steps(), default=None)  # finalized steps only: a failed save is never listed
       last = f'step {newest}' if newest is not None else 'none'
-      raise CheckpointError(
-          f'{self.failures} checkpoint saves failed in a row, the last with {type(error).__name__}: {error}. '
-          f'Directory {self.directory} has {free_text} free; the newest good checkpoint is {last}. '
-          f'Fix: free disk space or make the directory writable (or pass a --workdir on another disk), then '
-          f'run the same command again to resume.')
+      # One short line: the library's whole message is in the checkpoint_failed event above (and metrics.jsonl).
+      raise CheckpointError(metrics_lib.fit_line(
+          f'{self.failures} checkpoint saves failed in a row (saving step {step} to {{path}}: '
+          f'{metrics_lib.short_cause(error)}; {free_text} free); the newest good checkpoint is {last}. Fix: free '
+          f'space or use a writable --workdir, then rerun to resume', self.directory))
 
   def _clean_partial(self) -> None:
     """Removes temporary directories left by failed saves so they cannot fill the disk further."""
@@ -419,6 +517,7 @@ class Checkpointer:
       self.wait()
       self._join_hashing()
     finally:
+      self._hasher.shutdown(wait=True)
       self.manager.close()
 
 

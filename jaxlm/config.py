@@ -109,6 +109,14 @@ def _fp8_errors(c) -> list[str]:
   return e
 
 
+def _deterministic_errors(c) -> list[str]:
+  """train.deterministic and the parts that have no deterministic form (attention.py's module docstring)."""
+  if c.train.deterministic and c.model.attention == 'cudnn':
+    return ['model.attention=cudnn has no deterministic backward under train.deterministic=True (cuDNN flash '
+            'attention under --xla_gpu_deterministic_ops); set model.attention=xla, or auto (xla on a GPU then).']
+  return []
+
+
 def _data_errors(d) -> list[str]:
   e = []
   if d.source not in DATA_SOURCES:
@@ -318,7 +326,8 @@ def _other_errors(c) -> list[str]:
 
 def validate(c: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1, num_slices: int = 1) -> None:
   """Raises ConfigError listing every problem with `c` on `num_devices` devices in `num_processes` processes."""
-  errors = (_model_errors(c.model) + _fp8_errors(c) + _data_errors(c.data) + _train_errors(c.train, c.optim)
+  errors = (_model_errors(c.model) + _fp8_errors(c) + _deterministic_errors(c) + _data_errors(c.data)
+            + _train_errors(c.train, c.optim)
             + _mesh_errors(c, num_devices, num_processes, num_slices) + distributed.dist_errors(c.dist) + _other_errors(c))
   if errors:
     raise ConfigError('invalid config:\n  - ' + '\n  - '.join(errors))

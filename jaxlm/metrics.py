@@ -13,6 +13,7 @@ import json
 import math
 import logging
 import os
+import re
 import secrets
 import shutil
 import threading
@@ -122,11 +123,54 @@ def free_space(path: str) -> str:
     return 'unknown'
 
 
+LAST_LINE = 300  # characters of a storage error's `jaxlm:` line: the library's own message goes to the log
+
+
+def os_errno(error: BaseException) -> int | None:
+  """The errno of an OSError anywhere in the chain, or the one TensorStore quotes in its message; else None."""
+  e = error
+  while e is not None:
+    if isinstance(e, OSError) and e.errno:
+      return e.errno
+    if code := re.search(r"os_error_code='?(\d+)", str(e)):
+      return int(code.group(1))
+    e = e.__cause__ or e.__context__
+  return None
+
+
+def short_cause(error: BaseException) -> str:
+  """The operating system's words for why a write failed ('No space left on device'); else the error's first
+  words. Never a library's whole message (TensorStore's runs to source locations and hundreds of characters)."""
+  if (number := os_errno(error)) is not None:
+    return os.strerror(number)
+  text = ' '.join(str(error).split())
+  return f'{type(error).__name__}: {text[:60]}{"..." if len(text) > 60 else ""}'
+
+
+def shorten_path(path: str, room: int) -> str:
+  """`path` in at most `room` characters: its start and its end, which say which disk and which directory."""
+  if len(path) <= room or room < 12:
+    return path
+  keep = room - 3
+  return f'{path[:keep // 3]}...{path[-(keep - keep // 3):]}'
+
+
+def fit_line(template: str, path: str) -> str:
+  """`template` with `{path}` filled in, the path shortened in its middle if the line would pass LAST_LINE."""
+  room = LAST_LINE - len('jaxlm: ') - (len(template) - len('{path}'))
+  return template.replace('{path}', shorten_path(path, room))
+
+
 def storage_error(path: str, error: BaseException) -> StorageError:
-  """The one stop for a run directory that cannot be written, whoever was writing."""
-  return StorageError(f'cannot write {path} ({type(error).__name__}: {error}); {free_space(path)} free there. '
-                      f'Fix: free disk space or make the directory writable (or pass a --workdir on another '
-                      f'disk), then run the same command again to resume from the newest checkpoint')
+  """The one stop for a run directory that cannot be written, whoever was writing.
+
+  The line names the path, the cause, the free space and the fix; the library's full message is logged first.
+  """
+  log.error('writing %s failed: %s: %s', path, type(error).__name__, error)
+  number = os_errno(error)
+  cause = f'{type(error).__name__}: [Errno {number}] {short_cause(error)}' if number else short_cause(error)
+  return StorageError(fit_line(f'cannot write {{path}} ({cause}); {free_space(path)} free there. Fix: '
+                               f'free space or use a writable --workdir, then rerun to resume', path))
 
 
 def _quiet_writer_thread() -> None:
@@ -253,8 +297,10 @@ class MetricsLogger:
     values = {k: _plain(v) for k, v in values.items() if v is not None}
     step = int(step)
     if kind == 'train':
-      now, eta = self._clock(), None
-      if self._last is not None and step > self._last[1] and self._total_steps:
+      # The trainer passes `eta_s` (jaxlm.perf.Eta: saves and evals priced apart from steps); without it, the
+      # time since the previous record, which a save or an eval in between inflates.
+      now, eta = self._clock(), values.get('eta_s')
+      if eta is None and self._last is not None and step > self._last[1] and self._total_steps:
         eta = (now - self._last[0]) / (step - self._last[1]) * (self._total_steps - step)
       self._last = (now, step)
       print(progress_line(step, self._total_steps, values, eta), flush=True)
@@ -287,6 +333,8 @@ class MetricsLogger:
       self._wandb.log({'step': step, f'events/{name}': self._event_counts[name]})
 
   def _record(self, record: dict) -> None:
+    if self._jsonl is None:  # failed once (see _writing): the error that said so is already on its way
+      return
     with self._writing('metrics.jsonl'):
       self._jsonl.write(json.dumps(record) + '\n')
 

@@ -58,10 +58,12 @@ def mfu(tokens_per_s: float, flops_per_token: float, num_devices: int, device_ki
   return tokens_per_s * flops_per_token / (num_devices * peak)
 
 
-# Where time goes. 'step' is productive; everything else is badput. 'startup' is untracked time before the
-# first step (imports, init, restore not otherwise tracked), 'redo' is steps computed again after a resume or a
-# rollback, 'other' is untracked time after the first step (logging, Python overhead).
-TRACKED = ('step', 'compile', 'data', 'checkpoint', 'eval')
+# Where time goes. 'step' is productive; everything else is badput. 'checkpoint' is what saves (and restores)
+# block the loop for, 'final_save' the wait for the last save to reach the disk at the end of a run (a cost
+# that does not grow with the run, so it is kept apart). 'startup' is untracked time before the first step
+# (imports, init, restore not otherwise tracked), 'redo' is steps computed again after a resume or a rollback,
+# 'other' is untracked time after the first step (logging, Python overhead).
+TRACKED = ('step', 'compile', 'data', 'checkpoint', 'final_save', 'eval')
 BUCKETS = TRACKED + ('redo', 'startup', 'other')
 
 
@@ -88,6 +90,8 @@ class TimeAccounting:
     self._redo_left = 0
     self._first_step_seen = False
     self.last_s = 0.0  # duration of the last completed block (the loop's step time)
+    # Start-up phases, in order: (what ran, seconds); the first is the process's life before this object.
+    self.phases: list[tuple[str, float]] = [('python, imports', clock() - self._start)]
 
   def redo_steps(self, n: int) -> None:
     """Counts the next `n` step blocks as redone work (after a resume or rollback), not as progress."""
@@ -117,6 +121,24 @@ class TimeAccounting:
         self._stack[-1][2] += elapsed
       self.last_s = elapsed
 
+  @contextlib.contextmanager
+  def phase(self, name: str):
+    """Names a piece of start-up for the start-up report (wall time; buckets are tracked as usual inside)."""
+    started = self._clock()
+    try:
+      yield
+    finally:
+      self.phases.append((name, self._clock() - started))
+
+  def startup_report(self) -> str:
+    """One line: the time since the process started, what ran in it and how long each part took."""
+    wall = self._clock() - self._start
+    parts = [(name, s) for name, s in self.phases if s >= 0.05]
+    rest = wall - sum(s for _, s in self.phases)
+    if rest >= 0.05:
+      parts.append(('other', rest))
+    return f'start-up {wall:.1f}s: ' + ', '.join(f'{name} {s:.1f}s' for name, s in parts)
+
   def _untracked(self) -> float:
     wall = self._clock() - self._start
     return wall - sum(s for k, s in self._seconds.items() if k != 'other')
@@ -139,10 +161,52 @@ class TimeAccounting:
     s = self.summary()
     rows = sorted(BUCKETS, key=lambda k: -s[f'{k}_s'])
     share = lambda k: s[f'{k}_s'] / s['wall_s'] if s['wall_s'] > 0 else 0.0  # noqa: E731
-    body = [('step (productive)' if k == 'step' else k, f'{s[f"{k}_s"]:.1f}s', f'{100 * share(k):.1f}%')
-            for k in rows]
+    label = {'step': 'step (productive)', 'final_save': 'final save'}
+    body = [(label.get(k, k), f'{s[f"{k}_s"]:.1f}s', f'{100 * share(k):.1f}%') for k in rows]
     return (f'time accounting: wall {duration(s["wall_s"])}, goodput {100 * s["goodput"]:.1f}%\n'
             + format_table(body, right=(False, True, True), indent='  '))
+
+
+def _due(after: int, upto: int, every: int) -> int:
+  """How many multiples of `every` lie in (after, upto]."""
+  return max(0, upto // every - after // every) if every > 0 else 0
+
+
+class Eta:
+  """Seconds left in a run, from the time accounting rather than the wall time between progress lines.
+
+  The steps ahead cost the mean step time so far (data, redone steps and loop overhead included); each save and
+  eval still ahead costs what saves and evals have cost so far. Before the first eval, one is priced at its
+  forward passes (eval_batches × a step / 3: a step is a forward and a backward pass, about three forwards);
+  before the first save, a save at nothing (an async save blocks only for its copy). A save or an eval between two
+  progress lines then moves the estimate by what it cost beyond its price, not by its whole duration.
+  """
+
+  def __init__(self, total_steps: int, *, save_every: int, eval_every: int, eval_batches: int):
+    self.total, self.save_every, self.eval_every, self.eval_batches = total_steps, save_every, eval_every, eval_batches
+    self._step0, self._base = None, None
+
+  def begin(self, step: int, summary: dict) -> None:
+    """The loop's first step and `TimeAccounting.summary()` before it: time before counts for nothing here."""
+    self._step0, self._base = step, summary
+
+  def _ahead(self, after: int, every: int) -> int:
+    """Events due in (after, total]: the multiples of `every`, and the one the loop runs at the last step."""
+    return _due(after, self.total, every) + (0 if every > 0 and self.total % every == 0 else 1)
+
+  def __call__(self, step: int, summary: dict, final_save_s: float | None = None) -> float | None:
+    """Seconds left after the progress line of `step` (saves and evals due at `step` itself are still ahead)."""
+    if self._base is None or step <= self._step0:
+      return None
+    delta = lambda k: summary[f'{k}_s'] - self._base.get(f'{k}_s', 0.0)  # noqa: E731
+    per_step = sum(delta(k) for k in ('step', 'redo', 'data', 'other')) / (step - self._step0)
+    saves = _due(self._step0, step - 1, self.save_every)
+    evals = _due(self._step0, step - 1, self.eval_every)
+    save_s = delta('checkpoint') / saves if saves else 0.0
+    eval_s = delta('eval') / evals if evals else self.eval_batches * per_step / 3
+    ahead = ((self.total - step) * per_step + self._ahead(step - 1, self.save_every) * save_s
+             + self._ahead(step - 1, self.eval_every) * eval_s + (final_save_s or 0.0))
+    return max(0.0, ahead)
 
 
 class SlowStepDetector:

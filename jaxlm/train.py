@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from ml_collections import config_flags
 
+from jaxlm import attention as attention_lib
 from jaxlm import checkpoint as checkpoint_lib
 from jaxlm import cli
 from jaxlm import config as config_lib
@@ -85,8 +86,9 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
   """Everything before the first step; each piece registers its own shutdown on `shutdown`."""
   acct = perf.TimeAccounting()  # wall time from process start: start-up counts against goodput
   t = cfg.train
-  cache = perf.enable_compilation_cache(cfg.log)
-  mesh = sharding.make_mesh(cfg.mesh)
+  with acct.phase('devices, mesh'):  # the first JAX call starts the backend (CUDA, TPU runtime)
+    cache = perf.enable_compilation_cache(cfg.log)  # asks the backend for its devices (CPU mesh: off)
+    mesh = sharding.make_mesh(cfg.mesh)
   primary = jax.process_index() == 0
   log = metrics_lib.MetricsLogger(workdir, cfg.log, total_steps=t.steps, is_primary=primary, config=cfg)
   shutdown.callback(_quietly, log.close)
@@ -98,7 +100,11 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
   say(f'bit-reproducible: {reproducibility(t, jax.devices()[0].platform)}')
   if cfg.log.compilation_cache:
     say(f'compilation cache: {cache or perf.CPU_MESH_CACHE_OFF}')
-  program = step_lib.build_program(cfg, mesh)
+  m = cfg.model  # which attention kernel runs, and why (deterministic mode rules cuDNN's out on a GPU)
+  say('attention: ' + attention_lib.select(m.attention, dtype=m.dtype, head_dim=model_lib.head_dim(m),
+                                           seq_len=cfg.data.seq_len, context=mesh.shape.get('context', 1))[1])
+  with acct.phase('program'):
+    program = step_lib.build_program(cfg, mesh)
   say(f'parameters ({model_lib.param_count(program.model.config):,}):\n'
       + sharding.param_table(program.abstract_state.params, program.state_shardings.params))
   sharding.check_sharded(program.abstract_state.params, program.state_shardings.params, mesh)
@@ -111,12 +117,14 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
   # units (the first stage's size); a step draws size // unit of them, so its position stays exact.
   vocab = cfg.model.vocab_size
   share, shares = sharding.row_share(program.batch_sharding)  # which rows this process reads
-  train_iter = data_lib.make_train_iterator(cfg.data, batch_size=ramp.unit, seed=t.seed, vocab_size=vocab,
-                                            process_index=share, process_count=shares)
+  with acct.phase('data'):
+    train_iter = data_lib.make_train_iterator(cfg.data, batch_size=ramp.unit, seed=t.seed, vocab_size=vocab,
+                                              process_index=share, process_count=shares)
   if hasattr(train_iter, 'close'):
     shutdown.callback(_quietly, train_iter.close)  # stops Grain's worker processes (data.num_workers > 0)
-  eval_data = data_lib.eval_batches(cfg.data, batch_size=t.batch_size, num_batches=t.eval_batches,
-                                    vocab_size=vocab, process_index=share, process_count=shares)
+  with acct.phase('eval data'):
+    eval_data = data_lib.eval_batches(cfg.data, batch_size=t.batch_size, num_batches=t.eval_batches,
+                                      vocab_size=vocab, process_index=share, process_count=shares)
   ckpt = checkpoint_lib.Checkpointer(rundir.path(workdir, rundir.CHECKPOINTS), cfg.checkpoint, log.event)
   shutdown.callback(_quietly, ckpt.close)
   profiler = perf.Profiler(cfg.log, workdir, is_primary=primary)
@@ -129,11 +137,13 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
           faults=faults_lib.Faults(cfg.faults, vocab, log.event), profiler=profiler,
           slow=perf.SlowStepDetector(cfg.log.slow_step_factor, cfg.log.slow_step_count),
           env=checkpoint_lib.environment(cfg, mesh))
-  memory = perf.compiled_memory(r.step_for(t.batch_size))
+  with acct.phase('compile train step'):
+    memory = perf.compiled_memory(r.step_for(t.batch_size))
   say(f'compiled the train step in {acct.last_s:.1f}s; per device: {perf.format_memory(memory)}')
   log.write(0, {**memory, **perf.device_memory_stats(), 'compile_s': acct.last_s}, kind='system')
   # Refuse before step 0 (exit 2, the numbers and the cheapest fix) rather than die out of memory in it.
-  preflight.check(cfg, r.step_for(t.batch_size), mesh.local_devices)
+  with acct.phase('pre-flight'):
+    preflight.check(cfg, r.step_for(t.batch_size), mesh.local_devices)
   # Preemption: SIGTERM / SIGINT let the current step finish, then a checkpoint is written before exit.
   for sig in (signal.SIGTERM, signal.SIGINT):
     previous = signal.signal(sig, lambda signum, _: r.stop.append(signal.Signals(signum).name))
@@ -163,7 +173,7 @@ def restore_or_init(r: Run) -> step_lib.TrainState:
   if hasattr(r.train_iter, 'expect'):  # saved with the data position; a resume checks them (data/pipeline.py)
     r.train_iter.expect(allow_change=r.cfg.checkpoint.allow_data_change, topology=topology,
                         **{'train.batch_size': t.batch_size, 'train.batch_ramp': t.batch_ramp})
-  with r.acct.track('checkpoint'):
+  with r.acct.track('checkpoint'), r.acct.phase('restore'):
     state, guard_state = r.ckpt.restore(program.abstract_state, program.state_shardings, r.train_iter)
   if state is not None:
     r.guard.load(guard_state)
@@ -176,7 +186,8 @@ def restore_or_init(r: Run) -> step_lib.TrainState:
                 f'{redone} logged steps after it will be redone', redo_steps=redone)
     return state
   r.guard.reset_ledger()
-  state = program.init()
+  with r.acct.phase('init'):
+    state = jax.block_until_ready(program.init())  # waited for, so its device time is not the first step's
   if init_from := r.cfg.checkpoint.init_from:
     params = checkpoint_lib.load_params(init_from, program.abstract_state.params, program.state_shardings.params)
     state = state.replace(params=params)
@@ -204,6 +215,10 @@ def loop(r: Run, state: step_lib.TrainState) -> dict:
   t, acct, program = r.cfg.train, r.acct, r.program
   window = Window()
   last, metrics, step = {}, None, int(state.step)
+  if jax.process_index() == 0:
+    print(acct.startup_report(), flush=True)
+  eta = perf.Eta(t.steps, save_every=r.cfg.checkpoint.every, eval_every=t.eval_every, eval_batches=t.eval_batches)
+  eta.begin(step, acct.summary())
   while step < t.steps:
     r.profiler.step(step, block_on=metrics)
     size = r.ramp.size(step)
@@ -222,7 +237,7 @@ def loop(r: Run, state: step_lib.TrainState) -> dict:
     if message := r.slow.update(step, acct.last_s):
       r.log.event(step, 'slow_step', message)
     if step % t.log_every == 0 or step == t.steps:
-      last = log_step(r, step, metrics, window, size)
+      last = log_step(r, step, metrics, window, size, eta)
       if rollback := r.guard.observe(step, last):
         with acct.track('checkpoint'):
           state = roll_back(r, rollback)
@@ -239,9 +254,9 @@ def loop(r: Run, state: step_lib.TrainState) -> dict:
       break
   distributed.disarm()  # the final save may take longer than a step
   r.profiler.stop(block_on=metrics)
-  with acct.track('checkpoint'):
+  with acct.track('final_save'):  # the last save reaching the disk (and its checksums): apart from the saves above
     r.ckpt.close()
-  r.log.write(int(state.step), acct.summary(), kind='system')
+  r.log.write(int(state.step), {**acct.summary(), **r.ckpt.stats()}, kind='system')
   if jax.process_index() == 0:
     print(acct.table(), flush=True)
   return last
@@ -265,8 +280,8 @@ class Window:
     return taken
 
 
-def log_step(r: Run, step: int, metrics: dict, window: Window, size: int) -> dict:
-  """One train record: the step's metrics, throughput and MFU over the window since the last record."""
+def log_step(r: Run, step: int, metrics: dict, window: Window, size: int, eta: perf.Eta | None = None) -> dict:
+  """One train record: the step's metrics, throughput and MFU over the window since the last record, and the ETA."""
   seconds, steps, tokens = window.take()
   m, seq_len = r.program.model.config, r.cfg.data.seq_len
   tokens_per_s = tokens / seconds
@@ -277,6 +292,9 @@ def log_step(r: Run, step: int, metrics: dict, window: Window, size: int) -> dic
                 mfu=perf.mfu(tokens_per_s, model_lib.flops_per_token(m, seq_len), devices, kind),
                 mfu_causal=perf.mfu(tokens_per_s, model_lib.flops_per_token(m, seq_len, causal=True),
                                            devices, kind))
+  if eta is not None:  # the final save's wait: priced at the last save's write time
+    written = [x['write_s'] for x in r.ckpt.timings if 'write_s' in x]
+    values['eta_s'] = eta(step, r.acct.summary(), final_save_s=written[-1] if written else None)
   if r.program.model.pipeline is not None:  # the idle share of each stage; MFU above counts model FLOPs only
     values['bubble'] = r.program.model.pipeline.bubble
   if m.matmul_dtype == 'fp8':  # MFU is against the bf16 peak: fp8 runs compare in tokens/s and model FLOP/s only
@@ -345,7 +363,7 @@ def roll_back(r: Run, rollback: stability_lib.Rollback):
   return state
 
 
-DETERMINISTIC_XLA_FLAGS = '--xla_gpu_deterministic_ops=true'
+DETERMINISTIC_XLA_FLAGS = attention_lib.DETERMINISTIC_XLA_FLAGS  # attention.py chooses its kernel by it
 
 
 def set_deterministic(train_cfg) -> None:

@@ -118,6 +118,27 @@ def test_select_rejects_unknown():
     attention.select('flash', dtype='float32', head_dim=64, seq_len=128)
 
 
+@pytest.mark.parametrize('impl, platform, device, dtype, expected, why', [
+    ('auto', 'gpu', HOPPER, 'bfloat16', 'xla', 'no reliable deterministic form of cuDNN'),  # cudnn otherwise
+    ('cudnn', 'gpu', HOPPER, 'bfloat16', 'xla', 'no reliable deterministic form of cuDNN'),  # falls back, says why
+    ('auto', 'tpu', None, 'bfloat16', 'splash', 'auto on tpu'),  # TPU kernels are deterministic already
+    ('cudnn', 'cpu', None, 'bfloat16', 'xla', 'only on NVIDIA GPUs'),
+    ('xla', 'gpu', HOPPER, 'bfloat16', 'xla', 'as configured'),
+])
+def test_select_in_deterministic_mode(impl, platform, device, dtype, expected, why, monkeypatch):
+  kernel, reason = attention.select(impl, dtype=dtype, head_dim=128, seq_len=2048, platform=platform, device=device,
+                                    deterministic=True)
+  assert (kernel, why in reason) == (expected, True), reason
+  # By default the mode is read from XLA_FLAGS, where train.deterministic (or a user) puts the flag.
+  monkeypatch.setenv('XLA_FLAGS', f'--xla_force_host_platform_device_count=8 {attention.DETERMINISTIC_XLA_FLAGS}')
+  assert attention.deterministic_ops()
+  assert attention.select(impl, dtype=dtype, head_dim=128, seq_len=2048, platform=platform, device=device) == (
+      kernel, reason)
+  monkeypatch.setenv('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+  assert not attention.deterministic_ops()
+  assert attention.select('auto', dtype=dtype, head_dim=128, seq_len=2048, platform='gpu', device=HOPPER)[0] == 'cudnn'
+
+
 def test_fallback_is_logged_once_and_runs_xla(caplog):
   q, k, v = qkv(2, 16, 4, 2, 8)
   seg = jnp.asarray(segments(2, 16, 2))

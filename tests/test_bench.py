@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -32,8 +33,13 @@ def test_cpu_step_compares_the_same_model_and_splits_phases(tmp_path):
 
 
 def test_mfu_and_matmul_benchmarks_print_their_tables():
-  out = run_bench('mfu.py', '--steps=2', '--warmup=1')
+  out = run_bench('mfu.py', '--steps=2', '--warmup=1', '--config.train.deterministic=True')
   assert 'tokens/s' in out and 'MFU' in out and 'n/a (unknown peak)' in out
+  # train.deterministic honoured as the trainer does, and the flags it ran with printed, first and in the table.
+  assert 'train.deterministic=True; XLA_FLAGS: ' in out
+  assert re.search(r'^deterministic +train\.deterministic=True$', out, re.M)
+  flags_row = next(line for line in out.splitlines() if line.startswith('XLA_FLAGS'))
+  assert '--xla_gpu_deterministic_ops=true' in flags_row and '--xla_force_host_platform_device_count' in flags_row
   out = run_bench('cpu_matmul.py', '--repeats=2')
   assert out.count(': weight grad') == 5 and 'sum (each product once)' in out
 
@@ -65,3 +71,16 @@ def test_mfu_baseline_torch_prints_both_rows_and_their_ratio(tmp_path):
   assert rows[3].startswith('torch (') and 'bfloat16 autocast, float32 master weights' in rows[3]
   assert f'{t["tokens_per_s"]:,.0f}' in rows[3]
   assert rows[4] == f'ratio jaxlm/torch (tokens/s per device): {r["ratio"]:.3f}'
+
+
+def test_checkpoint_bench_reports_blocked_and_sync_time_per_save(tmp_path):
+  out = run_bench('checkpoint.py', '--repeats=2', f'--dir={tmp_path}/ckpt')
+  rows = [line.split() for line in out.splitlines() if line.startswith(('sync ', 'async '))]
+  assert [(r[0], r[1]) for r in rows] == [('sync', '1'), ('sync', '2'), ('async', '1'), ('async', '2')]
+  blocked = {(r[0], r[1]): float(r[2].replace(',', '')) for r in rows}
+  written = {(r[0], r[1]): float(r[7].replace(',', '')) for r in rows}
+  for key in blocked:  # a sync save blocks until it is on disk; an async one no longer than that
+    assert blocked[key] <= written[key] * 1.05 + 5, (key, blocked[key], written[key])
+    if key[0] == 'sync':
+      assert blocked[key] >= written[key] - 2, (key, blocked[key], written[key])
+  assert 'median blocked: async' in out and 'copy off the devices' in out

@@ -196,6 +196,11 @@ def test_full_disk_is_detected_never_newest_and_resumable(tmp_path, tiny_disk, d
   assert good and max(good) < failed[0]['step']  # the failed save never became the newest
   assert 'newest good checkpoint is step' in out.stderr
   assert not [p for p in tiny_disk.iterdir() if 'tmp' in p.name]  # partial saves cleaned up
+  # One short last line: where, why, how much room, what to do; TensorStore's own message is in the events only.
+  last = out.stderr.strip().splitlines()[-1]
+  assert len(last) <= 300 and last.startswith('jaxlm: 3 checkpoint saves failed in a row (saving step '), last
+  assert f'{workdir}/checkpoints: No space left on device; ' in last and ' MiB free)' in last and 'Fix:' in last
+  assert 'os_error_code' not in last and all('os_error_code' in e['message'] for e in failed)
 
 
 @pytest.mark.e2e  # four compiled programs, a save and three restores
@@ -334,3 +339,90 @@ def test_a_full_disk_stops_every_writer_the_same_way(tiny_workdir, data_cache):
   assert 'Traceback' not in text and 'Event loop is closed' not in text
   last = out.stderr.strip().splitlines()[-1]
   assert last.startswith('jaxlm: ') and str(tiny_workdir) in last and 'free' in last and 'Fix:' in last
+  assert len(last) <= 300 and 'No space left on device' in last, last  # the cause in the OS's words, short
+  earlier = out.stdout + '\n'.join(out.stderr.strip().splitlines()[:-1])
+  assert 'No space left on device' in earlier  # the library's own message went to the log before it
+
+
+@pytest.fixture
+def slow_write(monkeypatch):
+  """Orbax's background writer holds each save for `delay[0]` seconds after the array data is written."""
+  delay = [1.0]
+  handler = ocp.BasePyTreeCheckpointHandler
+  original = handler._write_metadata_after_commits  # pylint: disable=protected-access
+
+  async def slowed(self, *args, **kwargs):
+    import asyncio
+    await asyncio.sleep(delay[0])
+    return await original(self, *args, **kwargs)
+
+  monkeypatch.setattr(handler, '_write_metadata_after_commits', slowed)
+  return delay
+
+
+def _small_state():
+  mesh = sharding.make_mesh(load_config_checkpoint_cfg().mesh)
+  spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('fsdp'))
+  return {'w': jax.device_put(np.arange(8 * 37, dtype=np.float32).reshape(8, 37), spec),
+          'step': jax.device_put(np.int32(3), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))}
+
+
+def load_config_checkpoint_cfg():
+  from tests.helpers import load_config
+  return load_config('palm_tiny')
+
+
+def test_an_async_save_blocks_only_for_the_copy(tmp_path, slow_write):
+  """save() returns while the write is still in flight; the loop then donates and overwrites the state, and the
+  checkpoint still holds the values it was asked to save: the copy was taken before save() returned."""
+  events = []
+  ckpt_cfg = load_config_checkpoint_cfg().checkpoint
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path / 'ckpt'), ckpt_cfg, lambda *a, **k: events.append(a))
+  state = _small_state()
+  saved = jax.tree.map(np.asarray, state)
+  ckpt.save(1, state, None, {})
+  assert ckpt.manager.is_saving_in_progress() and not (tmp_path / 'ckpt' / '1').exists()  # still being written
+  state = jax.jit(lambda s: jax.tree.map(lambda x: x * 0 - 1, s), donate_argnums=0)(state)  # the next "step"
+  jax.block_until_ready(state)
+  assert ckpt.manager.is_saving_in_progress()  # the loop went on while the write was in flight
+  ckpt.wait()
+  assert ckpt.last_good == 1 and not events
+  timing = ckpt.timings[0]
+  assert timing['step'] == 1 and timing['waited_s'] == 0.0 and 'copy_s' in timing
+  assert timing['blocked_s'] < slow_write[0] <= timing['write_s']  # the slowed write was not waited for
+  ckpt.close()
+  restored = ocp.StandardCheckpointer().restore(tmp_path / 'ckpt' / '1' / 'state')
+  for key in saved:
+    np.testing.assert_array_equal(restored[key], saved[key])
+  assert (tmp_path / 'ckpt' / '1' / checkpoint_lib.CHECKSUMS).exists()
+
+
+def test_a_save_due_while_the_previous_is_written_waits_and_says_so_once(tmp_path, slow_write):
+  events = []
+  ckpt_cfg = load_config_checkpoint_cfg().checkpoint
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path / 'ckpt'), ckpt_cfg,
+                                     lambda step, name, message, **k: events.append((step, name, message, k)))
+  state = _small_state()
+  for step in (10, 20, 30):
+    ckpt.save(step, state, None, {})  # each due at once, while the previous one is still being written
+  ckpt.close()
+  assert [e[1] for e in events] == ['checkpoint_stall']  # once, not at every overlapping save
+  step, _, message, fields = events[0]
+  assert step == 20 and 'checkpoint 10 was still being written' in message
+  assert f'waited {fields["waited_s"]:.1f}s' in message and f'takes {fields["write_s"]:.1f}s to write' in message
+  assert fields['waited_s'] > 0.5 * slow_write[0] and 'set checkpoint.every >= ' in message
+  every = int(message.split('checkpoint.every >= ')[1].split()[0])
+  assert every > 10  # longer than the cadence that overlapped
+  assert [t['step'] for t in ckpt.timings] == [10, 20, 30] and ckpt.timings[1]['waited_s'] == fields['waited_s']
+  assert all('write_s' in t for t in ckpt.timings)  # every save confirmed, none overwritten unchecked
+  assert ckpt.manager.all_steps() == [10, 20, 30] and ckpt.last_good == 30
+  stats = ckpt.stats()  # what the run's last system record carries
+  assert stats['checkpoint_saves'] == 3 and stats['checkpoint_waited_max_s'] == max(t['waited_s'] for t in ckpt.timings)
+  assert stats['checkpoint_blocked_median_s'] == sorted(t['blocked_s'] for t in ckpt.timings)[1]
+  assert all((tmp_path / 'ckpt' / str(s) / checkpoint_lib.CHECKSUMS).exists() for s in (10, 20, 30))
+
+
+def test_stall_message_cadence():
+  text = checkpoint_lib.stall_message(200, 100, waited_s=6.0, interval_s=10.0)  # a 16 s write every 10 s
+  assert 'waited 6.0s' in text and 'takes 16.0s' in text and 'every 10.0s (100 steps)' in text
+  assert 'checkpoint.every >= 200' in text  # 16 s × 1.25 = 20 s of steps at 0.1 s each

@@ -7,6 +7,7 @@ import sys
 import jax
 import pytest
 
+from jaxlm import attention
 from jaxlm import config as config_lib
 from jaxlm import model as model_lib
 from jaxlm import sharding, step
@@ -58,6 +59,8 @@ BAD = [
      'does not divide the 32 query rows of each context shard'),
     ('data.seq_len (tensor)', dict(data=dict(seq_len=36), mesh=dict(fsdp=1, tensor=4, context=2)),
      'not divisible by mesh.context × mesh.tensor = 2×4'),
+    ('train.deterministic', dict(train=dict(deterministic=True), model=dict(attention='cudnn')),
+     'model.attention=cudnn has no deterministic backward under train.deterministic=True'),
 ]
 
 
@@ -79,3 +82,16 @@ def test_entry_point_reports_bad_config_without_traceback(tmp_path):
   assert 'Traceback' not in out.stderr
   assert 'model.num_kv_heads=3 does not divide' in out.stderr and 'optim.lr=-1' in out.stderr
   assert not pathlib.Path(tmp_path, 'metrics.jsonl').exists()  # failed before any work
+
+
+@pytest.mark.parametrize('name', CONFIGS)
+def test_every_config_in_deterministic_mode_selects_a_deterministic_attention(name):
+  """On a GPU with train.deterministic, each shipped config validates and selects an attention that is not cuDNN's
+  (whose backward has no deterministic form there); model.attention=cudnn itself is refused (BAD above)."""
+  cfg = load_config(name)
+  cfg.train.deterministic = True
+  config_lib.validate(cfg, jax.device_count())
+  m = cfg.model
+  kernel, why = attention.select(m.attention, dtype=m.dtype, head_dim=model_lib.head_dim(m),
+                                 seq_len=cfg.data.seq_len, platform='gpu', context=1, deterministic=True)
+  assert kernel == 'xla', why

@@ -256,6 +256,76 @@ def test_time_accounting_on_a_fake_clock():
   assert table.splitlines()[1].split() == ['compile', '10.0s', '26.3%']  # largest bucket first
 
 
+def test_the_final_save_is_accounted_apart_from_the_saves_during_the_run():
+  clock = FakeClock()
+  acct = perf.TimeAccounting(clock=clock, start=0.0)
+  for step in range(1, 5):
+    with acct.track('step'):
+      clock.advance(1.0)
+    with acct.track('checkpoint'):  # the loop's on_step: blocked for the copy when a save is due
+      clock.advance(0.5 if step % 2 == 0 else 0.0)
+  with acct.track('final_save'):  # close(): the last save reaching the disk
+    clock.advance(6.0)
+  s = acct.summary()
+  assert s['checkpoint_s'] == pytest.approx(1.0) and s['final_save_s'] == pytest.approx(6.0)
+  assert s['badput_final_save'] == pytest.approx(6.0 / 11.0) and s['goodput'] == pytest.approx(4.0 / 11.0)
+  assert s['goodput'] + sum(v for k, v in s.items() if k.startswith('badput_')) == pytest.approx(1.0)
+  rows = {line.split('  ')[1].strip(): line for line in acct.table().splitlines()[1:]}
+  assert rows['final save'].split()[-2:] == ['6.0s', '54.5%'] and rows['checkpoint'].split()[-2:] == ['1.0s', '9.1%']
+
+
+def _steady_run(eta, total=600, log_every=25, save_every=100, eval_every=150, save_s=1.5, eval_s=2.0,
+                first_eval_extra_s=4.0, final_save_s=20.0):
+  """A steady run on a fake clock, in the loop's order (data, step, progress line, eval, save): yields
+  (clock, step, ETA from `eta`, ETA from the wall time between lines) at every progress line."""
+  clock = FakeClock()
+  acct = perf.TimeAccounting(clock=clock, start=0.0)
+  clock.advance(30.0)  # start-up
+  eta.begin(0, acct.summary())
+  last = None
+  for step in range(1, total + 1):
+    with acct.track('data'):
+      clock.advance(0.02)
+    with acct.track('step'):
+      clock.advance(0.43)
+    clock.advance(0.001)  # loop overhead: 'other'
+    if step % log_every == 0:
+      naive = (clock.t - last[0]) / (step - last[1]) * (total - step) if last else None
+      last = (clock.t, step)
+      yield clock.t, step, eta(step, acct.summary(), final_save_s=final_save_s), naive
+    if step % eval_every == 0 or step == total:
+      with acct.track('eval'):  # the first eval compiles the eval step too
+        clock.advance(eval_s + (first_eval_extra_s if step == eval_every else 0.0))
+    with acct.track('checkpoint'):
+      clock.advance(0.0005 + (save_s if step % save_every == 0 or step == total else 0.0))
+
+
+def test_eta_of_a_steady_run_moves_less_than_a_fifth_between_progress_lines():
+  """The predicted end (now + ETA) moves by < 20 % of the time left between consecutive lines, saves and evals
+  included; the ETA from the wall time between lines (what the progress line showed before) does not."""
+  eta = perf.Eta(600, save_every=100, eval_every=150, eval_batches=8)
+  lines = list(_steady_run(eta))
+  assert [l[1] for l in lines] == list(range(25, 601, 25))
+  for (t0, s0, e0, _), (t1, s1, e1, _) in zip(lines, lines[1:]):
+    assert abs((t1 + e1) - (t0 + e0)) < 0.2 * e0, (s0, e0, s1, e1)
+  end = lines[-1][0] + 2.0 + 1.5 + 20.0  # the last eval, save and final save still ahead of the last line
+  assert lines[0][2] == pytest.approx(end - lines[0][0], rel=0.1)  # right from the first line, within 10 %
+  naive_moves = [abs((t1 + n1) - (t0 + n0)) / n0 for (t0, _, _, n0), (t1, _, _, n1) in zip(lines[1:], lines[2:])]
+  assert max(naive_moves) > 0.2  # the timeline is one where the old estimate jumped
+
+
+def test_eta_counts_the_saves_and_evals_ahead():
+  eta = perf.Eta(1000, save_every=100, eval_every=0, eval_batches=3)
+  summary = dict.fromkeys([f'{k}_s' for k in perf.BUCKETS], 0.0)
+  eta.begin(200, summary)  # resumed at step 200
+  now = dict(summary, step_s=75.0, checkpoint_s=2.0)  # 150 steps of 0.5 s and the save at 300, 2 s
+  # 650 steps left; saves at 400..1000 (7) at 2 s each; the final eval priced at 3 batches × 0.5 s / 3; the final
+  # save's write.
+  assert eta(350, now, final_save_s=9.0) == pytest.approx(650 * 0.5 + 7 * 2.0 + 0.5 + 9.0)
+  # At the line of step 400 its save is still ahead: 600 steps and 7 saves (400..1000).
+  assert eta(400, dict(now, step_s=100.0)) == pytest.approx(600 * 0.5 + 7 * 2.0 + 0.5)
+
+
 def test_time_accounting_before_the_first_step_is_startup():
   clock = FakeClock()
   acct = perf.TimeAccounting(clock=clock, start=0.0)
@@ -333,12 +403,15 @@ jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)  # cache even
 jax.jit(lambda x: jnp.sin(x) * 2).lower(jnp.ones(3)).compile()
 print(path)
 '''
-  env = dict(os.environ, HOME=str(tmp_path), JAX_PLATFORMS='cpu')
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  result = subprocess.run([sys.executable, '-c', script], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=120, check=True)
-  assert result.stdout.strip() == str(tmp_path / 'xla')
-  assert os.listdir(tmp_path / 'xla')
+  for devices, cached in ((1, True), (8, False)):  # a multi-device CPU backend never reads the cache (issue #32)
+    home = tmp_path / f'home{devices}'
+    env = dict(os.environ, HOME=str(home), JAX_PLATFORMS='cpu',
+               XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
+    result = subprocess.run([sys.executable, '-c', script], env=env, cwd=root, capture_output=True, text=True,
+                            timeout=120, check=True)
+    assert result.stdout.strip() == (str(home / 'xla') if cached else 'None')
+    assert bool(os.path.isdir(home / 'xla') and os.listdir(home / 'xla')) == cached
 
 
 def test_nan_loss_is_kept(tmp_path):
@@ -347,3 +420,19 @@ def test_nan_loss_is_kept(tmp_path):
   record = json.loads((tmp_path / 'metrics.jsonl').read_text())
   assert math.isnan(record['loss']) and record['grad_norm'] == math.inf
   assert not (tmp_path / 'tb').exists()
+
+
+def test_a_storage_error_is_one_short_line_with_the_library_message_in_the_log(tmp_path, caplog):
+  raw = ('RESOURCE_EXHAUSTED: Error writing "opt_state.mu/0.0" in OCDBT database at local file "' + 'x' * 400
+         + '": Failed to write 1144507 bytes to file 17: No space left on device [os_error_code=\'28\'] '
+         '[source locations=\'tensorstore/internal/os/file_util_posix.cc:312\n' + 'tensorstore/kvstore ' * 20)
+  path = str(tmp_path / 'run' / 'checkpoints')
+  line = 'jaxlm: ' + str(metrics.storage_error(path, ValueError(raw)))
+  assert len(line) <= metrics.LAST_LINE and 'source locations' not in line and 'x' * 50 not in line
+  assert line.startswith(f'jaxlm: cannot write {path} (ValueError: [Errno 28] No space left on device); ')
+  assert ' MiB free there. Fix: free space or use a writable --workdir' in line
+  assert raw in caplog.text  # the whole library message, in the log
+  deep = '/mnt/' + '/'.join(['a_rather_long_directory_name'] * 12) + '/checkpoints'
+  line = 'jaxlm: ' + str(metrics.storage_error(deep, OSError(13, 'Permission denied')))
+  assert len(line) <= metrics.LAST_LINE and '/mnt/a_rather' in line and '...' in line
+  assert 'name/checkpoints (PermissionError: [Errno 13] Permission denied); ' in line

@@ -25,9 +25,16 @@ def test_entry_point_trains_palm_tiny_and_loss_falls(tmp_path, data_cache):
   assert all(r['tokens_per_s'] > 0 and r['lr'] > 0 and r['grad_norm'] > 0 for r in train)
   # The start-up report: resolved config, mesh, the parameter table, the compiled step's memory.
   for text in ("mesh: {'data': 1, 'fsdp': 8, 'tensor': 1, 'context': 1}", 'layers/attention/query', "P(None, 'fsdp', 'tensor', None)",
-               'compiled the train step', 'goodput', 'ETA', 'bit-reproducible: yes (cpu'):
+               'compiled the train step', 'goodput', 'ETA', 'bit-reproducible: yes (cpu', 'attention: xla attention'):
     assert text in out.stdout, text
   assert (tmp_path / 'checkpoints' / '40').is_dir() and list((tmp_path / 'tb').iterdir())
+  # What start-up spent its time on, and the final save's wait apart from the saves during the run.
+  startup = next(line for line in out.stdout.splitlines() if line.startswith('start-up '))
+  assert 'python, imports' in startup and 'compile train step' in startup, startup
+  assert any(line.split()[:2] == ['final', 'save'] for line in out.stdout.splitlines())
+  assert all(r['eta_s'] >= 0 for r in train)  # the progress line's ETA, recorded
+  final = read_records(tmp_path, 'system')[-1]  # with the saves in numbers: steps 10, 20, 30 and 40
+  assert final['checkpoint_saves'] == 4 and final['checkpoint_blocked_max_s'] <= final['checkpoint_s'] + 1e-6
 
 
 
