@@ -45,6 +45,7 @@ class BadRecord(ValueError):
 @functools.lru_cache(maxsize=8)
 def _compile(template: str):
   import jinja2  # pylint: disable=g-import-not-at-top
+  import jinja2.ext  # pylint: disable=g-import-not-at-top
   from jinja2.sandbox import ImmutableSandboxedEnvironment  # pylint: disable=g-import-not-at-top
 
   def raise_exception(message):
