@@ -271,6 +271,8 @@ def log_step(r: Run, step: int, metrics: dict, window: Window, size: int) -> dic
                 mfu=perf.mfu(tokens_per_s, model_lib.flops_per_token(m, seq_len), devices, kind),
                 mfu_causal=perf.mfu(tokens_per_s, model_lib.flops_per_token(m, seq_len, causal=True),
                                            devices, kind))
+  if r.cfg.train.get('epochs') and hasattr(r.train_iter, 'epoch'):  # train.epochs: where in the passes we are
+    values['epoch'] = r.train_iter.epoch()
   if r.program.model.pipeline is not None:  # the idle share of each stage; MFU above counts model FLOPs only
     values['bubble'] = r.program.model.pipeline.bubble
   if m.matmul_dtype == 'fp8':  # MFU is against the bf16 peak: fp8 runs compare in tokens/s and model FLOP/s only
@@ -371,6 +373,12 @@ def main(argv):
   cfg = _CONFIG.value
   set_deterministic(cfg.train)
   distributed.initialize(cfg.dist)  # first of all JAX calls: joins the job's other processes, if any
+  if cfg.train.get('epochs'):  # train.steps follows from the dataset's size (data/pipeline.py)
+    cfg = cfg.copy_and_resolve_references()
+    cfg.train.steps, rows = data_lib.steps_for_epochs(cfg.data, cfg.train, cfg.model.vocab_size)
+    if jax.process_index() == 0:
+      print(f'train.epochs={cfg.train.epochs}: {rows:,} rows of {cfg.data.seq_len} tokens per epoch, batch '
+            f'{cfg.train.batch_size} -> train.steps={cfg.train.steps}', flush=True)
   config_lib.validate(cfg, jax.device_count(), sharding.num_processes(), sharding.num_slices())
   workdir = _WORKDIR.value or os.path.join('runs', cfg.name)
   try:

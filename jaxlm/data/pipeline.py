@@ -285,12 +285,12 @@ def fingerprint(data_cfg, prepared: Sequence[Prepared], weights: Sequence[float]
           'data.weights': stream_lib.Mixture(list(weights)).q}
 
 
-def rows_per_epoch(data_cfg, *, seed: int, vocab_size: int) -> int:
-  """Rows of data.seq_len tokens in one pass over the training split (train.epochs turns it into steps)."""
-  rows, _ = make_train_rows(data_cfg, seed=seed, vocab_size=vocab_size, num_epochs=1)
-  if len(rows.streams) > 1:
+def steps_for_epochs(data_cfg, train_cfg, vocab_size: int) -> tuple[int, int]:
+  """(train.steps that make train.epochs passes over the dataset, rows of data.seq_len tokens per pass)."""
+  rows, _ = make_train_rows(data_cfg, seed=train_cfg.seed, vocab_size=vocab_size, num_epochs=1)
+  if rows.rows_per_epoch is None:
     raise DataError('train.epochs applies to a single dataset, not to a mixture of data.paths; set train.steps.')
-  return rows.streams[0].rows_per_epoch
+  return -(-train_cfg.epochs * rows.rows_per_epoch // train_cfg.batch_size), rows.rows_per_epoch
 
 
 def make_train_rows(data_cfg, *, seed: int, vocab_size: int, num_epochs: int | None = None):
@@ -375,6 +375,11 @@ class TrainIterator(grain.DatasetIterator):
     if self._it is not None and hasattr(self._it, 'close'):
       self._it.close()
     self._it, self._size = None, None
+
+  def epoch(self) -> float | None:
+    """Passes over the dataset drawn so far (None for a mixture): the progress line's epoch."""
+    per_epoch = self.rows_source.rows_per_epoch
+    return None if not per_epoch else self.rows / per_epoch
 
   def take(self, size: int) -> dict:
     """This process's rows of the next global batch of `size` rows."""

@@ -295,6 +295,7 @@ class Rows:
     self.streams, self.cross = streams, cross_document_attention
     self.mixture = Mixture(weights)
     self.seq_len = streams[0].seq_len
+    self.rows_per_epoch = streams[0].rows_per_epoch if len(streams) == 1 else None
     if len(streams) == 1:
       self.rows = streams[0].rows
     elif any(s.rows != INFINITE_ROWS for s in streams):

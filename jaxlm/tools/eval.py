@@ -155,8 +155,9 @@ def evaluate_run(workdir: str, *, step: int | None = None, batches: int | None =
     result = summarize(nats, tokens, sum(text_bytes(b, tokenizer.decode) for b in eval_data))
     result.update(step=int(os.path.basename(path)), batches=len(eval_data), batch_size=batch_size)
     if prompt is not None:
-      ids = [tokenizer.eos_id] + tokenizer.encode(prompt)  # EOS starts every document in training (data.py)
-      stop = tokenizer.eos_id if tokenizer.eos_id >= 0 else None
+      # The separator (EOS for SentencePiece) starts every document in training (data.py).
+      ids = [tokenizer.separator_id] + tokenizer.encode(prompt)
+      stop = tokenizer.separator_id if tokenizer.separator_id >= 0 else None
       model = model_lib.Decoder(model_lib.inference_config(program.model.config))  # fp8 runs: no fp8 state here
       out = generate(model, params, ids, max_tokens, temperature=temperature, seed=seed, stop_id=stop)
       result.update(prompt=prompt, continuation=tokenizer.decode(out))
@@ -275,7 +276,7 @@ def score_documents(workdir: str, texts: Sequence[str], *, step: int | None = No
   tokenizer = data_lib.load_tokenizer(cfg.data, vocab)
   seq_len = cfg.data.seq_len
   # The start token every training document begins with (data.py): what lm-eval's rolling prefix is for an export.
-  windows = [w for text in texts for w in rolling_windows(tokenizer.encode(text), tokenizer.eos_id, seq_len)]
+  windows = [w for text in texts for w in rolling_windows(tokenizer.encode(text), tokenizer.separator_id, seq_len)]
   batches = window_batches(windows, seq_len, batch_size)
   mesh = sharding.make_mesh(_mesh_cfg(cfg))
   with jax.sharding.set_mesh(mesh):
