@@ -90,8 +90,8 @@ def open_prepared(path: str, vocab_size: int) -> Prepared:
                     f'Prepare it again.')
   if vocab > vocab_size:
     raise DataError(f'{path} was tokenized with a tokenizer whose ids (added tokens included) need a {vocab}-entry '
-                    f'vocabulary but model.vocab_size={vocab_size}; set --config.model.vocab_size={vocab} (or more), or prepare '
-                    f'with --vocab_size<={vocab_size}.')
+                    f'vocabulary but model.vocab_size={vocab_size}; set --config.model.vocab_size={vocab} (or more), '
+                    f'or prepare with --vocab_size<={vocab_size}.')
   model = os.path.join(path, meta['tokenizer'])
   if not os.path.exists(model):
     raise DataError(f'{path}: tokenizer file {model} is missing; prepare the data again.')

@@ -38,6 +38,7 @@ from absl import flags
 
 from jaxlm import checkpoint as checkpoint_lib
 from jaxlm import cli
+from jaxlm.data import chat as chat_lib
 from jaxlm.data import pipeline as data_lib
 from jaxlm import errors
 from jaxlm.hf import export as export_lib
@@ -204,7 +205,11 @@ def heldout_documents(cfg, *, max_documents: int | None = None) -> list[str]:
     records = grain.sources.ArrayRecordDataSource(shards)
     for i in range(len(records)):
       # Stored documents carry no BOS/EOS, and SentencePiece decodes control tokens to nothing anyway.
-      texts.append(tokenizer.decode(np.frombuffer(records[i], dtype=prepared.meta['dtype']).tolist()))
+      if prepared.meta.get('content') == 'chat':  # a conversation: its ids, then its loss weights
+        ids = chat_lib.from_record(records[i], prepared.meta['dtype'])[0]
+      else:
+        ids = np.frombuffer(records[i], dtype=prepared.meta['dtype'])
+      texts.append(tokenizer.decode(ids.tolist()))
       if max_documents and len(texts) == max_documents:
         return texts
   if not texts:

@@ -73,7 +73,8 @@ def test_bad_records_are_named():
 
 def test_template_that_drops_the_assistant_text_is_a_bad_record(tok_dir):
   tok = tokenizer_lib.load(tok_dir)
-  hides = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] if m['role'] != 'assistant' else '...' }}\n{% endfor %}"
+  hides = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] if m['role'] != 'assistant' else '...' }}\n"
+           "{% endfor %}")
   with pytest.raises(chat_lib.BadRecord, match='assistant_text_not_found'):
     chat_lib.encode(tok, hides, MULTI_TURN)
 
@@ -132,3 +133,18 @@ def test_packed_rows_keep_conversations_apart_with_their_weights(tmp_path, tok_d
   ev = data_lib.eval_batches(c, batch_size=2, num_batches=1, vocab_size=tok.vocab_size, process_index=0,
                              process_count=1)
   assert ev[0]['weights'].sum() > 0 and set(ev[0]) == {'inputs', 'targets', 'segment_ids', 'positions', 'weights'}
+
+
+def test_epochs_derive_steps_and_bad_epoch_settings_are_refused(tmp_path, tok_dir):
+  from jaxlm import config as config_lib
+  meta, out = _prepare_chat(tmp_path, tok_dir, chat_fixtures.conversations(30), seq_len=128)
+  c = load_config('sft_example')
+  c.data.update(paths=out, seq_len=128, cache_dir=str(tmp_path))
+  c.train.update(epochs=3, batch_size=4)
+  steps, rows = data_lib.steps_for_epochs(c.data, c.train, 400)
+  packed, _ = data_lib.make_train_rows(c.data, seed=0, vocab_size=400)
+  assert rows == packed.rows_per_epoch and steps == -(-3 * rows // 4)
+  c.train.update(epochs=-1, batch_ramp='2:1000')
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(c, 8)
+  assert 'train.epochs=-1 must be >= 0' in str(e.value) and 'train.batch_ramp' in str(e.value)

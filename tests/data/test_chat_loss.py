@@ -50,7 +50,8 @@ def setup(tmp_path_factory):
   m = model_lib.ModelConfig.from_config(cfg.model)
   model = model_lib.Decoder(m)
   b = stack(packed)
-  params = nn.unbox(model.init({'params': jax.random.PRNGKey(0)}, b['inputs'], b['segment_ids'], b['positions'])['params'])
+  variables = model.init({'params': jax.random.PRNGKey(0)}, b['inputs'], b['segment_ids'], b['positions'])
+  params = nn.unbox(variables['params'])
   return cfg, m, model, stack(packed), stack(single), params
 
 
