@@ -148,3 +148,11 @@ def test_epochs_derive_steps_and_bad_epoch_settings_are_refused(tmp_path, tok_di
   with pytest.raises(config_lib.ConfigError) as e:
     config_lib.validate(c, 8)
   assert 'train.epochs=-1 must be >= 0' in str(e.value) and 'train.batch_ramp' in str(e.value)
+
+
+def test_training_refuses_conversations_longer_than_its_rows(tmp_path, tok_dir):
+  meta, out = _prepare_chat(tmp_path, tok_dir, chat_fixtures.conversations(30), seq_len=128)
+  c = load_config('base').data
+  c.update(source='prepared', paths=out, seq_len=32, cache_dir=str(tmp_path))
+  with pytest.raises(data_lib.DataError, match=r'data.seq_len=32; prepare again with --seq_len=32'):
+    data_lib.make_train_rows(c, seed=0, vocab_size=400)

@@ -103,3 +103,12 @@ def test_separator_override_and_refusals(tmp_path):
                         cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert done.returncode == 2 and 'Traceback' not in done.stderr
   assert done.stderr.strip().splitlines()[-1].startswith('jaxlm: ') and '<|nope|>' in done.stderr
+
+
+def test_a_tokenizer_without_any_end_of_text_token_needs_a_separator(tmp_path):
+  tokenizer_lib.train_bytelevel_bpe(iter(TEXTS), str(tmp_path), vocab_size=300, end_of_text='<|sep|>')
+  config = json.loads((tmp_path / 'tokenizer_config.json').read_text())
+  (tmp_path / 'tokenizer_config.json').write_text(json.dumps(dict(config, eos_token=None)))
+  with pytest.raises(ValueError, match='no end-of-text token.*--separator=TOKEN'):
+    tokenizer_lib.load(str(tmp_path))
+  assert tokenizer_lib.load(str(tmp_path), separator='<|sep|>').separator_id == 0
