@@ -71,8 +71,12 @@ def test_bad_records_are_named():
     assert e.value.reason == reason
 
 
-def test_template_that_drops_the_assistant_text_is_a_bad_record(tok_dir):
+def test_template_that_drops_the_assistant_text_or_raises_is_a_bad_record(tok_dir):
   tok = tokenizer_lib.load(tok_dir)
+  strict = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}x"
+  with pytest.raises(chat_lib.BadRecord, match='no system role') as e:
+    chat_lib.encode(tok, strict, MULTI_TURN)
+  assert e.value.reason == 'template_error'
   hides = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] if m['role'] != 'assistant' else '...' }}\n"
            "{% endfor %}")
   with pytest.raises(chat_lib.BadRecord, match='assistant_text_not_found'):

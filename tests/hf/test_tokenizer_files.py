@@ -62,6 +62,9 @@ def test_import_copies_tokenizer_and_export_gives_autotokenizer_the_same_ids(tmp
     messages = chat_lib.messages_of(record)
     ids, _, _ = chat_lib.encode(ours, chat_lib.template_of(ours), messages)
     assert ids.tolist() == ids_of(theirs.apply_chat_template(messages, tokenize=True))
+    assert theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == chat_lib.render(
+        messages, chat_lib.template_of(str(tmp_path / 'back')), add_generation_prompt=True,
+        special_tokens=ours.special_tokens)
   config = json.loads((tmp_path / 'back' / 'generation_config.json').read_text())
   assert config['eos_token_id'] == sorted({ours.eos_id, ours.separator_id})
   assert text_meta['separator'] == '<|end_of_text|>'
