@@ -55,7 +55,20 @@ def _compile(template: str):
     # transformers' override: Jinja's own tojson escapes HTML characters.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+  class Generation(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask tag) renders its body as it is."""
+    tags = {'generation'}
+
+    def parse(self, parser):
+      lineno = next(parser.stream).lineno
+      body = parser.parse_statements(('name:endgeneration',), drop_needle=True)
+      return jinja2.nodes.CallBlock(self.call_method('_body'), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+      return caller()
+
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=[Generation, jinja2.ext.loopcontrols])
   env.filters['tojson'] = tojson
   env.globals['raise_exception'] = raise_exception
   env.globals['strftime_now'] = lambda fmt: datetime.datetime.now().strftime(fmt)

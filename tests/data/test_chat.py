@@ -47,6 +47,12 @@ def test_ids_equal_transformers_apply_chat_template(tok_dir, template):
       assert chat_lib.render(messages[:2], source, add_generation_prompt=gen,
                              special_tokens=tok.special_tokens) == hf.apply_chat_template(
           messages[:2], tokenize=False, add_generation_prompt=gen, chat_template=source)
+  if template == 'llama3':  # transformers' {% generation %} tag (assistant masks) renders as its body
+    tagged = source.replace('{{ content }}', '{% if message.role == "assistant" %}{% generation %}{{ content }}'
+                            '{% endgeneration %}{% else %}{{ content }}{% endif %}')
+    assert '{% generation %}' in tagged
+    assert chat_lib.render(MULTI_TURN, tagged, special_tokens=tok.special_tokens) == hf.apply_chat_template(
+        MULTI_TURN, tokenize=False, chat_template=tagged)
   # The tokenizer's own template is the one in its tokenizer_config.json (llama3 here).
   assert chat_lib.template_of(tok_dir) == chat_lib.LLAMA3 and chat_lib.template_of(tok, 'chatml') == chat_lib.CHATML
 
