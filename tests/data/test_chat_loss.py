@@ -103,13 +103,15 @@ def test_train_step_loss_is_the_mean_over_the_whole_batchs_weighted_tokens(setup
   c.mesh.update(data=1, fsdp=1, tensor=1)
   c.train.batch_size = 4
   program = plain_program(c, mesh, microbatches=4)  # one row per microbatch
-  host = jax.tree.map(np.array, params)  # the step donates its state: never hand it the fixture's arrays
-  state = program.init().replace(params=jax.device_put(host, program.state_shardings.params))
+  # A state of zeros but for the parameters (no init compile): loss and gradients depend on the parameters only.
+  # Copies: the step donates its state, so it must never hold the fixture's arrays.
+  state = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), program.abstract_state)
+  state = jax.device_put(state.replace(params=jax.tree.map(np.array, params)), program.state_shardings)
   _, metrics = program.train_step(state, {k: jax.device_put(v, program.batch_sharding) for k, v in rows.items()})
   np.testing.assert_allclose(float(metrics['loss'] + metrics['z_loss']), float(expected), rtol=1e-5)
   np.testing.assert_allclose(float(metrics['grad_norm']), norm, rtol=1e-5)
   # A mean of per-microbatch (here per-row) means is a different number: the test tells them apart.
-  logits = model.apply({'params': params}, rows['inputs'], rows['segment_ids'], rows['positions'])
+  logits = jax.jit(model.apply)({'params': params}, rows['inputs'], rows['segment_ids'], rows['positions'])
   ce = np.asarray(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, rows['targets'][..., None], -1)[..., 0])
   per_row = np.mean((ce * rows['weights']).sum(1) / rows['weights'].sum(1))
   assert abs(per_row - float(expected)) > 1e-3
