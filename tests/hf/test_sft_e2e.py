@@ -17,7 +17,6 @@ from jaxlm.data import pipeline as data_lib
 from jaxlm.data import prepare as prepare_lib
 from jaxlm.data import tokenizer as tokenizer_lib
 from jaxlm.hf import export
-from jaxlm.hf import import_llama
 from tests.data import chat_fixtures
 from tests.helpers import load_config, read_records, run_cli
 from tests.hf.test_tokenizer_files import ids_of, tiny_hf_llama
@@ -36,7 +35,15 @@ def sft(tmp_path_factory):
   hf_dir = chat_fixtures.make_tokenizer(str(d / 'hf'), post='bos')
   vocab = tokenizer_lib.load(hf_dir).vocab_size
   tiny_hf_llama(transformers, torch, hf_dir, vocab)
-  imported = import_llama.import_hf(hf_dir, str(d / 'import'))
+  done = run_cli('jaxlm.hf.import_llama', f'--hf_dir={hf_dir}', f'--out={d / "import"}', devices=1, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  lines = done.stdout.splitlines()
+  tokenizer = os.path.abspath(d / 'import')
+  assert f'  python -m jaxlm.data.prepare --format=chat --tokenizer={tokenizer} --seq_len=256 ' in done.stdout
+  assert lines[-2] == 'train with (in a new --workdir):'
+  imported = {'tokenizer': tokenizer, 'flags': lines[-1].strip(),
+              'checkpoint': os.path.join(tokenizer, 'checkpoints', '0')}
+  assert os.path.isfile(os.path.join(tokenizer, 'tokenizer.json'))
   chat_fixtures.write_jsonl(d / 'chat.jsonl', chat_fixtures.conversations(240, seed=1))
   meta = prepare_lib.prepare(prepare_lib.expand_inputs([str(d / 'chat.jsonl')]), str(d / 'chat'),
                              tokenizer=imported['tokenizer'], workers=1, data_format='chat', seq_len=T,
