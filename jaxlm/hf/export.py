@@ -133,16 +133,20 @@ def sentencepiece_to_tokenizers(model_path: str):
   return tok
 
 
+def _prepared_meta(tokenizer_path: str) -> dict:
+  """metadata.json of the prepared data the tokenizer sits in ({} for a tokenizer elsewhere)."""
+  meta = os.path.join(os.path.dirname(tokenizer_path), 'metadata.json')
+  if not os.path.isfile(meta):
+    return {}
+  with open(meta) as f:
+    return json.load(f)
+
+
 def _chat_template(tokenizer_path: str, tok) -> str | None:
   """The chat template the run's data was rendered with: prepare's --chat_template (in the prepared metadata beside
   the tokenizer), else the tokenizer's own."""
   from jaxlm.data import chat as chat_lib  # pylint: disable=g-import-not-at-top
-  name = None
-  meta = os.path.join(os.path.dirname(tokenizer_path), 'metadata.json')
-  if os.path.isfile(meta):
-    with open(meta) as f:
-      name = json.load(f).get('settings', {}).get('chat_template') or None
-  return chat_lib.template_of(tok, name)
+  return chat_lib.template_of(tok, _prepared_meta(tokenizer_path).get('settings', {}).get('chat_template') or None)
 
 
 def write_hf_tokenizer(tok, out: str, *, model_max_length: int, chat_template: str | None) -> list[str]:
@@ -227,10 +231,11 @@ def export(workdir: str, out: str, *, step: int | None = None, dtype: str = 'flo
   bos_id, stop_ids, tok, template = eos_id, [eos_id], None, None
   if tokenizer:
     from jaxlm.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
-    tok = tokenizer_lib.load(tokenizer)
+    tok_file = tokenizer_lib.main_file(tokenizer)
+    tok = tokenizer_lib.load(tok_file, separator=_prepared_meta(tok_file).get('separator'))  # the data's own
     tokenizer, template = tok.path, _chat_template(tok.path, tok)
     if tok.kind == 'sentencepiece':
-      bos_id = eos_id = tok.eos_id  # documents start with EOS in training (see write_tokenizer)
+      bos_id = eos_id = tok.separator_id  # documents start with the separator (EOS) in training
       stop_ids = [eos_id]
     else:  # the tokenizer's own BOS and EOS (an instruct model's end of turn), and the end of a document
       bos_id = tok.bos_id if tok.bos_id >= 0 else tok.separator_id
