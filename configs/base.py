@@ -58,6 +58,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.train = t = ml_collections.ConfigDict()
   t.steps = 200  # optimizer steps to train
+  t.epochs = 0  # > 0: passes over the (single) dataset; train.steps is derived: ceil(epochs × rows / batch_size)
   t.batch_size = 16  # global batch, in sequences
   t.microbatches = 1  # gradient accumulation: split each batch into this many sequential microbatches
   t.batch_ramp = ''  # smaller batches first (GPT-3, PaLM): 'size:until_tokens,...', e.g. '4:20000,8:60000'

@@ -158,6 +158,11 @@ def _train_errors(t, o) -> list[str]:
   for key in ('steps', 'batch_size', 'microbatches', 'log_every', 'eval_batches'):
     if t[key] <= 0:
       e.append(f'train.{key}={t[key]} must be a positive integer.')
+  if t.get('epochs', 0) < 0:
+    e.append(f'train.epochs={t.epochs} must be >= 0 (0 = train for train.steps).')
+  if t.get('epochs', 0) and t.batch_ramp:
+    e.append('train.epochs counts rows of one batch size; it does not combine with train.batch_ramp. Set '
+             'train.steps instead, or drop the ramp.')
   if t.eval_every < 0:
     e.append(f'train.eval_every={t.eval_every} must be >= 0 (0 = evaluate only at the end).')
   if o.lr <= 0:

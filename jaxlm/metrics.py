@@ -80,6 +80,8 @@ def progress_line(step: int, total_steps: int | None, values: dict, eta_s: float
     parts = [f'step {step:>{width}}/{total_steps} ({100 * step / total_steps:5.1f}%)']
   else:
     parts = [f'step {step}']
+  if values.get('epoch') is not None:  # train.epochs
+    parts.append(f'epoch {values["epoch"]:.2f}')
   parts += [f'loss {values["loss"]:.4f}', f'{_si(values["tokens_per_s"])} tok/s']
   if values.get('mfu') is not None:
     parts.append(f'MFU {100 * values["mfu"]:.1f}%')

@@ -295,6 +295,8 @@ def log_step(r: Run, step: int, metrics: dict, window: Window, size: int, eta: p
   if eta is not None:  # the final save's wait: priced at the last save's write time
     written = [x['write_s'] for x in r.ckpt.timings if 'write_s' in x]
     values['eta_s'] = eta(step, r.acct.summary(), final_save_s=written[-1] if written else None)
+  if r.cfg.train.get('epochs') and hasattr(r.train_iter, 'epoch'):  # train.epochs: where in the passes we are
+    values['epoch'] = r.train_iter.epoch()
   if r.program.model.pipeline is not None:  # the idle share of each stage; MFU above counts model FLOPs only
     values['bubble'] = r.program.model.pipeline.bubble
   if m.matmul_dtype == 'fp8':  # MFU is against the bf16 peak: fp8 runs compare in tokens/s and model FLOP/s only
@@ -395,6 +397,12 @@ def main(argv):
   cfg = _CONFIG.value
   set_deterministic(cfg.train)
   distributed.initialize(cfg.dist)  # first of all JAX calls: joins the job's other processes, if any
+  if cfg.train.get('epochs'):  # train.steps follows from the dataset's size (data/pipeline.py)
+    cfg = cfg.copy_and_resolve_references()
+    cfg.train.steps, rows = data_lib.steps_for_epochs(cfg.data, cfg.train, cfg.model.vocab_size)
+    if jax.process_index() == 0:
+      print(f'train.epochs={cfg.train.epochs}: {rows:,} rows of {cfg.data.seq_len} tokens per epoch, batch '
+            f'{cfg.train.batch_size} -> train.steps={cfg.train.steps}', flush=True)
   config_lib.validate(cfg, jax.device_count(), sharding.num_processes(), sharding.num_slices())
   workdir = _WORKDIR.value or os.path.join('runs', cfg.name)
   try:

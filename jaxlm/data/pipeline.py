@@ -89,8 +89,9 @@ def open_prepared(path: str, vocab_size: int) -> Prepared:
     raise DataError(f'{path} was prepared in format {fmt!r}; this version reads {prepare_lib.FORMAT!r}. '
                     f'Prepare it again.')
   if vocab > vocab_size:
-    raise DataError(f'{path} was tokenized with a {vocab}-entry vocabulary but model.vocab_size={vocab_size}; '
-                    f'set --config.model.vocab_size={vocab} (or more), or prepare with --vocab_size<={vocab_size}.')
+    raise DataError(f'{path} was tokenized with a tokenizer whose ids (added tokens included) need a {vocab}-entry '
+                    f'vocabulary but model.vocab_size={vocab_size}; set --config.model.vocab_size={vocab} (or more), '
+                    f'or prepare with --vocab_size<={vocab_size}.')
   model = os.path.join(path, meta['tokenizer'])
   if not os.path.exists(model):
     raise DataError(f'{path}: tokenizer file {model} is missing; prepare the data again.')
@@ -123,6 +124,9 @@ def _check_shard(path: str, documents: int) -> None:
 
 def _open_all(data_cfg, vocab_size: int) -> list[Prepared]:
   prepared = [open_prepared(p, vocab_size) for p in dataset_dirs(data_cfg, vocab_size)]
+  if len({p.meta.get('content', 'text') for p in prepared}) > 1:
+    raise DataError('data.paths mixes chat and text datasets (' + ', '.join(
+        f'{p.path}: {p.meta.get("content", "text")}' for p in prepared) + '); train on one kind at a time.')
   shas = {p.meta['tokenizer_sha256'] for p in prepared}
   if len(shas) > 1:
     raise DataError('the datasets in data.paths were prepared with different tokenizers: '
@@ -132,12 +136,16 @@ def _open_all(data_cfg, vocab_size: int) -> list[Prepared]:
 
 
 def load_tokenizer(data_cfg, vocab_size: int) -> tokenizer_lib.Tokenizer:
-  """The SentencePiece model of the data `data_cfg` reads (encode, decode, eos_id, vocab_size, path)."""
-  return tokenizer_lib.Tokenizer(tokenizer_path(data_cfg, vocab_size))
+  """The tokenizer of the data `data_cfg` reads (encode, decode, separator_id, vocab_size, path), with the
+  separator its preparation chose."""
+  path = tokenizer_path(data_cfg, vocab_size)
+  with open(os.path.join(os.path.dirname(path), 'metadata.json')) as f:
+    separator = json.load(f).get('separator')
+  return tokenizer_lib.load(path, separator=separator)
 
 
 def tokenizer_path(data_cfg, vocab_size: int | None = None) -> str:
-  """Path of that .model file (e.g. for a Hugging Face export); the stdlib corpus needs `vocab_size`."""
+  """Path of that tokenizer's main file (e.g. for a Hugging Face export); the stdlib corpus needs `vocab_size`."""
   if vocab_size is None:
     if data_cfg.source == 'stdlib':
       raise DataError('the stdlib corpus has one tokenizer per vocabulary size; pass vocab_size '
@@ -236,11 +244,27 @@ def _seed(seed: int, k: int) -> int:
   return int.from_bytes(hashlib.sha256(f'{seed}/{k}'.encode()).digest()[:4], 'big')
 
 
+def is_chat(prepared: Sequence[Prepared]) -> bool:
+  """Whether the datasets hold conversations with loss weights (prepare --format=chat)."""
+  return prepared[0].meta.get('content') == 'chat'
+
+
+def _conversations(data_cfg, p: Prepared, split: str, *, seed: int, num_epochs: int | None,
+                   shuffle: bool) -> stream_lib.ConversationRows:
+  source = _source(p, split)
+  lengths = stream_lib.document_lengths(p.shards(split), p.meta, data_cfg.get('cache_dir') or None)
+  return stream_lib.ConversationRows(source, lengths, seed=seed, seq_len=data_cfg.seq_len, dtype=p.meta['dtype'],
+                                     epochs=num_epochs, shuffle=shuffle)
+
+
 def _streams(data_cfg, prepared: Sequence[Prepared], seed: int,
              num_epochs: int | None) -> list[stream_lib.DocumentStream]:
   out = []
   for k, p in enumerate(prepared):
     meta = p.meta
+    if meta.get('content') == 'chat':  # whole conversations per row, with their loss weights
+      out.append(_conversations(data_cfg, p, 'train', seed=_seed(seed, k), num_epochs=num_epochs, shuffle=True))
+      continue
     source = _source(p, 'train')
     lengths = stream_lib.document_lengths(p.shards('train'), meta, data_cfg.get('cache_dir') or None)
     if len(lengths) != len(source):
@@ -259,6 +283,14 @@ def fingerprint(data_cfg, prepared: Sequence[Prepared], weights: Sequence[float]
           'data.paths': [[os.path.basename(os.path.normpath(p.path)), p.meta['splits']['train']['documents'],
                           p.meta['splits']['train']['tokens']] for p in prepared],
           'data.weights': stream_lib.Mixture(list(weights)).q}
+
+
+def steps_for_epochs(data_cfg, train_cfg, vocab_size: int) -> tuple[int, int]:
+  """(train.steps that make train.epochs passes over the dataset, rows of data.seq_len tokens per pass)."""
+  rows, _ = make_train_rows(data_cfg, seed=train_cfg.seed, vocab_size=vocab_size, num_epochs=1)
+  if rows.rows_per_epoch is None:
+    raise DataError('train.epochs applies to a single dataset, not to a mixture of data.paths; set train.steps.')
+  return -(-train_cfg.epochs * rows.rows_per_epoch // train_cfg.batch_size), rows.rows_per_epoch
 
 
 def make_train_rows(data_cfg, *, seed: int, vocab_size: int, num_epochs: int | None = None):
@@ -344,6 +376,11 @@ class TrainIterator(grain.DatasetIterator):
       self._it.close()
     self._it, self._size = None, None
 
+  def epoch(self) -> float | None:
+    """Passes over the dataset drawn so far (None for a mixture): the progress line's epoch."""
+    per_epoch = self.rows_source.rows_per_epoch
+    return None if not per_epoch else self.rows / per_epoch
+
   def take(self, size: int) -> dict:
     """This process's rows of the next global batch of `size` rows."""
     if size % self.process_count:
@@ -427,6 +464,16 @@ def eval_batches(data_cfg, *, batch_size: int, num_batches: int, vocab_size: int
   process_index, process_count = _process(process_index, process_count)
   local = _local_batch(batch_size, process_count)
   prepared = _open_all(data_cfg, vocab_size)
+
+  if is_chat(prepared):  # held-out conversations packed in order; the loss is over assistant tokens only
+    rows = [_conversations(data_cfg, p, 'eval', seed=0, num_epochs=1, shuffle=False) for p in prepared]
+    flat = [r.row(k) for r in rows for k in range(r.rows_per_epoch)]
+    if len(flat) < batch_size * num_batches:
+      logging.warning('data: the held-out conversations fill %d rows, fewer than %d batches of %d; cycling them '
+                      '(evaluation repeats conversations).', len(flat), num_batches, batch_size)
+    flat = [flat[i % len(flat)] for i in range(batch_size * num_batches)]
+    return [{k: np.stack([r[k] for r in flat[b * batch_size:(b + 1) * batch_size]])[
+        process_index * local:(process_index + 1) * local] for k in flat[0]} for b in range(num_batches)]
 
   def batches(cycle: bool) -> list[dict]:
     # Every process packs the whole held-out split in order and keeps its rows of each global batch, so all

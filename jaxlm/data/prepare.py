@@ -1,13 +1,26 @@
-"""Turns text files into training shards: clean, train or load a SentencePiece model, tokenize, write ArrayRecord.
+"""Turns text files into training shards: clean, train or load a tokenizer, tokenize, write ArrayRecord.
 
   python -m jaxlm.data.prepare --inputs=corpus/,extra/*.jsonl --out=data/mycorpus --vocab_size=8192 --workers=8
+  python -m jaxlm.data.prepare --format=chat --tokenizer=runs/llama_import --inputs=chats.jsonl --out=data/sft \
+      --seq_len=2048
+
+--tokenizer takes a SentencePiece .model, a Hugging Face tokenizer.json, or a directory holding one (with its
+tokenizer_config.json); without it a tokenizer is trained (--tokenizer_kind=sentencepiece, the default, or
+bytelevel_bpe). Documents are stored without specials; the one separator between documents is the tokenizer's
+end-of-text token (never BOS; an instruct tokenizer whose eos_token ends a turn still separates documents with its
+end-of-text token), or --separator=TOKEN. prepare prints its choice and metadata.json names it.
+
+--format=chat reads jsonl conversations (`messages`, or `prompt` / `completion`), renders each with the
+tokenizer's chat template (or --chat_template=chatml|llama3) and stores its ids with one loss weight per token
+(jaxlm/data/chat.py). A conversation longer than --seq_len + 1 tokens is cut at its last assistant turn that fits,
+else dropped; bad records are skipped; all of it is counted in metadata.json['chat'].
 
 Inputs are .txt (one document per file, or per paragraph / line with --txt_docs), .jsonl (one JSON object per
 line, text in --text_field) and .parquet (a string column named --text_field) files, directories of them
 (recursive) and globs; .gz variants of txt/jsonl are read too; any other named file is read as text. The output
 directory holds:
 
-  tokenizer.model                 the SentencePiece model (trained here, or a copy of --tokenizer)
+  tokenizer.model | tokenizer.json  the tokenizer (trained here, or a copy of --tokenizer's files)
   train-00000.arrayrecord ...     one record per document: its token ids (uint16, or int32 for vocab > 65536),
   eval-00000.arrayrecord ...      without BOS/EOS; the training pipeline inserts the separator itself
   metadata.json                   counts, checksum, sources, split, dropped documents (see `_metadata`)
@@ -39,15 +52,17 @@ from absl import flags
 from absl import logging
 
 from jaxlm import cli
+from jaxlm.data import chat as chat_lib
 from jaxlm.data import format as format_lib
 from jaxlm.data import tokenizer as tokenizer_lib
-from jaxlm.data.readers import TXT_DOCS, PrepareError, Source, expand_inputs, read_documents
+from jaxlm.data.readers import TXT_DOCS, PrepareError, Source, expand_inputs, read_documents, read_records
 
 FORMAT = 'jaxlm-prepared-1'  # bump when the shard layout changes; part of the stdlib cache key
 SHARD_SUFFIX = '.arrayrecord'
 SPLITS = ('train', 'eval')
 # group_size:1 puts every record in its own chunk: random access (global shuffle) reads one document, not 64k.
 ARRAY_RECORD_OPTIONS = 'group_size:1'
+DATA_FORMATS = ('text', 'chat')  # --format
 
 
 def is_eval(key: str, eval_fraction: float) -> bool:
@@ -79,13 +94,37 @@ def _sample_lines(sources, counts, *, text_field, txt_docs, eval_fraction, sampl
           return
 
 
-# Tokenizer worker. A module-level global so each pool process loads the model once.
+# Tokenizer worker. Module-level globals so each pool process loads the tokenizer once.
 _WORKER_TOKENIZER = None
+_WORKER_CHAT = None  # (template, most tokens a conversation may keep) for --format=chat
 
 
-def _init_worker(model_path: str) -> None:
-  global _WORKER_TOKENIZER
-  _WORKER_TOKENIZER = tokenizer_lib.Tokenizer(model_path)
+def _init_worker(model_path: str, separator: str | None = None, chat: tuple | None = None) -> None:
+  global _WORKER_TOKENIZER, _WORKER_CHAT
+  _WORKER_TOKENIZER = tokenizer_lib.load(model_path, separator=separator)
+  _WORKER_CHAT = chat
+
+
+def _encode_chat(records: list) -> tuple[list[bytes], collections.Counter]:
+  """The stored conversations of one shard's records, and counts of what was cut or skipped."""
+  template, max_tokens = _WORKER_CHAT
+  out, counts = [], collections.Counter()
+  for record in records:
+    try:
+      ids, weights, turn_ends = chat_lib.encode(_WORKER_TOKENIZER, template, chat_lib.messages_of(record))
+    except chat_lib.BadRecord as e:
+      counts[f'bad_{e.reason}'] += 1
+      continue
+    fitted = chat_lib.fit(ids, weights, turn_ends, max_tokens) if max_tokens else (ids, weights, 'kept')
+    if fitted is None:
+      counts['dropped_too_long'] += 1
+      continue
+    ids, weights, what = fitted
+    counts[what] += 1
+    counts['longest'] = max(counts['longest'], len(ids))
+    counts['weighted_tokens'] += int(weights.sum())
+    out.append((ids, weights))
+  return out, counts
 
 
 def _shard_name(split: str, index: int) -> str:
@@ -98,14 +137,25 @@ def _write_shard(out: str, split: str, index: int, texts: list[str], dtype: str)
 
   name = _shard_name(split, index)
   final, tmp = os.path.join(out, name), os.path.join(out, f'{name}.tmp-{os.getpid()}')
-  ids = _WORKER_TOKENIZER.encode_documents(texts)
+  chat = {}
+  if _WORKER_CHAT is None:
+    ids = _WORKER_TOKENIZER.encode_documents(texts)
+    records = [np.asarray(doc, dtype=dtype).tobytes() for doc in ids]
+    size = sum(len(t.encode()) for t in texts)
+  else:  # texts are chat records: stored as ids then one uint8 loss weight per token
+    ids, counts = _encode_chat(texts)
+    records = [chat_lib.to_record(i, w, dtype) for i, w in ids]
+    ids = [i for i, _ in ids]
+    chat = dict(sorted(counts.items()))
+    size = sum(len(json.dumps(t)) for t in texts)
   writer = array_record_module.ArrayRecordWriter(tmp, ARRAY_RECORD_OPTIONS)
-  tokens = 0
-  for doc in ids:
-    writer.write(np.asarray(doc, dtype=dtype).tobytes())
-    tokens += len(doc)
+  for record in records:
+    writer.write(record)
   writer.close()
-  stats = {'file': name, 'documents': len(ids), 'tokens': tokens, 'bytes': sum(len(t.encode()) for t in texts)}
+  tokens = sum(len(doc) for doc in ids)
+  stats = {'file': name, 'documents': len(ids), 'tokens': tokens, 'bytes': size}
+  if chat:
+    stats['chat'] = chat
   # Stats first, shard last: a shard's final name existing means its stats exist too.
   _write_json(os.path.join(out, name.removesuffix(SHARD_SUFFIX) + '.json'), stats)
   os.replace(tmp, final)
@@ -150,19 +200,43 @@ class _Progress:
 
 
 def _plan(sources, *, vocab_size, model_type, tokenizer_sha, text_field, txt_docs, eval_fraction,
-          shard_docs, sample_mb, max_sentences, seed) -> dict:
+          shard_docs, sample_mb, max_sentences, seed, tokenizer_kind='sentencepiece', separator='',
+          data_format='text', chat_template='', seq_len=0) -> dict:
   """Every setting that decides the output; a re-run into the same directory must match it."""
   return {'format': FORMAT, 'sources': [[s.key, s.size] for s in sources], 'vocab_size': vocab_size,
           'model_type': model_type, 'tokenizer_sha256': tokenizer_sha, 'text_field': text_field,
           'txt_docs': txt_docs, 'eval_fraction': eval_fraction, 'shard_docs': shard_docs,
-          'sample_mb': sample_mb, 'max_sentences': max_sentences, 'seed': seed}
+          'sample_mb': sample_mb, 'max_sentences': max_sentences, 'seed': seed, 'tokenizer_kind': tokenizer_kind,
+          'separator': separator, 'data_format': data_format, 'chat_template': chat_template, 'seq_len': seq_len}
+
+
+def _install_tokenizer(tokenizer: str, out: str) -> str:
+  """Copies the given tokenizer's files into `out` (once); returns the main file's path there."""
+  given = tokenizer_lib.load(tokenizer)
+  for path in given.files:
+    target = os.path.join(out, 'tokenizer.model' if given.kind == 'sentencepiece' else os.path.basename(path))
+    if not os.path.exists(target):
+      with format_lib.replacing(target) as tmp:
+        shutil.copyfile(path, tmp)
+  return os.path.join(out, 'tokenizer.model' if given.kind == 'sentencepiece' else 'tokenizer.json')
 
 
 def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, model_type: str = 'bpe',
             tokenizer: str = '', text_field: str = 'text', txt_docs: str = 'file', eval_fraction: float = 0.02,
             shard_docs: int = 10_000, workers: int = 0, sample_mb: float = 100.0,
-            max_sentences: int = 1_000_000, seed: int = 0, progress: bool = True) -> dict:
+            max_sentences: int = 1_000_000, seed: int = 0, progress: bool = True,
+            tokenizer_kind: str = 'sentencepiece', separator: str = '', data_format: str = 'text',
+            chat_template: str = '', seq_len: int = 0) -> dict:
   """Prepares `sources` into `out` (resuming a previous run there); returns the metadata it wrote."""
+  if tokenizer_kind not in tokenizer_lib.KINDS:
+    raise PrepareError(f'tokenizer_kind={tokenizer_kind!r} is unknown; use one of {", ".join(tokenizer_lib.KINDS)}.')
+  if data_format not in DATA_FORMATS:
+    raise PrepareError(f'format={data_format!r} is unknown; use one of {", ".join(DATA_FORMATS)}.')
+  if data_format == 'chat' and not tokenizer:
+    raise PrepareError('--format=chat needs the model\'s tokenizer: pass --tokenizer=DIR (e.g. the directory '
+                       'jaxlm.hf.import_llama wrote), whose chat template and special tokens the model knows.')
+  if seq_len < 0:
+    raise PrepareError(f'seq_len={seq_len} must be >= 0 (0 = keep conversations whole).')
   if txt_docs not in TXT_DOCS:
     raise PrepareError(f'txt_docs={txt_docs!r} is unknown; use one of {", ".join(TXT_DOCS)}.')
   if model_type not in tokenizer_lib.MODEL_TYPES:
@@ -171,15 +245,22 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
     raise PrepareError(f'eval_fraction={eval_fraction} must be in [0, 1).')
   if shard_docs < 1:
     raise PrepareError(f'shard_docs={shard_docs} must be >= 1.')
-  if tokenizer and not os.path.isfile(tokenizer):
-    raise PrepareError(f'--tokenizer={tokenizer} does not exist.')
+  if tokenizer and not os.path.exists(tokenizer):
+    raise PrepareError(f'--tokenizer={tokenizer} does not exist; give a SentencePiece .model, a tokenizer.json, '
+                       f'or a directory holding one.')
+  if tokenizer:
+    try:
+      tokenizer = tokenizer_lib.main_file(tokenizer)
+    except ValueError as e:
+      raise PrepareError(f'--tokenizer: {e}') from e
   start = time.time()
   workers = workers or os.cpu_count() or 1
   os.makedirs(out, exist_ok=True)
   plan = _plan(sources, vocab_size=vocab_size, model_type=model_type,
                tokenizer_sha=tokenizer_lib.file_sha256(tokenizer) if tokenizer else None, text_field=text_field,
                txt_docs=txt_docs, eval_fraction=eval_fraction, shard_docs=shard_docs, sample_mb=sample_mb,
-               max_sentences=max_sentences, seed=seed)
+               max_sentences=max_sentences, seed=seed, tokenizer_kind=tokenizer_kind, separator=separator,
+               data_format=data_format, chat_template=chat_template, seq_len=seq_len)
   plan_path = os.path.join(out, 'plan.json')
   if os.path.exists(plan_path):
     with open(plan_path) as f:
@@ -196,26 +277,36 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
       os.remove(os.path.join(out, name))
 
   counts = _new_counts()
-  model_path = os.path.join(out, 'tokenizer.model')
-  if tokenizer:
-    if not os.path.exists(model_path):
-      with format_lib.replacing(model_path) as tmp:
-        shutil.copyfile(tokenizer, tmp)
-  elif not os.path.exists(model_path):
-    t0 = time.time()
-    lines = _sample_lines(sources, _new_counts(), text_field=text_field, txt_docs=txt_docs,
-                          eval_fraction=eval_fraction, sample_bytes=int(sample_mb * 1e6))
+  model_path = os.path.join(out, 'tokenizer.json' if tokenizer_kind == 'bytelevel_bpe' else 'tokenizer.model')
+  try:
+    if tokenizer:
+      model_path = _install_tokenizer(tokenizer, out)
+    elif not os.path.exists(model_path):
+      t0 = time.time()
+      lines = _sample_lines(sources, _new_counts(), text_field=text_field, txt_docs=txt_docs,
+                            eval_fraction=eval_fraction, sample_bytes=int(sample_mb * 1e6))
+      if tokenizer_kind == 'bytelevel_bpe':
+        tokenizer_lib.train_bytelevel_bpe(lines, out, vocab_size=vocab_size, max_sentences=max_sentences)
+      else:
+        tokenizer_lib.train(lines, model_path, vocab_size=vocab_size, model_type=model_type,
+                            max_sentences=max_sentences, num_threads=workers, seed=seed)
+      logging.info('prepare: trained a %s tokenizer (vocab %d) in %.1fs', tokenizer_kind, vocab_size,
+                   time.time() - t0)
+    tok = tokenizer_lib.load(model_path, separator=separator or None)
+  except ValueError as e:
+    raise PrepareError(str(e).rstrip('.')) from e
+  # Printed, not logged: which token ends a document decides what the model learns; never leave it implicit.
+  print(f'prepare: documents are separated by {tok.separator!r} (id {tok.separator_id}): {tok.separator_reason}',
+        file=sys.stderr, flush=True)
+  chat = None
+  if data_format == 'chat':
     try:
-      tokenizer_lib.train(lines, model_path, vocab_size=vocab_size, model_type=model_type,
-                          max_sentences=max_sentences, num_threads=workers, seed=seed)
+      template = chat_lib.template_of(tok, chat_template or None)
     except ValueError as e:
       raise PrepareError(str(e)) from e
-    logging.info('prepare: trained a %s SentencePiece model (vocab %d) in %.1fs', model_type, vocab_size,
-                 time.time() - t0)
-  tok = tokenizer_lib.Tokenizer(model_path)
-  if tok.eos_id < 0:
-    raise PrepareError(f'tokenizer {tokenizer or model_path} has no end-of-sequence piece (eos_id=-1); the '
-                       f'data pipeline needs one to separate documents. Train it with eos_id set.')
+    if template is None:
+      raise PrepareError(f'the tokenizer {tokenizer} has no chat_template; pass --chat_template=chatml or llama3.')
+    chat = (template, seq_len + 1 if seq_len else 0)  # a row of T tokens holds a conversation of T + 1 ids
   dtype = token_dtype(tok.vocab_size).name
 
   shards = {split: [] for split in SPLITS}
@@ -226,9 +317,9 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
     # spawn, not fork: the caller may be a training process with JAX's threads running. An executor, not a
     # multiprocessing.Pool: a worker that dies (e.g. an unguarded calling script) raises instead of hanging.
     pool = futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context('spawn'),
-                                       initializer=_init_worker, initargs=(model_path,))
+                                       initializer=_init_worker, initargs=(model_path, separator or None, chat))
   else:
-    _init_worker(model_path)
+    _init_worker(model_path, separator or None, chat)
   pending = []  # (split, future), bounded so reading stays just ahead of tokenizing
 
   def record(split: str, stats: dict, written: bool):
@@ -255,7 +346,9 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
     next_index = {split: 0 for split in SPLITS}
     for source in sources:
       n_docs = 0
-      for key, text in read_documents(source, counts, text_field=text_field, txt_docs=txt_docs):
+      items = (read_records(source, counts) if data_format == 'chat' else
+               read_documents(source, counts, text_field=text_field, txt_docs=txt_docs))
+      for key, text in items:
         n_docs += 1
         split = 'eval' if is_eval(key, eval_fraction) else 'train'
         buffers[split].append(text)
@@ -280,6 +373,16 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
   bar.draw(force=True)
 
   meta = _metadata(out, tok, shards, per_source, counts, plan, time.time() - start)
+  if data_format == 'chat':
+    c = meta['chat']
+    bad = sum(c['skipped'].values())
+    if meta['documents'] == 0:
+      raise PrepareError(f'none of the {bad + c["dropped_too_long"]} chat records could be used (skipped: '
+                         f'{c["skipped"]}, too long: {c["dropped_too_long"]}); records need `messages` '
+                         f'(roles system/user/assistant, at least one assistant turn) or `prompt` + `completion`')
+    print(f'prepare: {meta["documents"]} conversations kept ({c["truncated"]} truncated at a turn boundary), '
+          f'{c["dropped_too_long"]} dropped as longer than --seq_len={seq_len}, {bad} bad records skipped '
+          f'{c["skipped"]}', file=sys.stderr, flush=True)
   if meta['splits']['train']['documents'] == 0:
     raise PrepareError(f'no training documents were found in the inputs (skipped: {meta["dropped"]}); check '
                        f'--inputs, --text_field and --eval_fraction.')
@@ -308,12 +411,18 @@ def _metadata(out, tok, shards, per_source, counts, plan, seconds) -> dict:
       'format': FORMAT,
       'documents': splits['train']['documents'] + splits['eval']['documents'],
       'tokens': splits['train']['tokens'] + splits['eval']['tokens'],  # without the separators data.py adds
-      'vocab_size': tok.vocab_size,
-      'eos_id': tok.eos_id,
+      'vocab_size': tok.vocab_size,  # every id the tokenizer can produce, added tokens included
+      'eos_id': tok.separator_id,  # the one token the pipeline puts between documents (named in `separator`)
       'bos_id': tok.bos_id,
+      'separator': tok.separator,
+      'separator_reason': tok.separator_reason,
+      'tokenizer_eos_id': tok.eos_id,  # the tokenizer's own eos_token (an instruct model's end of turn)
       'dtype': token_dtype(tok.vocab_size).name,
-      'tokenizer': 'tokenizer.model',
+      'tokenizer': os.path.basename(tok.path),
+      'tokenizer_kind': tok.kind,
       'tokenizer_sha256': tok.sha256,
+      'content': plan['data_format'],  # text: documents; chat: conversations with per-token loss weights
+      **({'chat': _chat_counts(shards)} if plan['data_format'] == 'chat' else {}),
       'model_type': plan['model_type'] if plan['tokenizer_sha256'] is None else 'given',
       'eval_fraction': plan['eval_fraction'],
       'split_rule': 'eval if sha256(document key)[:8] as big-endian uint64 < eval_fraction * 2**64',
@@ -324,6 +433,19 @@ def _metadata(out, tok, shards, per_source, counts, plan, seconds) -> dict:
       'settings': {k: v for k, v in plan.items() if k != 'sources'},
       'seconds': round(seconds, 2),
   }
+
+
+def _chat_counts(shards) -> dict:
+  """Totals of the chat shards' counts: kept, truncated, dropped as too long, skipped by reason."""
+  total = collections.Counter()
+  for split in SPLITS:
+    for s in shards[split]:
+      for k, v in s.get('chat', {}).items():
+        total[k] = max(total[k], v) if k == 'longest' else total[k] + v
+  return {'conversations': total['kept'] + total['truncated'], 'truncated': total['truncated'],
+          'dropped_too_long': total['dropped_too_long'], 'longest': total['longest'],
+          'weighted_tokens': total['weighted_tokens'],
+          'skipped': {k.removeprefix('bad_'): v for k, v in sorted(total.items()) if k.startswith('bad_')}}
 
 
 def stdlib_sources(max_mb: float) -> list[Source]:
@@ -396,7 +518,16 @@ def _define_flags() -> None:
   flags.DEFINE_string('out', '', 'Output directory (created; an interrupted run there is resumed).')
   flags.DEFINE_integer('vocab_size', 8192, 'SentencePiece vocabulary size to train (<= the model vocab_size).')
   flags.DEFINE_enum('model_type', 'bpe', tokenizer_lib.MODEL_TYPES, 'SentencePiece algorithm to train.')
-  flags.DEFINE_string('tokenizer', '', 'Use this existing SentencePiece .model instead of training one.')
+  flags.DEFINE_string('tokenizer', '', 'Use this tokenizer instead of training one: a SentencePiece .model, a '
+                      'Hugging Face tokenizer.json, or a directory with one (and its tokenizer_config.json).')
+  flags.DEFINE_enum('tokenizer_kind', 'sentencepiece', tokenizer_lib.KINDS, 'Kind of tokenizer to train when '
+                    '--tokenizer is not given.')
+  flags.DEFINE_string('separator', '', 'Token put between documents (default: the tokenizer\'s end-of-text token).')
+  flags.DEFINE_enum('format', 'text', DATA_FORMATS, 'text: documents; chat: jsonl conversations (messages or '
+                    'prompt/completion) with the prompt masked out of the loss.')
+  flags.DEFINE_string('chat_template', '', 'chat: a built-in template (chatml, llama3) instead of the tokenizer\'s.')
+  flags.DEFINE_integer('seq_len', 0, 'chat: the training seq_len; longer conversations are cut at a turn boundary '
+                       'or dropped (0 = keep whole).')
   flags.DEFINE_string('text_field', 'text', 'Field (jsonl) or column (parquet) holding the document text.')
   flags.DEFINE_enum('txt_docs', 'file', TXT_DOCS, 'What one document is in a .txt file.')
   flags.DEFINE_float('eval_fraction', 0.02, 'Fraction of documents held out for evaluation (by a hash of their name).')
@@ -418,7 +549,8 @@ def main(argv: Sequence[str]) -> None:
                    model_type=FLAGS.model_type, tokenizer=FLAGS.tokenizer, text_field=FLAGS.text_field,
                    txt_docs=FLAGS.txt_docs, eval_fraction=FLAGS.eval_fraction, shard_docs=FLAGS.shard_docs,
                    workers=FLAGS.workers, sample_mb=FLAGS.sample_mb, max_sentences=FLAGS.max_sentences,
-                   seed=FLAGS.seed)
+                   seed=FLAGS.seed, tokenizer_kind=FLAGS.tokenizer_kind, separator=FLAGS.separator,
+                   data_format=FLAGS.format, chat_template=FLAGS.chat_template, seq_len=FLAGS.seq_len)
   except KeyboardInterrupt:
     print('\nprepare: interrupted; run the same command again to resume (completed shards are kept).',
           file=sys.stderr)

@@ -155,6 +155,23 @@ def read_documents(source: Source, counts: dict, *, text_field: str = 'text',
       yield f'{source.key}:{i}', _clean(part, counts)
 
 
+def read_records(source: Source, counts: dict) -> Iterator[tuple[str, object]]:
+  """Yields (key, parsed JSON value) for each line of a .jsonl file (chat data); bad lines are skipped and counted."""
+  if _kind(source.path) != 'jsonl':
+    raise PrepareError(f'{source.path}: chat data is read from .jsonl files (one conversation per line).')
+  try:
+    with _open(source.path) as f:
+      for line_no, raw in enumerate(f, 1):
+        if not raw.strip():
+          continue
+        try:
+          yield f'{source.key}:{line_no}', json.loads(_decode(raw, counts))
+        except json.JSONDecodeError:
+          _warn_skip(counts, 'dropped_bad_json', f'{source.path}:{line_no}')
+  except (OSError, EOFError, gzip.BadGzipFile) as e:
+    _warn_skip(counts, 'dropped_unreadable_files', f'{source.path}: {e}')
+
+
 def _read_parquet(source: Source, counts: dict, text_field: str) -> Iterator[tuple[str, str]]:
   try:
     import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top  # optional: only parquet inputs need it

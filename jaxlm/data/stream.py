@@ -30,6 +30,7 @@ from concurrent import futures
 import numpy as np
 from absl import logging
 
+from jaxlm.data import chat as chat_lib
 from jaxlm.errors import DataError
 
 # The C++ function behind grain.MapDataset.shuffle (one call per index; the dataset API would add ~2 µs each).
@@ -49,7 +50,7 @@ def strip(doc: np.ndarray, eos_id: int, bos_id: int) -> np.ndarray:
   return doc[lo:hi]
 
 
-def _shard_lengths(path: str, dtype: str, eos_id: int, bos_id: int) -> np.ndarray:
+def _shard_lengths(path: str, dtype: str, eos_id: int, bos_id: int, chat: bool = False) -> np.ndarray:
   from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
   reader = array_record_module.ArrayRecordReader(path, 'readahead_buffer_size:0')
   try:
@@ -57,6 +58,8 @@ def _shard_lengths(path: str, dtype: str, eos_id: int, bos_id: int) -> np.ndarra
   finally:
     reader.close()
   itemsize = np.dtype(dtype).itemsize
+  if chat:  # a conversation of n ids (+ n weights) fills n - 1 positions of a row: inputs ids[:-1]
+    return np.asarray([max(len(r) // (itemsize + 1) - 1, 0) for r in records], np.int64)
   out = np.empty(len(records), np.int64)
   for i, r in enumerate(records):
     n = len(r) // itemsize
@@ -73,8 +76,9 @@ def _token(token_id: int, dtype: str) -> bytes:
 
 def document_lengths(shards: list[str], meta: dict, cache_dir: str | None) -> np.ndarray:
   """Tokens each document adds to the stream (len + 1 separator; 0 if empty), cached by the shards' identity."""
+  chat = meta.get('content') == 'chat'
   key = json.dumps([[os.path.abspath(s), os.path.getsize(s), os.stat(s).st_mtime_ns] for s in shards]
-                   + [meta['dtype'], meta['eos_id'], meta['bos_id'], STATE_FORMAT])
+                   + [meta['dtype'], meta['eos_id'], meta['bos_id'], STATE_FORMAT] + (['chat'] if chat else []))
   cache = (os.path.join(os.path.expanduser(cache_dir), 'index', hashlib.sha256(key.encode()).hexdigest()[:24]
                         + '.npy') if cache_dir else None)
   if cache and os.path.exists(cache):
@@ -85,7 +89,7 @@ def document_lengths(shards: list[str], meta: dict, cache_dir: str | None) -> np
   start = time.time()
   with futures.ThreadPoolExecutor(min(8, len(shards))) as pool:
     lengths = np.concatenate(list(pool.map(
-        lambda s: _shard_lengths(s, meta['dtype'], meta['eos_id'], meta['bos_id']), shards)))
+        lambda s: _shard_lengths(s, meta['dtype'], meta['eos_id'], meta['bos_id'], chat), shards)))
   logging.info('data: indexed %d documents of %d shards in %.1fs', len(lengths), len(shards), time.time() - start)
   if cache:
     try:
@@ -112,6 +116,7 @@ class DocumentStream:
       raise DataError('the training split holds only empty documents; prepare it with more data.')
     self.end = math.inf if epochs is None else epochs * self.epoch_tokens  # tokens in the stream
     self.rows = INFINITE_ROWS if epochs is None else -(-self.end // seq_len)
+    self.rows_per_epoch = -(-self.epoch_tokens // seq_len)
     self._epochs = collections.OrderedDict()  # epoch -> (document order, cumulative token offsets)
     self._docs = collections.OrderedDict()  # a few decoded documents: a long one spans several rows
 
@@ -168,6 +173,82 @@ class DocumentStream:
     return out
 
 
+def _shuffled(n: int, seed: int) -> np.ndarray:
+  """Grain's index shuffle of range(n) with `seed`."""
+  if n <= 1:
+    return np.zeros(n, np.int64)
+  return np.fromiter((_index_shuffle(i, n - 1, seed % 2**32, 4) for i in range(n)), np.int64, n)
+
+
+class ConversationRows:
+  """Chat data: whole conversations packed into rows, never split; `row(k)` as DocumentStream's, with weights.
+
+  The conversations are packed once (in one seeded order, each into the current row while it fits, else into a
+  new one; the rest of a row is padding), then each epoch visits the packed rows in its own seeded order. So a
+  row's conversations are a function of the data and the seed, and an epoch is a whole number of rows.
+  Each conversation of ids c (stored weights w) adds inputs c[:-1], targets c[1:], weights w[1:], its own
+  segment id and positions from 0: attention never crosses conversations.
+  """
+
+  def __init__(self, source, lengths: np.ndarray, *, seed: int, seq_len: int, dtype: str,
+               epochs: int | None = None, shuffle: bool = True):
+    self.dtype = dtype
+    self.source, self.seq_len, self.seed, self.shuffle = source, seq_len, seed, shuffle
+    if (longest := int(lengths.max(initial=0))) > seq_len:
+      raise DataError(f'a stored conversation fills {longest} positions but data.seq_len={seq_len}; prepare '
+                      f'again with --seq_len={seq_len} (it cuts conversations at a turn boundary), or raise '
+                      f'data.seq_len to {longest}.')
+    order = _shuffled(len(lengths), seed) if shuffle else np.arange(len(lengths))
+    bins, current, fill = [], [], 0
+    for i in order:
+      n = int(lengths[i])
+      if not n:
+        continue
+      if fill + n > seq_len:
+        bins.append(current)
+        current, fill = [], 0
+      current.append(int(i))
+      fill += n
+    if current:
+      bins.append(current)
+    if not bins:
+      raise DataError('the chat split holds no conversation with an assistant token; prepare it with more data.')
+    self.bins = bins
+    self.rows_per_epoch = len(bins)
+    self.rows = INFINITE_ROWS if epochs is None else epochs * len(bins)
+    self._orders = collections.OrderedDict()
+
+  def __getstate__(self):
+    return dict(self.__dict__, _orders=collections.OrderedDict())
+
+  def _order(self, e: int) -> np.ndarray:
+    if not self.shuffle:
+      return np.arange(len(self.bins))
+    if e not in self._orders:
+      self._orders[e] = _shuffled(len(self.bins), self.seed + 1 + e)
+      while len(self._orders) > 2:
+        self._orders.popitem(last=False)
+    return self._orders[e]
+
+  def row(self, k: int) -> dict:
+    """Row k: inputs, targets, weights, segment ids (1, 2, … per conversation; 0 = padding) and positions."""
+    T = self.seq_len
+    out = {key: np.zeros(T, np.int32) for key in ('inputs', 'targets', 'segment_ids', 'positions')}
+    out['weights'] = np.zeros(T, np.float32)
+    e, j = divmod(int(k), self.rows_per_epoch)
+    fill = 0
+    for segment, conv in enumerate(self.bins[int(self._order(e)[j])], 1):
+      ids, weights = chat_lib.from_record(self.source[conv], self.dtype)
+      n = len(ids) - 1
+      out['inputs'][fill:fill + n] = ids[:-1]
+      out['targets'][fill:fill + n] = ids[1:]
+      out['weights'][fill:fill + n] = weights[1:]
+      out['segment_ids'][fill:fill + n] = segment
+      out['positions'][fill:fill + n] = np.arange(n, dtype=np.int32)
+      fill += n
+    return out
+
+
 def _quantize(weights: list[float], total: int = 4096) -> list[int]:
   """Integer weights summing to `total` (largest remainder; a positive weight gets at least 1), gcd-reduced."""
   w = np.asarray(weights, np.float64) / sum(weights) * total
@@ -214,6 +295,7 @@ class Rows:
     self.streams, self.cross = streams, cross_document_attention
     self.mixture = Mixture(weights)
     self.seq_len = streams[0].seq_len
+    self.rows_per_epoch = streams[0].rows_per_epoch if len(streams) == 1 else None
     if len(streams) == 1:
       self.rows = streams[0].rows
     elif any(s.rows != INFINITE_ROWS for s in streams):
@@ -236,7 +318,7 @@ class Rows:
       segment_ids = (segment_ids > 0).astype(np.int32)
       positions = np.arange(self.seq_len, dtype=np.int32)
     return {'inputs': row['inputs'], 'targets': row['targets'], 'segment_ids': segment_ids,
-            'positions': positions, 'weights': (segment_ids > 0).astype(np.float32)}
+            'positions': positions, 'weights': row.get('weights', (segment_ids > 0).astype(np.float32))}
 
 
 class LocalRows:

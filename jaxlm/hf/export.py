@@ -5,8 +5,10 @@
 The sequential block (`parallel_block=False`: RMSNorm, attention then SwiGLU) is Llama and is written as
 `LlamaForCausalLM`. PaLM's parallel block (one bias-free LayerNorm feeding attention and SwiGLU side by side) is
 Cohere's block and is written as `CohereForCausalLM`. The output directory holds model.safetensors, config.json,
-generation_config.json and the run's tokenizer (tokenizer.model plus an equivalent tokenizer.json, so AutoTokenizer
-needs neither network nor the sentencepiece package).
+generation_config.json and the run's tokenizer with its chat template: a SentencePiece run's tokenizer.model plus an
+equivalent tokenizer.json (so AutoTokenizer needs neither network nor the sentencepiece package); a Hugging Face
+tokenizer's own tokenizer.json and tokenizer_config.json, read by the generic fast class so that AutoTokenizer
+encodes exactly as `jaxlm.data.prepare` did.
 
 Mappings that need care, each exact up to float rounding (the tests check logits to 1e-4 and greedy decoding):
   * RoPE: jaxlm pairs dims (i, i + E/2) (half-split, as Llama); Cohere pairs (2i, 2i + 1) (interleaved), so
@@ -18,6 +20,7 @@ Mappings that need care, each exact up to float rounding (the tests check logits
 A model that none of these covers is refused (ExportError), never exported approximately.
 """
 
+import json
 import os
 import shutil
 
@@ -66,7 +69,7 @@ def _write_json(path: str, obj) -> None:
 
 
 def find_tokenizer(data_cfg, vocab_size: int) -> str | None:
-  """The SentencePiece .model the run's data was tokenized with, or None (with the reason logged)."""
+  """The tokenizer file the run's data was tokenized with, or None (with the reason logged)."""
   from jaxlm.data import pipeline as data_lib  # the data pipeline knows where prepared data keeps its tokenizer
   try:
     return data_lib.tokenizer_path(data_cfg, vocab_size)
@@ -130,7 +133,42 @@ def sentencepiece_to_tokenizers(model_path: str):
   return tok
 
 
-def write_tokenizer(model_path: str, out: str, *, model_max_length: int) -> list[str]:
+def _prepared_meta(tokenizer_path: str) -> dict:
+  """metadata.json of the prepared data the tokenizer sits in ({} for a tokenizer elsewhere)."""
+  meta = os.path.join(os.path.dirname(tokenizer_path), 'metadata.json')
+  if not os.path.isfile(meta):
+    return {}
+  with open(meta) as f:
+    return json.load(f)
+
+
+def _chat_template(tokenizer_path: str, tok) -> str | None:
+  """The chat template the run's data was rendered with: prepare's --chat_template (in the prepared metadata beside
+  the tokenizer), else the tokenizer's own."""
+  from jaxlm.data import chat as chat_lib  # pylint: disable=g-import-not-at-top
+  return chat_lib.template_of(tok, _prepared_meta(tokenizer_path).get('settings', {}).get('chat_template') or None)
+
+
+def write_hf_tokenizer(tok, out: str, *, model_max_length: int, chat_template: str | None) -> list[str]:
+  """Writes a Hugging Face tokenizer's own tokenizer.json and its tokenizer_config.json (chat template included).
+
+  The class is the generic fast one, whatever the original named: it uses tokenizer.json as it is, where a
+  model-specific class (LlamaTokenizer in transformers 5) may rebuild parts of it and encode differently.
+  """
+  shutil.copyfile(tok.path, os.path.join(out, 'tokenizer.json'))
+  config = dict(getattr(tok, 'config', {}))
+  config.pop('auto_map', None)  # no remote code
+  config.update(tokenizer_class='PreTrainedTokenizerFast', model_max_length=model_max_length)
+  if chat_template:
+    config['chat_template'] = chat_template
+  _write_json(os.path.join(out, 'tokenizer_config.json'), config)
+  special = {k: v for k, v in tok.special_tokens.items()}
+  _write_json(os.path.join(out, 'special_tokens_map.json'), special)
+  return ['tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json']
+
+
+def write_tokenizer(model_path: str, out: str, *, model_max_length: int,
+                    chat_template: str | None = None) -> list[str]:
   """Writes tokenizer.model, tokenizer.json, tokenizer_config.json and special_tokens_map.json; returns names.
 
   jaxlm feeds every document as [EOS, d1, ..., dn] (data.py): EOS is the document-start token the model was
@@ -166,6 +204,8 @@ def write_tokenizer(model_path: str, out: str, *, model_max_length: int) -> list
   config = dict(special, tokenizer_class='PreTrainedTokenizerFast' if tok else 'LlamaTokenizer',
                 add_bos_token=True, add_eos_token=False, clean_up_tokenization_spaces=False, legacy=True,
                 model_max_length=model_max_length)
+  if chat_template:
+    config['chat_template'] = chat_template
   _write_json(os.path.join(out, 'tokenizer_config.json'), config)
   _write_json(os.path.join(out, 'special_tokens_map.json'), special)
   return written + ['tokenizer_config.json', 'special_tokens_map.json']
@@ -184,27 +224,40 @@ def export(workdir: str, out: str, *, step: int | None = None, dtype: str = 'flo
   m = model_lib.ModelConfig.from_config(cfg.model)
   arch = architecture(m)  # refuse before reading any weights
   tensors = to_hf(read_params(path), m)
-  beside = os.path.join(workdir, 'tokenizer.model')  # put there by jaxlm.hf.import_llama
-  tokenizer = tokenizer or (beside if os.path.isfile(beside) else find_tokenizer(cfg.data, m.vocab_size))
+  # Put beside the checkpoints by jaxlm.hf.import_llama; else the one the run's data was prepared with.
+  beside = [p for n in ('tokenizer.json', 'tokenizer.model') if os.path.isfile(p := os.path.join(workdir, n))]
+  tokenizer = tokenizer or (beside[0] if beside else find_tokenizer(cfg.data, m.vocab_size))
   eos_id = 2  # SentencePiece's default, used when the tokenizer is not found
+  bos_id, stop_ids, tok, template = eos_id, [eos_id], None, None
   if tokenizer:
-    import sentencepiece as spm
-    eos_id = spm.SentencePieceProcessor(model_file=tokenizer).eos_id()
-  bos_id = eos_id  # documents start with EOS in training (see write_tokenizer)
+    from jaxlm.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+    tok_file = tokenizer_lib.main_file(tokenizer)
+    tok = tokenizer_lib.load(tok_file, separator=_prepared_meta(tok_file).get('separator'))  # the data's own
+    tokenizer, template = tok.path, _chat_template(tok.path, tok)
+    if tok.kind == 'sentencepiece':
+      bos_id = eos_id = tok.separator_id  # documents start with the separator (EOS) in training
+      stop_ids = [eos_id]
+    else:  # the tokenizer's own BOS and EOS (an instruct model's end of turn), and the end of a document
+      bos_id = tok.bos_id if tok.bos_id >= 0 else tok.separator_id
+      eos_id = tok.eos_id if tok.eos_id >= 0 else tok.separator_id
+      stop_ids = sorted({eos_id, tok.separator_id})
   os.makedirs(out, exist_ok=True)
   save_safetensors(tensors, os.path.join(out, 'model.safetensors'), dtype)
   seq_len = int(cfg.data.seq_len)
   _write_json(os.path.join(out, 'config.json'),
               hf_config(m, max_positions=seq_len, dtype=dtype, bos_id=bos_id, eos_id=eos_id))
   _write_json(os.path.join(out, 'generation_config.json'),
-              {'bos_token_id': bos_id, 'eos_token_id': eos_id, 'do_sample': False})
+              {'bos_token_id': bos_id, 'eos_token_id': stop_ids[0] if len(stop_ids) == 1 else stop_ids,
+               'do_sample': False})
   files = ['model.safetensors', 'config.json', 'generation_config.json']
-  if tokenizer:
-    files += write_tokenizer(tokenizer, out, model_max_length=seq_len)
+  if tok is not None and tok.kind == 'sentencepiece':
+    files += write_tokenizer(tokenizer, out, model_max_length=seq_len, chat_template=template)
+  elif tok is not None:
+    files += write_hf_tokenizer(tok, out, model_max_length=seq_len, chat_template=template)
   notes = []
   if not tokenizer:
     notes.append('the run\'s tokenizer was not found (see the warning above): weights only; pass '
-                 '--tokenizer=PATH.model to ship one')
+                 '--tokenizer=PATH (a .model, a tokenizer.json or its directory) to ship one')
   if m.tie_embeddings and arch == 'LlamaForCausalLM':
     notes.append('tied embeddings written untied for Llama: lm_head = embedding / sqrt(d_model)')
   return {'out': os.path.abspath(out), 'step': int(os.path.basename(path)), 'architecture': arch,
@@ -221,8 +274,9 @@ def _define_flags() -> None:
   flags.DEFINE_integer('step', None, 'Checkpoint step to export (default: the newest).')
   flags.DEFINE_string('out', None, 'Output directory for the Hugging Face model.')
   flags.DEFINE_enum('dtype', 'float32', DTYPES, 'dtype of the written weights.')
-  flags.DEFINE_string('tokenizer', None, 'SentencePiece .model to ship (default: <workdir>/tokenizer.model if '
-                      'present, else the one the run\'s data was prepared with).')
+  flags.DEFINE_string('tokenizer', None, 'Tokenizer to ship: a SentencePiece .model, a tokenizer.json or its '
+                      'directory (default: the one in <workdir> if present, else the one the run\'s data was '
+                      'prepared with).')
 
 
 def main(argv):

@@ -3,9 +3,10 @@
   python -m jaxlm.hf.import_llama --hf_dir=path/to/llama --out=runs/llama_import [--config=configs/base.py]
 
 Writes <out>/checkpoints/0/ with a `state` item holding {step: 0, params} in the TrainState layout and an `env`
-item with the resolved config, copies a SentencePiece tokenizer.model if the directory has one, and prints the
-config overrides that build the same model and point `checkpoint.init_from` at it; train with those in a new
---workdir (fresh optimizer, step 0).
+item with the resolved config, copies the model's tokenizer files (tokenizer.json, tokenizer_config.json,
+special_tokens_map.json, chat_template.jinja, tokenizer.model: whichever it has) into <out>, and prints the exact
+prepare commands that tokenize with them and the config overrides that build the same model and point
+`checkpoint.init_from` at it; train with those in a new --workdir (fresh optimizer, step 0).
 
 Only safetensors files are read: pickled PyTorch files (*.bin, *.pt) are refused, because unpickling one can run
 arbitrary code. Only what jaxlm's sequential block computes exactly is accepted: RoPE plain or scaled (linear,
@@ -30,6 +31,8 @@ from jaxlm import model as model_lib
 from jaxlm.hf.convert import HFImportError, from_hf, model_overrides  # noqa: F401
 
 PICKLE_SUFFIXES = ('.bin', '.pt', '.pth', '.ckpt', '.pkl')
+TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'chat_template.jinja',
+                   'tokenizer.model')
 # Keys that change what a Llama-family config computes; any of them set to something jaxlm cannot do is refused.
 
 
@@ -91,14 +94,31 @@ def import_hf(hf_dir: str, out: str, cfg: ml_collections.ConfigDict | None = Non
   path = write_checkpoint(out, {'step': np.zeros((), np.int32), 'params': params}, cfg.to_dict(), step=0)
   flags_line = ' '.join(f'--config.model.{k}={v}' for k, v in overrides.items())
   flags_line += f' --config.checkpoint.init_from={os.path.dirname(path)}'
-  spm_model = os.path.join(hf_dir, 'tokenizer.model')
-  if os.path.isfile(spm_model):  # beside the checkpoints, where `jaxlm.hf.export` looks first
-    shutil.copyfile(spm_model, os.path.join(out, 'tokenizer.model'))
-    spm_model = os.path.join(os.path.abspath(out), 'tokenizer.model')
-  return {'checkpoint': path, 'overrides': overrides, 'flags': flags_line,
-          'tokenizer': spm_model if os.path.isfile(spm_model) else None,
+  copied = []
+  for name in TOKENIZER_FILES:  # beside the checkpoints, where `jaxlm.hf.export` looks first
+    if os.path.isfile(source := os.path.join(hf_dir, name)):
+      shutil.copyfile(source, os.path.join(out, name))
+      copied.append(name)
+  tokenizer, tokenizer_vocab = None, None
+  if {'tokenizer.json', 'tokenizer.model'} & set(copied):
+    from jaxlm.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+    tokenizer = os.path.abspath(out)
+    try:
+      tokenizer_vocab = tokenizer_lib.load(tokenizer).vocab_size
+    except ValueError as e:
+      raise HFImportError(f'the model\'s tokenizer in {hf_dir} is unreadable: {e}') from e
+  return {'checkpoint': path, 'overrides': overrides, 'flags': flags_line, 'tokenizer': tokenizer,
+          'tokenizer_files': copied, 'tokenizer_vocab_size': tokenizer_vocab,
           'tied': bool(hf.get('tie_word_embeddings', False)),
           'max_position_embeddings': hf.get('max_position_embeddings')}
+
+
+def prepare_commands(tokenizer: str, max_positions: int | None) -> list[str]:
+  """The prepare command lines (text, chat) that tokenize with the imported tokenizer."""
+  seq_len = min(max_positions or 2048, 2048)
+  return [f'python -m jaxlm.data.prepare --tokenizer={tokenizer} --inputs=CORPUS --out=data/text',
+          f'python -m jaxlm.data.prepare --format=chat --tokenizer={tokenizer} --seq_len={seq_len} '
+          f'--inputs=CHATS.jsonl --out=data/chat']
 
 
 FLAGS = flags.FLAGS
@@ -121,11 +141,17 @@ def main(argv):
   if r['tied']:
     print('note: tied embeddings imported untied (lm_head = embed_tokens); jaxlm ties with a 1/sqrt(D) scale.')
   if r['tokenizer']:
-    print(f'tokenizer: prepare data with the model\'s own SentencePiece model so token ids match:\n'
-          f'  python -m jaxlm.data.prepare --tokenizer={r["tokenizer"]} ...')
+    print(f'tokenizer: copied {", ".join(r["tokenizer_files"])} into {r["tokenizer"]}; prepare data with it so '
+          f'token ids match the weights:')
+    for line in prepare_commands(r['tokenizer'], r['max_position_embeddings']):
+      print(f'  {line}')
+    vocab = r['overrides'].get('vocab_size')
+    if vocab and r['tokenizer_vocab_size'] > vocab:
+      print(f'warning: the tokenizer produces ids up to {r["tokenizer_vocab_size"] - 1} but the model\'s '
+            f'vocab_size is {vocab}; training will refuse such data.')
   else:
-    print('tokenizer: no tokenizer.model in the directory; jaxlm needs the SentencePiece model the weights were '
-          'trained with, or the token ids will not match.')
+    print('tokenizer: no tokenizer.json or tokenizer.model in the directory; jaxlm needs the tokenizer the '
+          'weights were trained with, or the token ids will not match.')
   if r['max_position_embeddings']:
     print(f'the model was trained on up to {r["max_position_embeddings"]} positions: keep data.seq_len at most that.')
   print('train with (in a new --workdir):')

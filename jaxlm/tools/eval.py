@@ -38,6 +38,7 @@ from absl import flags
 
 from jaxlm import checkpoint as checkpoint_lib
 from jaxlm import cli
+from jaxlm.data import chat as chat_lib
 from jaxlm.data import pipeline as data_lib
 from jaxlm import errors
 from jaxlm.hf import export as export_lib
@@ -155,8 +156,9 @@ def evaluate_run(workdir: str, *, step: int | None = None, batches: int | None =
     result = summarize(nats, tokens, sum(text_bytes(b, tokenizer.decode) for b in eval_data))
     result.update(step=int(os.path.basename(path)), batches=len(eval_data), batch_size=batch_size)
     if prompt is not None:
-      ids = [tokenizer.eos_id] + tokenizer.encode(prompt)  # EOS starts every document in training (data.py)
-      stop = tokenizer.eos_id if tokenizer.eos_id >= 0 else None
+      # The separator (EOS for SentencePiece) starts every document in training (data.py).
+      ids = [tokenizer.separator_id] + tokenizer.encode(prompt)
+      stop = tokenizer.separator_id if tokenizer.separator_id >= 0 else None
       model = model_lib.Decoder(model_lib.inference_config(program.model.config))  # fp8 runs: no fp8 state here
       out = generate(model, params, ids, max_tokens, temperature=temperature, seed=seed, stop_id=stop)
       result.update(prompt=prompt, continuation=tokenizer.decode(out))
@@ -203,7 +205,11 @@ def heldout_documents(cfg, *, max_documents: int | None = None) -> list[str]:
     records = grain.sources.ArrayRecordDataSource(shards)
     for i in range(len(records)):
       # Stored documents carry no BOS/EOS, and SentencePiece decodes control tokens to nothing anyway.
-      texts.append(tokenizer.decode(np.frombuffer(records[i], dtype=prepared.meta['dtype']).tolist()))
+      if prepared.meta.get('content') == 'chat':  # a conversation: its ids, then its loss weights
+        ids = chat_lib.from_record(records[i], prepared.meta['dtype'])[0]
+      else:
+        ids = np.frombuffer(records[i], dtype=prepared.meta['dtype'])
+      texts.append(tokenizer.decode(ids.tolist()))
       if max_documents and len(texts) == max_documents:
         return texts
   if not texts:
@@ -275,7 +281,7 @@ def score_documents(workdir: str, texts: Sequence[str], *, step: int | None = No
   tokenizer = data_lib.load_tokenizer(cfg.data, vocab)
   seq_len = cfg.data.seq_len
   # The start token every training document begins with (data.py): what lm-eval's rolling prefix is for an export.
-  windows = [w for text in texts for w in rolling_windows(tokenizer.encode(text), tokenizer.eos_id, seq_len)]
+  windows = [w for text in texts for w in rolling_windows(tokenizer.encode(text), tokenizer.separator_id, seq_len)]
   batches = window_batches(windows, seq_len, batch_size)
   mesh = sharding.make_mesh(_mesh_cfg(cfg))
   with jax.sharding.set_mesh(mesh):

@@ -28,6 +28,7 @@ def summarize(records: list[dict]) -> dict:
   s = {'steps': train[-1]['step'] if train else 0,
        'final_loss': train[-1]['loss'] if train else None,
        'tokens': train[-1].get('tokens') if train else None,
+       'epochs': train[-1].get('epoch') if train else None,  # train.epochs runs only
        'mean_tokens_per_s': _mean([r['tokens_per_s'] for r in train]),
        'mean_mfu': _mean([r.get('mfu') for r in train]),
        'mean_mfu_causal': _mean([r.get('mfu_causal') for r in train])}
@@ -62,6 +63,7 @@ def summary_table(s: dict) -> str:
       ('best eval loss', _fmt(s['best_eval_loss']) + (f' (step {s["best_eval_step"]})' if s['best_eval_step']
                                                       is not None else '')),
       ('tokens', _fmt(s['tokens'], ',')),
+      *([('epochs', _fmt(s['epochs'], '.2f'))] if s.get('epochs') is not None else []),
       ('mean tokens/s', _fmt(s['mean_tokens_per_s'], ',.0f')),
       ('mean MFU', _fmt(pct(s['mean_mfu']), '.1f', '%')),
       ('mean MFU (causal)', _fmt(pct(s['mean_mfu_causal']), '.1f', '%')),

@@ -42,7 +42,7 @@ def _records(out, split='train') -> list[list[int]]:
 
 
 def _all_texts(out) -> list[str]:
-  tok = tokenizer_lib.Tokenizer(str(out / 'tokenizer.model'))
+  tok = tokenizer_lib.load(str(out / 'tokenizer.model'))
   return [tok.decode(d) for split in ('train', 'eval') for d in _records(out, split)]
 
 
@@ -96,7 +96,7 @@ def test_cleaning_counts_what_it_drops_and_repairs(tmp_path):
 
 def test_tokenizer_splits_digits_falls_back_to_bytes_and_keeps_case(tmp_path):
   _prepare([_write_txt(tmp_path / 'in', TEXTS)], tmp_path / 'out')
-  tok = tokenizer_lib.Tokenizer(str(tmp_path / 'out' / 'tokenizer.model'))
+  tok = tokenizer_lib.load(str(tmp_path / 'out' / 'tokenizer.model'))
   assert tok.vocab_size <= VOCAB and tok.eos_id == 2
   pieces = [tok.id_to_piece(i) for i in tok.encode('7919')]
   assert [p.strip('\u2581') for p in pieces if p.strip('\u2581')] == ['7', '9', '1', '9']
@@ -133,11 +133,11 @@ def test_given_tokenizer_is_used_and_its_eos_is_never_stored(tmp_path, monkeypat
   model = str(tmp_path / 'given.model')
   tokenizer_lib.train(TEXTS, model, vocab_size=VOCAB)
   # A tokenizer that adds BOS and EOS to everything it encodes: prepare must still store bare documents.
-  monkeypatch.setattr(prepare_lib, '_init_worker', lambda path: setattr(
-      prepare_lib, '_WORKER_TOKENIZER', tokenizer_lib.Tokenizer(path, add_bos=True, add_eos=True)))
+  monkeypatch.setattr(prepare_lib, '_init_worker', lambda path, *_: setattr(
+      prepare_lib, '_WORKER_TOKENIZER', tokenizer_lib.SentencePiece(path, add_bos=True, add_eos=True)))
   meta = _prepare([_write_txt(tmp_path / 'in', TEXTS)], tmp_path / 'out', tokenizer=model)
   assert meta['tokenizer_sha256'] == tokenizer_lib.file_sha256(model)
-  assert meta['model_type'] == 'given' and meta['vocab_size'] == tokenizer_lib.Tokenizer(model).vocab_size
+  assert meta['model_type'] == 'given' and meta['vocab_size'] == tokenizer_lib.load(model).vocab_size
   docs = _records(tmp_path / 'out') + _records(tmp_path / 'out', 'eval')
   assert len(docs) == 40 and all(d[0] != 1 and d[-1] != 2 for d in docs)
   assert not any(t in (1, 2) for d in docs for t in d)
@@ -211,7 +211,7 @@ def test_split_is_a_deterministic_hash_of_the_document_name(tmp_path):
   assert sorted(_all_texts(tmp_path / 'a')) == sorted(_all_texts(tmp_path / 'b'))
   assert a['splits']['eval']['documents'] == b['splits']['eval']['documents'] > 0
   held_out = {f'{i:03d}.txt' for i in range(len(TEXTS)) if prepare_lib.is_eval(f'{i:03d}.txt', 0.2)}
-  tok = tokenizer_lib.Tokenizer(str(tmp_path / 'a' / 'tokenizer.model'))
+  tok = tokenizer_lib.load(str(tmp_path / 'a' / 'tokenizer.model'))
   assert sorted(tok.decode(x) for x in _records(tmp_path / 'a', 'eval')) == sorted(
       TEXTS[int(k[:3])] for k in held_out)
   assert prepare_lib.is_eval('x', 0.0) is False and prepare_lib.is_eval('x', 0.999999) is True

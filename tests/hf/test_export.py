@@ -141,7 +141,7 @@ def test_transformers_matches_jaxlm(hf, variant, tmp_path, spm_model):
   # The SentencePiece model ships too: AutoTokenizer (offline) encodes code exactly as it does, and with special
   # tokens prepends EOS, the document-start token of jaxlm's training data.
   hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / 'hf'))
-  ours_tok = tokenizer_lib.Tokenizer(spm_model)
+  ours_tok = tokenizer_lib.load(spm_model)
   text = ' leading space\n\n    def f(x):\n\treturn {"n": 12345, "ü": "日本語 🙂"}  # comment  \n'
   assert hf_tok.encode(text, add_special_tokens=False) == ours_tok.encode(text)
   assert hf_tok(text)['input_ids'] == [ours_tok.eos_id] + ours_tok.encode(text)
@@ -153,7 +153,7 @@ def test_tokenizer_json_matches_sentencepiece_on_source_files(hf, spm_model, tmp
   _, transformers = hf
   export.write_tokenizer(spm_model, str(tmp_path), model_max_length=1 << 20)
   hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
-  ours = tokenizer_lib.Tokenizer(spm_model)
+  ours = tokenizer_lib.load(spm_model)
   import email  # unseen by the tokenizer's training
   folder = os.path.dirname(email.__file__)
   for name in sorted(os.listdir(folder))[:8]:
