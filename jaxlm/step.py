@@ -96,7 +96,7 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
   # Shapes before values: logical axis names come with the abstract (boxed) parameters.
   boxed = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0)))
   param_logical = nn.get_partition_spec(boxed)
-  tx = optimizer_lib.make_optimizer(optim_cfg, steps, optimizer_lib.decay_mask(param_logical))
+  tx = optimizer_lib.make_optimizer(optim_cfg, steps, optimizer_lib.decay_mask(param_logical), param_logical)
   if skip_nonfinite:
     # The host decides what persistent NaNs mean (stability.Guard), so never let apply_if_finite give up.
     tx = optax.apply_if_finite(tx, max_consecutive_errors=2**30)
@@ -105,12 +105,7 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
   abstract_params = jax.eval_shape(lambda: nn.unbox(init_params(jax.random.PRNGKey(0))))
   abstract_opt = jax.eval_shape(tx.init, abstract_params)
   replicated = jax.sharding.PartitionSpec()
-  # Adam's moments mirror the parameters, so they take the parameters' specs; counters, and Adafactor's
-  # factored moments (other shapes than their parameters, and small), are replicated.
-  opt_logical = optax.tree_map_params(
-      tx, lambda x, spec, p: spec if x.shape == p.shape else replicated, abstract_opt, param_logical,
-      abstract_params, transform_non_params=lambda _: replicated,
-      is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  opt_logical = optimizer_lib.state_logical(tx, abstract_opt, param_logical, abstract_params)
   abstract_fp8 = jax.eval_shape(lambda: init_variables(jax.random.PRNGKey(0)).get(model_lib.FP8, {}))
   logical = TrainState(step=replicated, params=param_logical, opt_state=opt_logical, rng=replicated,
                        lr_scale=replicated, batches=replicated,

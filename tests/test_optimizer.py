@@ -1,6 +1,7 @@
 """Learning-rate schedule values and the weight-decay mask."""
 
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxlm import optimizer
@@ -26,3 +27,183 @@ def test_decay_mask_skips_norms_even_when_stacked():
   assert optimizer.decay_mask(specs) == {'embedding': True, 'layers': {'norm': {'scale': False},
                                                                       'mlp': {'up': True}},
                                          'final_norm': {'scale': False}}
+
+
+# Muon (jaxlm/muon.py) ------------------------------------------------------------------------------------------
+
+import functools  # noqa: E402
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jaxlm import model as model_lib  # noqa: E402
+from jaxlm import muon, sharding  # noqa: E402
+
+
+@functools.cache
+def _tiny_logical(scan_layers: bool = True, layers: int = 2):
+  """palm_tiny's parameter logical specs and shapes (no arrays)."""
+  c = load_config('palm_tiny')
+  c.model.update(scan_layers=scan_layers, tie_embeddings=False, num_layers=layers)  # an unembedding too
+  m = model_lib.ModelConfig.from_config(c.model)
+  tokens = jnp.zeros((1, 8), jnp.int32)
+  boxed = jax.eval_shape(lambda: model_lib.Decoder(m).init({'params': jax.random.PRNGKey(0)}, tokens, tokens + 1,
+                                                           tokens)['params'])
+  return nn.get_partition_spec(boxed), jax.tree.map(lambda b: b.shape, nn.unbox(boxed))
+
+
+def _muon_cfg(**kw):
+  o = load_config('palm_tiny').optim
+  o.update(name='muon', clip=0.0, **kw)
+  return o
+
+
+def _muon_tx(logical, lr=1e-2, **kw):
+  o = _muon_cfg(**kw)
+  return muon.muon(o, lr, lr, logical, optimizer.decay_mask(logical))
+
+
+def _random_tree(shapes, seed):
+  leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+  rng = np.random.default_rng(seed)
+  return treedef.unflatten([rng.standard_normal(s).astype(np.float32) for s in leaves])
+
+
+def test_muon_routes_matrices_by_logical_names():
+  logical, shapes = _tiny_logical()
+  labels = muon.labels(logical)
+  flat = {jax.tree_util.keystr(k): (lab, shapes_leaf) for (k, lab), shapes_leaf in zip(
+      jax.tree_util.tree_flatten_with_path(labels)[0], jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple)))}
+  under_muon = sorted(k for k, (lab, _) in flat.items() if lab == 'muon')
+  print('under Muon:', under_muon)
+  # Every (scanned) matrix weight, 3-D and 4-D alike, goes to Muon; embedding, unembedding and norms to AdamW.
+  assert under_muon == [f"['layers']['{g}']['{w}']" for g, ws in (('attention', ('key', 'out', 'query', 'value')),
+                                                                  ('mlp', ('down', 'gate', 'up'))) for w in ws]
+  for k in ("['embedding']", "['unembed']", "['final_norm']['scale']", "['layers']['norm']['scale']"):
+    assert flat[k][0] == 'adam', k
+  size = lambda keys: sum(int(np.prod(flat[k][1])) for k in keys)
+  non_embedding = [k for k in flat if k not in ("['embedding']", "['unembed']")]
+  assert size(under_muon) / size(non_embedding) >= 0.99
+  # The matrix's rows and columns: q/k/v read embed and write (heads, kv); out and down write embed.
+  assert muon.dimension_numbers(P('layers', 'embed', 'heads', 'kv')) == ((1,), (2, 3))
+  assert muon.dimension_numbers(P('layers', 'heads', 'kv', 'embed')) == ((1, 2), (3,))
+  assert muon.dimension_numbers(P('stage', 'layers', 'mlp', 'embed')) == ((2,), (3,))
+  assert muon.dimension_numbers(P('vocab', 'embed')) is None
+
+
+def test_muon_stacked_updates_equal_per_layer_updates():
+  logical, shapes = _tiny_logical(scan_layers=True)
+  flat_logical, flat_shapes = _tiny_logical(scan_layers=False)
+  params, grads = _random_tree(shapes, 0), _random_tree(shapes, 1)
+  layers = shapes['layers']['norm']['scale'][0]
+  per_layer = lambda tree: {k: v for k, v in tree.items() if k != 'layers'} | {
+      f'layers_{i}': jax.tree.map(lambda x: x[i], tree['layers']) for i in range(layers)}
+  assert jax.tree.structure(per_layer(params)) == jax.tree.structure(flat_shapes, is_leaf=lambda x: isinstance(x, tuple))
+  stacked_tx, flat_tx = _muon_tx(logical), _muon_tx(flat_logical)
+  s_update, f_update = jax.jit(stacked_tx.update), jax.jit(flat_tx.update)
+  # Two steps: the momentum carries over.
+  _, s_state = s_update(grads, stacked_tx.init(params), params)
+  _, f_state = f_update(per_layer(grads), flat_tx.init(per_layer(params)), per_layer(params))
+  stacked, _ = s_update(params, s_state, params)
+  flat, _ = f_update(per_layer(params), f_state, per_layer(params))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), per_layer(stacked), flat)
+
+
+def test_newton_schulz_singular_values_and_scale_invariance():
+  g = np.random.default_rng(0).standard_normal((4, 48, 80)).astype(np.float32)
+  s = np.linalg.svd(np.asarray(muon.orthogonalize(jnp.asarray(g))), compute_uv=False)
+  assert 0.6 <= s.min() and s.max() <= 1.2, (s.min(), s.max())
+  reference = np.asarray(muon.orthogonalize(jnp.asarray(g)))
+  for c in (1e-12, 1e-9, 1e-6, 1e-3, 10.0, 1e3, 1e6):
+    np.testing.assert_allclose(np.asarray(muon.orthogonalize(jnp.asarray(g * c))), reference, atol=1e-3,
+                               err_msg=f'c={c}')
+  assert not np.any(np.asarray(muon.orthogonalize(jnp.zeros((1, 8, 16)))))  # a zero gradient stays zero
+
+
+@pytest.mark.parametrize('mode', ['rms', 'spectral'])
+def test_muon_update_rms(mode):
+  logical, shapes = _tiny_logical()
+  lr = 1e-2
+  tx = _muon_tx(logical, lr=lr, weight_decay=0.0, muon_scale=mode)
+  params, grads = _random_tree(shapes, 0), _random_tree(shapes, 1)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  labels = muon.labels(logical)
+  for lab, u, spec in zip(jax.tree.leaves(labels), jax.tree.leaves(updates),
+                          jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, P))):
+    if lab != 'muon':
+      continue
+    rms = float(np.sqrt(np.mean(np.square(u)))) / lr
+    if mode == 'rms':  # ≈ 0.2, AdamW's typical update RMS, whatever the shape
+      assert 0.15 <= rms <= 0.25, (spec, rms)
+    else:  # spectral: √max(1, fan_out/fan_in) × an orthogonal matrix's RMS 1/√max(fan_in, fan_out)
+      d = muon.dimension_numbers(spec)
+      rows = np.prod([u.shape[a] for a in d.reduction_axis])
+      cols = np.prod([u.shape[a] for a in d.output_axis])
+      expect = np.sqrt(max(1, cols / rows)) / np.sqrt(max(rows, cols))
+      assert 0.7 * expect <= rms <= 1.2 * expect, (spec, rms, expect)
+
+
+def _mesh(**axes):
+  c = load_config('palm_tiny')
+  c.mesh.update(**axes)
+  return sharding.make_mesh(c.mesh)
+
+
+def _state_shardings(tx, logical, params, mesh):
+  """Muon's momentum sharded like its parameters (as the trainer places it), the rest replicated."""
+  abstract = jax.eval_shape(lambda: params)
+  return sharding.logical_to_mesh(optimizer.state_logical(tx, jax.eval_shape(tx.init, abstract), logical, abstract),
+                                  mesh)
+
+
+def _sharded_updates(logical, shapes, mesh, steps=2):
+  """`steps` Muon updates of random gradients on `mesh` (None: one device, no mesh), as host arrays."""
+  tx = _muon_tx(logical)
+  params = _random_tree(shapes, 0)
+  if mesh is None:
+    state = tx.init(params)
+    for i in range(steps):
+      updates, state = tx.update(_random_tree(shapes, i + 1), state, params)
+    return jax.tree.map(np.asarray, (updates, state))
+  shard = sharding.logical_to_mesh(logical, mesh)
+  with sharding.activate(mesh):
+    params = jax.device_put(params, shard)
+    state = jax.jit(tx.init, out_shardings=_state_shardings(tx, logical, params, mesh))(params)
+    update = jax.jit(tx.update, in_shardings=(shard, None, shard))
+    for i in range(steps):
+      updates, state = update(jax.device_put(_random_tree(shapes, i + 1), shard), state, params)
+  for u, s in zip(jax.tree.leaves(updates), jax.tree.leaves(shard)):
+    assert u.sharding.is_equivalent_to(s, u.ndim), (u.sharding, s)  # updates come back on the params' sharding
+  return jax.tree.map(np.asarray, (updates, state))
+
+
+@pytest.mark.parametrize('axes', [dict(fsdp=4, tensor=2), dict(stage=2, fsdp=2, tensor=2)], ids=['fsdp4xtensor2',
+                                                                                                  'pipeline'])
+def test_muon_sharded_matches_one_device(axes):
+  logical, shapes = _tiny_logical(layers=4)
+  reference = _sharded_updates(logical, shapes, None)
+  got = _sharded_updates(logical, shapes, _mesh(**axes))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), got, reference)
+
+
+def test_muon_orthogonalises_each_matrix_on_one_device_without_gathering_every_layer():
+  # fsdp 4 x tensor 2, 4 layers: each device should hold a slot of whole matrices (a layer, or padding), never a
+  # weight's every layer at once.
+  import re
+  logical, shapes = _tiny_logical(layers=4)
+  mesh = _mesh(fsdp=4, tensor=2)
+  tx = _muon_tx(logical)
+  shard = sharding.logical_to_mesh(logical, mesh)
+  with sharding.activate(mesh):
+    params = jax.device_put(_random_tree(shapes, 0), shard)
+    state = jax.jit(tx.init, out_shardings=_state_shardings(tx, logical, params, mesh))(params)
+    hlo = jax.jit(tx.update).lower(params, state, params).compile().as_text()
+  sizes = [int(np.prod([int(d) for d in dims.split(',') if d])) for dims in re.findall(r'f32\[([\d,]*)\]', hlo)]
+  mlp = shapes['layers']['mlp']['up']  # (layers, embed, mlp): the largest Muon weight
+  whole_layer, every_layer = mlp[1] * mlp[2], int(np.prod(mlp))
+  assert max(sizes) < every_layer, max(sizes)  # no array on a device holds every layer's matrix ...
+  assert 'all-to-all' in hlo  # ... the matrices move to their devices by all-to-all
+  # Newton–Schulz runs on whole matrices: X Xᵀ of a whole (embed, mlp) matrix appears, per device.
+  assert re.search(rf'f32\[(1,)?{mlp[1]},{mlp[1]}\]', hlo)
+  assert whole_layer in sizes
