@@ -68,7 +68,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.deterministic = False  # GPU: deterministic XLA ops, so reruns and resumes are bit for bit (slower); CPU/TPU always are
 
   c.optim = o = ml_collections.ConfigDict()
-  o.name = 'adamw'  # adamw | adafactor (PaLM's, factored second moments) | muon (matrices; AdamW for the rest)
+  o.name = 'adamw'  # adamw | adafactor (PaLM's) | muon (matrices; AdamW for the rest) | sf_adamw (schedule-free)
   o.schedule = 'cosine'  # after warmup: cosine | linear | wsd (warmup-stable-decay) | constant
   o.decay_fraction = 0.2  # wsd: the final fraction of steps spent decaying
   o.lr = 3e-3  # peak learning rate
@@ -84,6 +84,8 @@ def get_config() -> ml_collections.ConfigDict:
   o.muon_scale = 'rms'  # muon: rms (update RMS matched to AdamW's: its LR and decay carry over) | spectral
   o.muon_momentum = 0.95  # muon: Nesterov momentum of the matrices' gradients
   o.muon_ns_steps = 5  # muon: Newton-Schulz iterations per orthogonalisation
+  o.ema = 0.0  # decay of an exponential moving average of the weights (float32, checkpointed); 0 = off
+  o.ema_start = 0  # the average follows the weights (a copy) until this step, then averages
   o.loss_scale_init = 2.0 ** 15  # float16 compute only: initial dynamic loss scale ...
   o.loss_scale_period = 1000  # ... doubled after this many finite steps, halved on every overflow
 

@@ -422,11 +422,13 @@ class Checkpointer:
       self.manager.close()
 
 
-def load_params(path: str, abstract_params, shardings):
+def load_params(path: str, abstract_params, shardings, weights: str = 'raw'):
   """Warm start: parameters only from another run's checkpoint directory (its newest step) or a step directory.
 
   Arrays are cast to this run's dtypes; a missing parameter or a shape mismatch is a CheckpointError naming it.
+  weights='ema' reads the exponential moving average of the parameters (optim.ema) instead.
   """
+  item = 'ema' if weights == 'ema' else 'params'
   path = os.path.abspath(os.path.expanduser(path))
   if os.path.isdir(os.path.join(path, 'state')):  # a step directory
     step_dir = path
@@ -439,7 +441,11 @@ def load_params(path: str, abstract_params, shardings):
   checkpointer = ocp.StandardCheckpointer()
   saved = checkpointer.metadata(os.path.join(step_dir, 'state'))
   saved = getattr(saved, 'item_metadata', saved)
-  saved_params = saved['params'] if isinstance(saved, dict) else saved.tree['params']
+  saved_tree = saved if isinstance(saved, dict) else saved.tree
+  if item not in saved_tree or not jax.tree.leaves(saved_tree[item]):
+    raise CheckpointError(f'{step_dir} holds no averaged weights: the run trained without optim.ema; use '
+                          f'--weights=raw.')
+  saved_params = saved_tree[item]
   flat_saved = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(saved_params)[0]}
   for key, want in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
     name = jax.tree_util.keystr(key)
@@ -455,7 +461,7 @@ def load_params(path: str, abstract_params, shardings):
       abstract_params, shardings)
   # StandardCheckpointer.restore takes no `args`; the PyTree checkpointer does the partial (params-only) restore.
   state = ocp.PyTreeCheckpointer().restore(os.path.join(step_dir, 'state'), args=ocp.args.PyTreeRestore(
-      item={'params': target}, restore_args=ocp.checkpoint_utils.construct_restore_args({'params': target}),
+      item={item: target}, restore_args=ocp.checkpoint_utils.construct_restore_args({item: target}),
       partial_restore=True))
-  return jax.tree.map(lambda x, w: x.astype(w.dtype), state['params'], abstract_params)
+  return jax.tree.map(lambda x, w: x.astype(w.dtype), state[item], abstract_params)
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-OPTIMIZERS = ('adamw', 'adafactor', 'muon')  # optim.name; config validation reads these
+OPTIMIZERS = ('adamw', 'adafactor', 'muon', 'sf_adamw')  # optim.name; config validation reads these
 SCHEDULES = ('cosine', 'linear', 'wsd', 'constant')  # optim.schedule
 MUON_SCALES = ('rms', 'spectral')  # optim.muon_scale
 
@@ -57,6 +57,14 @@ def make_optimizer(optim_cfg, total_steps: int, mask, logical=None) -> optax.Gra
   if o.name == 'muon':
     from jaxlm import muon  # used by one optimizer: its own module
     chain.append(muon.muon(o, lr, schedule(o, total_steps, o.adam_lr or o.lr), logical, mask))
+  elif o.name == 'sf_adamw':
+    # Schedule-free AdamW (Defazio et al. 2024): a constant LR after warmup, no decay phase; the averaged point
+    # (`eval_params`) is what is evaluated. Its base step is AdamW without momentum (schedule_free_adamw's),
+    # here with jaxlm's decay mask.
+    constant = optax.warmup_constant_schedule(0.0, o.lr, o.warmup_steps)
+    base = optax.chain(optax.scale_by_rms(decay=o.b2, eps=o.eps, eps_in_sqrt=False, bias_correction=True),
+                       optax.add_decayed_weights(o.weight_decay, mask), optax.scale_by_learning_rate(constant))
+    chain.append(optax.contrib.schedule_free(base, learning_rate=constant, b1=o.b1))
   elif o.name == 'adafactor':
     # PaLM's optimizer: factored second moments (memory ~ rows + columns), update clipping, no momentum.
     # Adafactor's own parameter scaling would fight the explicit schedule, so it is off (as in PaLM).
@@ -79,6 +87,32 @@ def state_logical(tx, abstract_opt, param_logical, abstract_params):
       tx, lambda x, spec, p: x if isinstance(x, optax.MaskedNode) else spec if x.shape == p.shape else replicated,
       abstract_opt, param_logical, abstract_params, transform_non_params=lambda _: replicated,
       is_leaf=lambda x: isinstance(x, (P, optax.MaskedNode)))
+
+
+def eval_params(opt_state, params):
+  """The parameters to evaluate: schedule-free's averaged point x under sf_adamw, else `params` themselves."""
+  state = find_state(opt_state, optax.contrib.ScheduleFreeState)
+  return params if state is None else optax.contrib.schedule_free_eval_params(state, params)
+
+
+def init_ema(optim_cfg, params):
+  """optim.ema > 0: a float32 copy of the parameters to average into (TrainState.ema); else {}."""
+  if not optim_cfg.get('ema', 0.0):
+    return {}
+  return jax.tree.map(lambda p: p.astype(jnp.float32), params)
+
+
+def update_ema(optim_cfg, ema, params, step, applied):
+  """The exponential moving average after optimizer step `step` gave `params`.
+
+  Before `optim.ema_start` it follows the parameters (a copy); a step whose update was not applied (a float16
+  overflow, a skipped non-finite step: `applied` False) leaves it unchanged.
+  """
+  if not ema:
+    return ema
+  decay = jnp.where(step >= optim_cfg.get('ema_start', 0), jnp.float32(optim_cfg.ema), 0.0)
+  return jax.tree.map(lambda e, p: jnp.where(applied, decay * e + (1 - decay) * p.astype(jnp.float32), e),
+                      ema, params)
 
 
 class LossScaleState(NamedTuple):

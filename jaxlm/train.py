@@ -27,6 +27,7 @@ from jaxlm import pipeline as pipeline_lib
 from jaxlm import preflight
 from jaxlm import metrics as metrics_lib
 from jaxlm import model as model_lib
+from jaxlm import optimizer as optimizer_lib
 from jaxlm import rundir
 from jaxlm import sharding
 from jaxlm import stability as stability_lib
@@ -280,10 +281,17 @@ def log_step(r: Run, step: int, metrics: dict, window: Window, size: int) -> dic
 
 
 def evaluate_and_log(r: Run, step: int, state) -> float:
-  """Held-out loss on the same batches every time, and a system record (time accounting, memory)."""
+  """Held-out loss on the same batches every time, and a system record (time accounting, memory).
+
+  With optim.ema the averaged weights are scored too (`eval_loss_ema`); under sf_adamw the raw loss is that of
+  schedule-free's averaged point, the weights it is meant to be evaluated at.
+  """
   with r.acct.track('eval'):
-    loss = evaluate(r.program, state.params, r.eval_data)
-  r.log.write(step, {'eval_loss': loss}, kind='eval')
+    loss = evaluate(r.program, optimizer_lib.eval_params(state.opt_state, state.params), r.eval_data)
+    record = {'eval_loss': loss}
+    if state.ema:
+      record['eval_loss_ema'] = evaluate(r.program, state.ema, r.eval_data)
+  r.log.write(step, record, kind='eval')
   r.log.write(step, {**r.acct.summary(), **perf.device_memory_stats()}, kind='system')
   return loss
 

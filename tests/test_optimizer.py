@@ -5,7 +5,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxlm import optimizer
-from tests.helpers import load_config
+from tests.helpers import load_config, odd_config, random_batch
 
 
 def test_schedule_warmup_peak_and_end():
@@ -36,6 +36,7 @@ import functools  # noqa: E402
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
 
 from jaxlm import model as model_lib  # noqa: E402
 from jaxlm import muon, sharding  # noqa: E402
@@ -207,3 +208,70 @@ def test_muon_orthogonalises_each_matrix_on_one_device_without_gathering_every_l
   # Newton–Schulz runs on whole matrices: X Xᵀ of a whole (embed, mlp) matrix appears, per device.
   assert re.search(rf'f32\[(1,)?{mlp[1]},{mlp[1]}\]', hlo)
   assert whole_layer in sizes
+
+
+# EMA and schedule-free ----------------------------------------------------------------------------------------
+
+
+def test_sf_adamw_is_optax_schedule_free_adamw_with_the_decay_mask():
+  o = load_config('palm_tiny').optim
+  o.update(name='sf_adamw', clip=0.0, weight_decay=0.0, warmup_steps=3)
+  params = {'w': np.ones((4, 3), np.float32), 'b': np.zeros((3,), np.float32)}
+  ours = optimizer.make_optimizer(o, 100, {'w': True, 'b': False})
+  theirs = optax.contrib.schedule_free_adamw(o.lr, warmup_steps=3, b1=o.b1, b2=o.b2, eps=o.eps)
+  s1, s2 = ours.init(params), theirs.init(params)
+  for i in range(5):
+    g = _random_tree({'w': (4, 3), 'b': (3,)}, i)
+    u1, s1 = ours.update(g, s1, params)
+    u2, s2 = theirs.update(g, s2, params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), u1, u2)
+    params = optax.apply_updates(params, u1)
+  # Evaluation uses the averaged point x, not the interpolated y the gradients are taken at.
+  x = optimizer.eval_params(s1, params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+               x, optax.contrib.schedule_free_eval_params(s2, params))
+  assert not np.allclose(x['w'], params['w'])
+
+
+def _program_steps(cfg, n, mesh_shape=(1, 8, 1)):
+  from jaxlm import train
+  from tests.helpers import plain_program
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh_shape
+  mesh = sharding.make_mesh(cfg.mesh)
+  program = plain_program(cfg, mesh, steps=50)
+  batch = random_batch(8, 24, cfg.model.vocab_size, docs=2)
+  with sharding.activate(mesh):
+    state = program.init()
+    states = [jax.tree.map(np.asarray, state)] + [None] * n
+    for i in range(n):
+      state, metrics = program.train_step(state, train.global_batch(batch, program.batch_sharding))
+      states[i + 1] = state if i == n - 1 else jax.tree.map(np.asarray, state)
+  return program, states, metrics
+
+
+@pytest.mark.e2e  # a 3-step training run
+def test_ema_copies_until_start_then_averages_float32_sharded_like_params():
+  cfg = odd_config()
+  cfg.optim.update(name='muon', ema=0.75, ema_start=2)
+  program, states, _ = _program_steps(cfg, 3)
+  s0, s1, s2, last = states
+  for ema, p, shard in zip(jax.tree.leaves(last.ema), jax.tree.leaves(last.params),
+                           jax.tree.leaves(program.state_shardings.params)):
+    assert ema.dtype == np.float32 and ema.sharding == shard == p.sharding
+  jax.tree.map(lambda e, p: np.testing.assert_array_equal(e, p), s2.ema, s2.params)  # steps 0, 1 < ema_start: a copy
+  jax.tree.map(lambda e, prev, p: np.testing.assert_allclose(e, 0.75 * prev + 0.25 * np.asarray(p), rtol=1e-6),
+               jax.tree.map(np.asarray, last.ema), s2.ema, last.params)
+  assert not np.allclose(np.asarray(last.ema['embedding']), np.asarray(last.params['embedding']))
+
+
+@pytest.mark.e2e  # a 1-step float16 run
+def test_fp16_overflow_leaves_muon_momentum_and_ema_unchanged():
+  cfg = odd_config()
+  cfg.model.dtype = 'float16'
+  cfg.optim.update(name='muon', ema=0.9, loss_scale_init=2.0 ** 28)  # far too high: the gradients overflow
+  _, (s0, s1), metrics = _program_steps(cfg, 1)
+  assert float(metrics['loss_scale']) == 2.0 ** 27  # it did overflow
+  trace = lambda s: optimizer.find_state(s.opt_state, optax.TraceState).trace
+  for before, after in zip(jax.tree.leaves(trace(s0)) + jax.tree.leaves(s0.ema) + jax.tree.leaves(s0.params),
+                           jax.tree.leaves(trace(s1)) + jax.tree.leaves(s1.ema) + jax.tree.leaves(s1.params)):
+    np.testing.assert_array_equal(np.asarray(after), before)
