@@ -89,6 +89,11 @@ def state_logical(tx, abstract_opt, param_logical, abstract_params):
       is_leaf=lambda x: isinstance(x, (P, optax.MaskedNode)))
 
 
+def identity(optim_cfg) -> dict:
+  """What a checkpoint's optimizer state depends on, recorded with it: another one cannot resume from it."""
+  return {'name': optim_cfg.name, 'ema': bool(optim_cfg.get('ema', 0.0))}
+
+
 def eval_params(opt_state, params):
   """The parameters to evaluate: schedule-free's averaged point x under sf_adamw, else `params` themselves."""
   state = find_state(opt_state, optax.contrib.ScheduleFreeState)

@@ -159,7 +159,8 @@ def restore_or_init(r: Run) -> step_lib.TrainState:
     r.train_iter.expect(allow_change=r.cfg.checkpoint.allow_data_change, topology=topology,
                         **{'train.batch_size': t.batch_size, 'train.batch_ramp': t.batch_ramp})
   with r.acct.track('checkpoint'):
-    state, guard_state = r.ckpt.restore(program.abstract_state, program.state_shardings, r.train_iter)
+    state, guard_state = r.ckpt.restore(program.abstract_state, program.state_shardings, r.train_iter,
+                                        identity=r.env.get('optimizer'))
   if state is not None:
     r.guard.load(guard_state)
     start = int(state.step)

@@ -5,7 +5,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxlm import optimizer
-from tests.helpers import load_config, odd_config, random_batch
+from tests.helpers import assert_fails_with, load_config, odd_config, random_batch, read_records
 
 
 def test_schedule_warmup_peak_and_end():
@@ -275,3 +275,75 @@ def test_fp16_overflow_leaves_muon_momentum_and_ema_unchanged():
   for before, after in zip(jax.tree.leaves(trace(s0)) + jax.tree.leaves(s0.ema) + jax.tree.leaves(s0.params),
                            jax.tree.leaves(trace(s1)) + jax.tree.leaves(s1.ema) + jax.tree.leaves(s1.params)):
     np.testing.assert_array_equal(np.asarray(after), before)
+
+
+# Checkpoints: exact resume, and a checkpoint of another optimizer refused --------------------------------------
+
+OPTIMIZERS = {'muon_ema': ('--config.optim.name=muon', '--config.optim.ema=0.9', '--config.optim.ema_start=4'),
+              'sf_adamw': ('--config.optim.name=sf_adamw',)}
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(tmp_path_factory, data_cache):
+  """One uninterrupted run per optimizer (trained on first use), as test_checkpoint's `reference`."""
+  from tests import test_checkpoint
+  runs = {}
+
+  def get(name):
+    if name not in runs:
+      runs[name] = tmp_path_factory.mktemp(name)
+      test_checkpoint._run(runs[name], data_cache, *OPTIMIZERS[name])
+    return runs[name]
+
+  return get
+
+
+def _final_state(workdir):
+  import orbax.checkpoint as ocp
+  from tests import test_checkpoint
+  return ocp.StandardCheckpointer().restore(str(workdir / 'checkpoints' / str(test_checkpoint.STEPS) / 'state'))
+
+
+@pytest.mark.parametrize('name', list(OPTIMIZERS))
+def test_sigkill_resumes_bit_for_bit(name, uninterrupted, tmp_path, data_cache):
+  import signal
+  import time
+  from tests import test_checkpoint as tc
+  reference = uninterrupted(name)
+  proc = tc._start(tmp_path, data_cache, *OPTIMIZERS[name])
+  tc._wait_for_step(proc, tmp_path, 6)  # between checkpoints (every 4) ...
+  while not (tmp_path / 'checkpoints' / '4' / 'commit_success.txt').exists() and proc.poll() is None:
+    time.sleep(0.05)  # ... once step 4's (async) save is in: the steps after it are redone
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  out = tc._run(tmp_path, data_cache, *OPTIMIZERS[name])
+  assert 'resumed from checkpoint step' in out.stdout
+  expected = {step: losses[0] for step, losses in tc._losses(reference).items()}
+  got = tc._losses(tmp_path)
+  assert sorted(got) == list(range(1, tc.STEPS + 1))
+  for step, losses in got.items():
+    assert losses == [expected[step]] * len(losses), step
+  evals = lambda w: [(r['step'], r.get('eval_loss'), r.get('eval_loss_ema')) for r in read_records(w, 'eval')]
+  assert evals(tmp_path)[-1] == evals(reference)[-1]
+  a, b = _final_state(reference), _final_state(tmp_path)
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  if name == 'muon_ema':
+    assert jax.tree.leaves(a['ema']) and evals(reference)[-1][2] is not None  # the EMA is checkpointed
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):  # params, Muon momentum, EMA, schedule-free's z
+    np.testing.assert_array_equal(x, y)
+
+
+def test_resuming_with_another_optimizer_or_shape_is_refused_and_keeps_the_checkpoint(uninterrupted, tmp_path,
+                                                                                      data_cache):
+  import shutil
+  from tests import test_checkpoint as tc
+  workdir = tmp_path / 'run'
+  shutil.copytree(uninterrupted('muon_ema'), workdir)
+  before = sorted(p.name for p in (workdir / 'checkpoints').iterdir())
+  for extra, says in ((('--config.optim.name=adamw',), 'optim.name=muon, optim.ema on'),
+                      (OPTIMIZERS['muon_ema'] + ('--config.model.mlp_dim=96',), 'params.layers.mlp.down')):
+    out = tc._run(workdir, data_cache, f'--config.train.steps={tc.STEPS + 4}', *extra, check=False)
+    last = assert_fails_with(out, 2, 'does not fit this run', says, 'checkpoint.init_from=')
+    assert 'Traceback' not in out.stderr, last
+  assert not (tmp_path / 'run' / 'checkpoints.unreadable').exists()  # never quarantined
+  assert sorted(p.name for p in (workdir / 'checkpoints').iterdir()) == before
