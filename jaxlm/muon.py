@@ -51,11 +51,15 @@ def labels(logical_specs):
                       is_leaf=lambda x: isinstance(x, P))
 
 
-def _to_matrices(x, dims: MuonDimensionNumbers):
-  """`x` as (batch, rows, cols), and the function that puts such a stack back into `x`'s layout."""
+def _to_matrices(x, dims: MuonDimensionNumbers, batch: tuple | None = None):
+  """`x` as (batch, rows, cols), and the function that puts such a stack back into `x`'s layout.
+
+  `batch`: the order in which the other axes merge into the batch (default: as in `x`).
+  """
   rows, cols = tuple(dims.reduction_axis), tuple(dims.output_axis)
-  batch = tuple(a for a in range(x.ndim) if a not in rows + cols)
-  order = batch + rows + cols
+  if batch is None:
+    batch = tuple(a for a in range(x.ndim) if a not in rows + cols)
+  order = tuple(batch) + rows + cols
   size = lambda axes: math.prod(x.shape[a] for a in axes)
   inverse = tuple(order.index(a) for a in range(x.ndim))
   moved = tuple(x.shape[a] for a in order)
@@ -88,21 +92,23 @@ def _axes(entry) -> tuple:
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def orthogonalize_spread(u, dims: MuonDimensionNumbers, spec: P, ns_steps: int, dtype):
-  """Newton–Schulz on every matrix of `u` (logical axes `spec`), each whole on one device, in `u`'s layout.
+def orthogonalize_spread(u, dims: MuonDimensionNumbers, mesh_axes: tuple, ns_steps: int, dtype):
+  """Newton–Schulz on every matrix of `u` (sharded as `mesh_axes` say), each whole on one device, in `u`'s layout.
 
   The (batch, rows, cols) stack is padded to a multiple of the device count, then the mesh axes that split
   rows and columns (and those that split nothing) move one at a time onto the batch: each move is one
   all-to-all, after which every device holds its own whole matrices and no other's. The way back mirrors it.
   """
-  stack, inverse = _to_matrices(u, dims)
-  n, rows, cols = stack.shape
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
+    stack, inverse = _to_matrices(u, dims)
     return inverse(orthogonalize(stack, ns_steps, dtype))
-  mesh_axes = nn.logical_to_mesh_axes(tuple(spec))
-  batch_dims = [a for a in range(u.ndim) if a not in tuple(dims.reduction_axis) + tuple(dims.output_axis)]
-  # A reshape keeps the sharding of each merged group's leading axis (layers; embed or heads; mlp or embed).
+  # A reshape keeps the sharding of each merged group's leading axis (layers; embed or heads; mlp or embed), so
+  # a sharded batch axis (pipeline stages) merges first.
+  batch_dims = sorted((a for a in range(u.ndim) if a not in tuple(dims.reduction_axis) + tuple(dims.output_axis)),
+                      key=lambda a: not _axes(mesh_axes[a]))
+  stack, inverse = _to_matrices(u, dims, tuple(batch_dims))
+  n, rows, cols = stack.shape
   batch = _axes(mesh_axes[batch_dims[0]]) if batch_dims else ()
   row, col = _axes(mesh_axes[dims.reduction_axis[0]]), _axes(mesh_axes[dims.output_axis[0]])
   free = tuple(a for a in mesh.axis_names if a not in batch + row + col and mesh.shape[a] > 1)
@@ -129,17 +135,32 @@ def orthogonalize_spread(u, dims: MuonDimensionNumbers, spec: P, ns_steps: int, 
 
 
 def scale_by_newton_schulz(dims, specs, ns_steps: int, dtype, mode: str) -> optax.GradientTransformation:
-  """Orthogonalises every update with dimension numbers in `dims` (`orthogonalize_spread`), scaled by `mode`."""
+  """Orthogonalises every update with dimension numbers in `dims` (`orthogonalize_spread`), scaled by `mode`.
 
-  def one(u, d, spec):
-    rows = math.prod(u.shape[a] for a in d.reduction_axis)
-    cols = math.prod(u.shape[a] for a in d.output_axis)
-    return orthogonalize_spread(u, d, spec, ns_steps, dtype) * shape_scale(rows, cols, mode)
+  Weights of one shape and layout (every layer's up projection when layers are not scanned; key and value) are
+  stacked and orthogonalised together, so their matrices spread over the devices too.
+  """
 
   def update(updates, state, params=None):
     del params
-    return jax.tree.map(one, updates, dims, specs,
-                        is_leaf=lambda x: isinstance(x, (MuonDimensionNumbers, P))), state
+    leaves, treedef = jax.tree.flatten(updates)
+    dim_leaves = treedef.flatten_up_to(dims)
+    spec_leaves = treedef.flatten_up_to(specs)
+    groups = {}
+    for i, (u, d, spec) in enumerate(zip(leaves, dim_leaves, spec_leaves)):
+      groups.setdefault((u.shape, u.dtype, tuple(spec), d), []).append(i)
+    out = list(leaves)
+    for (shape, _, spec, d), members in groups.items():
+      # Stacked on a new, unsharded leading axis: every member has the same sharding, so stacking moves nothing.
+      stacked = jnp.stack([leaves[i] for i in members])
+      shifted = MuonDimensionNumbers(tuple(a + 1 for a in d.reduction_axis), tuple(a + 1 for a in d.output_axis))
+      mesh_axes = (None, *nn.logical_to_mesh_axes(spec))
+      rows = math.prod(shape[a] for a in d.reduction_axis)
+      cols = math.prod(shape[a] for a in d.output_axis)
+      done = orthogonalize_spread(stacked, shifted, mesh_axes, ns_steps, dtype) * shape_scale(rows, cols, mode)
+      for j, i in enumerate(members):
+        out[i] = done[j]
+    return treedef.unflatten(out), state
 
   return optax.GradientTransformation(lambda _: optax.EmptyState(), update)
 

@@ -5,7 +5,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxlm import optimizer
-from tests.helpers import assert_fails_with, load_config, odd_config, random_batch, read_records
+from tests.helpers import assert_fails_with, grid, load_config, odd_config, random_batch, read_records
 
 
 def test_schedule_warmup_peak_and_end():
@@ -128,7 +128,7 @@ def test_muon_update_rms(mode):
   lr = 1e-2
   tx = _muon_tx(logical, lr=lr, weight_decay=0.0, muon_scale=mode)
   params, grads = _random_tree(shapes, 0), _random_tree(shapes, 1)
-  updates, _ = tx.update(grads, tx.init(params), params)
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
   labels = muon.labels(logical)
   for lab, u, spec in zip(jax.tree.leaves(labels), jax.tree.leaves(updates),
                           jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, P))):
@@ -163,9 +163,9 @@ def _sharded_updates(logical, shapes, mesh, steps=2):
   tx = _muon_tx(logical)
   params = _random_tree(shapes, 0)
   if mesh is None:
-    state = tx.init(params)
+    state, update = tx.init(params), jax.jit(tx.update)
     for i in range(steps):
-      updates, state = tx.update(_random_tree(shapes, i + 1), state, params)
+      updates, state = update(_random_tree(shapes, i + 1), state, params)
     return jax.tree.map(np.asarray, (updates, state))
   shard = sharding.logical_to_mesh(logical, mesh)
   with sharding.activate(mesh):
@@ -179,10 +179,14 @@ def _sharded_updates(logical, shapes, mesh, steps=2):
   return jax.tree.map(np.asarray, (updates, state))
 
 
-@pytest.mark.parametrize('axes', [dict(fsdp=4, tensor=2), dict(stage=2, fsdp=2, tensor=2)], ids=['fsdp4xtensor2',
-                                                                                                  'pipeline'])
-def test_muon_sharded_matches_one_device(axes):
-  logical, shapes = _tiny_logical(layers=4)
+_MESHES = {'fsdp4xtensor2': (dict(fsdp=4, tensor=2), True), 'pipeline': (dict(stage=2, fsdp=2, tensor=2), True),
+           'fsdp8-unscanned': (dict(fsdp=8), False)}
+
+
+@pytest.mark.parametrize('case', grid(list(_MESHES), fast=['fsdp4xtensor2']))
+def test_muon_sharded_matches_one_device(case):
+  axes, scan = _MESHES[case]
+  logical, shapes = _tiny_logical(scan_layers=scan, layers=4)
   reference = _sharded_updates(logical, shapes, None)
   got = _sharded_updates(logical, shapes, _mesh(**axes))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), got, reference)
