@@ -351,3 +351,14 @@ def test_resuming_with_another_optimizer_or_shape_is_refused_and_keeps_the_check
     assert 'Traceback' not in out.stderr, last
   assert not (tmp_path / 'run' / 'checkpoints.unreadable').exists()  # never quarantined
   assert sorted(p.name for p in (workdir / 'checkpoints').iterdir()) == before
+
+
+@pytest.mark.parametrize('overrides, message', [
+    (dict(name='lion'), 'optim.name='), (dict(muon_scale='frobenius'), 'optim.muon_scale='),
+    (dict(muon_momentum=1.0), 'optim.muon_momentum'), (dict(ema=1.0), 'optim.ema=')])
+def test_bad_optimizer_config_names_the_field(overrides, message):
+  from jaxlm import config as config_lib
+  cfg = load_config('palm_tiny')
+  cfg.optim.update(overrides)
+  with pytest.raises(config_lib.ConfigError, match=message.replace('.', r'\.')):
+    config_lib.validate(cfg, 8)
