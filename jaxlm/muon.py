@@ -15,6 +15,7 @@ What jaxlm adds on top:
 """
 
 import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -124,7 +125,7 @@ def orthogonalize_spread(u, dims: MuonDimensionNumbers, mesh_axes: tuple, ns_ste
   steps = [(batch, row, col)]
   for a in row + col + free:
     b, r, c = steps[-1]
-    steps.append((b + (a,), tuple(x for x in r if x != a), tuple(x for x in c if x != a)))
+    steps.append((b + (a,), tuple(m for m in r if m != a), tuple(m for m in c if m != a)))
   spec_of = lambda b, r, c: P(b or None, r or None, c or None)
   for b, r, c in steps:
     x = jax.lax.with_sharding_constraint(x, spec_of(b, r, c))

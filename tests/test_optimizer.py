@@ -335,6 +335,14 @@ def test_sigkill_resumes_bit_for_bit(name, uninterrupted, tmp_path, data_cache):
     assert jax.tree.leaves(a['ema']) and evals(reference)[-1][2] is not None  # the EMA is checkpointed
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):  # params, Muon momentum, EMA, schedule-free's z
     np.testing.assert_array_equal(x, y)
+  # tools.eval scores what the trainer evaluated: the EMA with --weights=ema, schedule-free's averaged point raw.
+  import json
+  from tests.helpers import run_cli
+  weights, key = ('ema', 'eval_loss_ema') if name == 'muon_ema' else ('raw', 'eval_loss')
+  out = run_cli('jaxlm.tools.eval', f'--workdir={reference}', f'--weights={weights}', '--json')
+  assert out.returncode == 0, out.stderr[-2000:]
+  last = read_records(reference, 'eval')[-1]
+  np.testing.assert_allclose(json.loads(out.stdout.strip().splitlines()[-1])['loss'], last[key], rtol=1e-5)
 
 
 def test_resuming_with_another_optimizer_or_shape_is_refused_and_keeps_the_checkpoint(uninterrupted, tmp_path,

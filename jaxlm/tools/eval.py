@@ -126,8 +126,11 @@ def _mesh_cfg(cfg):
 def _restore(path: str, cfg, mesh, weights: str = 'raw'):
   """The run's program and checkpointed parameters (weights='ema': their moving average, optim.ema)."""
   program = step_lib.build_program(cfg, mesh)
-  return program, checkpoint_lib.load_params(path, program.abstract_state.params, program.state_shardings.params,
-                                             weights)
+  abstract, shardings = program.abstract_state.params, program.state_shardings.params
+  if cfg.optim.get('name') == 'sf_adamw' and weights == 'raw':  # schedule-free is evaluated at its averaged point
+    x = export_lib.read_params(path)
+    return program, jax.device_put(jax.tree.map(lambda a, w: np.asarray(a, w.dtype), x, abstract), shardings)
+  return program, checkpoint_lib.load_params(path, abstract, shardings, weights)
 
 
 def _nats_and_tokens(program, params, batches) -> tuple[float, float]:
