@@ -138,29 +138,40 @@ def orthogonalize_spread(u, dims: MuonDimensionNumbers, mesh_axes: tuple, ns_ste
 def scale_by_newton_schulz(dims, specs, ns_steps: int, dtype, mode: str) -> optax.GradientTransformation:
   """Orthogonalises every update with dimension numbers in `dims` (`orthogonalize_spread`), scaled by `mode`.
 
-  Weights of one shape and layout (every layer's up projection when layers are not scanned; key and value) are
-  stacked and orthogonalised together, so their matrices spread over the devices too.
+  Matrices of one shape and layout are orthogonalised as one stack, so they spread over the devices together
+  (every layer's up projection when layers are not scanned; key and value). A matrix whose transpose has that
+  shape and layout joins it transposed, as NS(Xᵀ) = NS(X)ᵀ: down with gate and up, out with query.
   """
 
   def update(updates, state, params=None):
     del params
     leaves, treedef = jax.tree.flatten(updates)
-    dim_leaves = treedef.flatten_up_to(dims)
-    spec_leaves = treedef.flatten_up_to(specs)
-    groups = {}
-    for i, (u, d, spec) in enumerate(zip(leaves, dim_leaves, spec_leaves)):
-      groups.setdefault((u.shape, u.dtype, tuple(spec), d), []).append(i)
+    groups = {}  # (stages, rows, cols, dtype, mesh axes) → [(leaf index, (stages, n, rows, cols) stack, ...)]
+    for i, (u, d, spec) in enumerate(zip(leaves, treedef.flatten_up_to(dims), treedef.flatten_up_to(specs))):
+      axes = nn.logical_to_mesh_axes(tuple(spec))
+      batch = [a for a in range(u.ndim) if a not in d.reduction_axis + d.output_axis]
+      stage = next((_axes(axes[a]) for a in batch if _axes(axes[a])), ())  # pipeline stages split the layers
+      stack, inverse = _to_matrices(u, d, tuple(sorted(batch, key=lambda a: not _axes(axes[a]))))
+      n, rows, cols = stack.shape
+      row, col = _axes(axes[d.reduction_axis[0]]), _axes(axes[d.output_axis[0]])
+      flip = rows > cols or (rows == cols and row > col)
+      if flip:
+        stack, rows, cols, row, col = stack.transpose(0, 2, 1), cols, rows, col, row
+      stages = math.prod(dict(jax.sharding.get_abstract_mesh().shape).get(a, 1) for a in stage) if stage else 1
+      key = (stage, rows, cols, u.dtype, row, col)
+      groups.setdefault(key, []).append((i, stack.reshape(stages, n // stages, rows, cols), inverse, flip,
+                                         shape_scale(*((cols, rows) if flip else (rows, cols)), mode)))
     out = list(leaves)
-    for (shape, _, spec, d), members in groups.items():
-      # Stacked on a new, unsharded leading axis: every member has the same sharding, so stacking moves nothing.
-      stacked = jnp.stack([leaves[i] for i in members])
-      shifted = MuonDimensionNumbers(tuple(a + 1 for a in d.reduction_axis), tuple(a + 1 for a in d.output_axis))
-      mesh_axes = (None, *nn.logical_to_mesh_axes(spec))
-      rows = math.prod(shape[a] for a in d.reduction_axis)
-      cols = math.prod(shape[a] for a in d.output_axis)
-      done = orthogonalize_spread(stacked, shifted, mesh_axes, ns_steps, dtype) * shape_scale(rows, cols, mode)
-      for j, i in enumerate(members):
-        out[i] = done[j]
+    for (stage, rows, cols, _, row, col), members in groups.items():
+      # Joined inside each pipeline stage's block (axis 1), where nothing is split: joining moves nothing.
+      joined = jnp.concatenate([m[1] for m in members], axis=1)
+      mesh_axes = (stage or None, None, row or None, col or None)
+      done = orthogonalize_spread(joined, MuonDimensionNumbers((2,), (3,)), mesh_axes, ns_steps, dtype)
+      start = 0
+      for i, stack, inverse, flip, scale in members:
+        part = done[:, start:start + stack.shape[1]].reshape(-1, rows, cols) * scale
+        start += stack.shape[1]
+        out[i] = inverse(part.transpose(0, 2, 1) if flip else part)
     return treedef.unflatten(out), state
 
   return optax.GradientTransformation(lambda _: optax.EmptyState(), update)
