@@ -69,7 +69,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.deterministic = False  # GPU: deterministic XLA ops, so reruns and resumes are bit for bit (slower); CPU/TPU always are
 
   c.optim = o = ml_collections.ConfigDict()
-  o.name = 'adamw'  # adamw | adafactor (PaLM's, factored second moments)
+  o.name = 'adamw'  # adamw | adafactor (PaLM's) | muon (matrices; AdamW for the rest) | sf_adamw (schedule-free)
   o.schedule = 'cosine'  # after warmup: cosine | linear | wsd (warmup-stable-decay) | constant
   o.decay_fraction = 0.2  # wsd: the final fraction of steps spent decaying
   o.lr = 3e-3  # peak learning rate
@@ -80,6 +80,13 @@ def get_config() -> ml_collections.ConfigDict:
   o.eps = 1e-8  # Adam epsilon
   o.weight_decay = 0.1  # decoupled weight decay, applied to matrices only (not norms or other 1-D params)
   o.clip = 1.0  # global gradient-norm clipping threshold (0 = off)
+  o.adam_lr = 0.0  # muon: peak LR of the AdamW part (embedding, unembedding, norms); 0 = optim.lr
+  o.adam_weight_decay = -1.0  # muon: the AdamW part's weight decay (embeddings only); < 0 = optim.weight_decay
+  o.muon_scale = 'rms'  # muon: rms (update RMS matched to AdamW's: its LR and decay carry over) | spectral
+  o.muon_momentum = 0.95  # muon: Nesterov momentum of the matrices' gradients
+  o.muon_ns_steps = 5  # muon: Newton-Schulz iterations per orthogonalisation
+  o.ema = 0.0  # decay of an exponential moving average of the weights (float32, checkpointed); 0 = off
+  o.ema_start = 0  # the average follows the weights (a copy) until this step, then averages
   o.loss_scale_init = 2.0 ** 15  # float16 compute only: initial dynamic loss scale ...
   o.loss_scale_period = 1000  # ... doubled after this many finite steps, halved on every overflow
 

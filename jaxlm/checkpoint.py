@@ -46,7 +46,7 @@ from absl import logging
 EventFn = Callable[..., None]  # event(step, name, message, **fields), e.g. MetricsLogger.event
 
 
-from jaxlm.errors import CheckpointError  # noqa: F401
+from jaxlm.errors import CheckpointError, ConfigError  # noqa: F401
 from jaxlm import metrics as metrics_lib
 from jaxlm.data import format as format_lib
 
@@ -63,7 +63,9 @@ def environment(cfg, mesh) -> dict:
                             cwd=os.path.dirname(__file__)).stdout.strip() or None
   except (OSError, subprocess.SubprocessError):
     commit = None
-  return {'config': cfg.to_dict(), 'versions': versions, 'git_commit': commit, 'mesh': dict(mesh.shape),
+  from jaxlm import optimizer  # pylint: disable=import-outside-toplevel
+  return {'config': cfg.to_dict(), 'optimizer': optimizer.identity(cfg.optim), 'versions': versions,
+          'git_commit': commit, 'mesh': dict(mesh.shape),
           'device_kind': jax.devices()[0].device_kind, 'device_count': jax.device_count(),
           'process_count': jax.process_count()}
 
@@ -176,6 +178,44 @@ def _without_absent_empty_fields(target, state_dir: str):
     return target, lambda state: state
   present = {f: getattr(target, f) for f in fields if f not in absent}
   return present, lambda state: target.replace(**state, **{f: getattr(target, f) for f in absent})
+
+
+class _Misfit(Exception):
+  """A readable checkpoint that does not fit this run's state: refused, never moved aside."""
+
+
+def _leaf_name(key) -> str:
+  return str(getattr(key, 'key', getattr(key, 'name', getattr(key, 'idx', key))))
+
+
+def misfit(step_dir: str, target, identity: dict | None) -> str | None:
+  """How the checkpoint in `step_dir` does not fit the state `target` (optimizer, shapes, dtypes), or None.
+
+  Read from the saved optimizer identity (`environment`) and the state's metadata, before any array is restored;
+  an unreadable checkpoint raises (it is corrupt, not a misfit). Layout (mesh, shardings) never misfits.
+  """
+  env_file = os.path.join(step_dir, 'env', 'metadata')
+  saved_env = {}
+  if os.path.isfile(env_file):
+    with open(env_file) as f:
+      saved_env = json.load(f)
+  saved_id = saved_env.get('optimizer') or {'name': saved_env.get('config', {}).get('optim', {}).get('name')}
+  if identity and saved_id.get('name') and any(saved_id.get(k, v) != v for k, v in identity.items()):
+    show = lambda i: f"optim.name={i.get('name')}" + (', optim.ema on' if i.get('ema') else '')
+    return f'it was written by {show(saved_id)}, this run has {show(identity)}'
+  tree = ocp.StandardCheckpointHandler().metadata(epath.Path(os.path.join(step_dir, 'state')))
+  flat = lambda t: {'.'.join(map(_leaf_name, k)): (tuple(v.shape), np.dtype(v.dtype).name)
+                    for k, v in jax.tree_util.tree_flatten_with_path(t)[0]}
+  saved, want = flat(tree), flat(target)
+  for name in sorted(set(saved) | set(want), key=lambda n: (not n.startswith('params.'), n)):  # params first
+    if name not in want:
+      return f'it holds {name}, which this run\'s state has not (another optimizer or model config?)'
+    if name not in saved:
+      return f'it lacks {name}, which this run\'s state has (another optimizer or model config?)'
+    if saved[name] != want[name]:
+      (s_shape, s_dtype), (w_shape, w_dtype) = saved[name], want[name]
+      return f'{name} is {s_shape} {s_dtype} in it but {w_shape} {w_dtype} in this run'
+  return None
 
 
 def with_shardings(abstract_tree, shardings):
@@ -420,11 +460,14 @@ class Checkpointer:
       if '.orbax-checkpoint-tmp' in name:
         shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
-  def restore(self, abstract_state, shardings, data_iter, before: int | None = None) -> tuple[Any, dict]:
+  def restore(self, abstract_state, shardings, data_iter, before: int | None = None,
+              identity: dict | None = None) -> tuple[Any, dict]:
     """Restores the newest intact checkpoint (older than step `before`, if given) into `shardings`.
 
     Returns (state, guard state), or (None, {}) if there is none. A checkpoint that fails its checksums or
-    cannot be read gives a warning event, is moved aside, and the one before it is tried.
+    cannot be read gives a warning event, is moved aside, and the one before it is tried. One that is intact but
+    does not fit this run (`misfit`: another optimizer than `identity`, another model shape or dtype) is
+    refused with a ConfigError before anything is restored, and left where it is.
     """
     self._join_hashing()
     self.manager.reload()
@@ -437,12 +480,19 @@ class Checkpointer:
       try:
         if problem := verify_checksums(step_dir):
           raise CheckpointError(problem)
+        if problem := misfit(step_dir, target, identity):
+          raise _Misfit(problem)
         state_target, rebuild = _without_absent_empty_fields(target, os.path.join(step_dir, 'state'))
         items = dict(state=ocp.args.StandardRestore(state_target))
         if os.path.isdir(os.path.join(step_dir, 'guard')):  # absent in checkpoints older than the guard item
           items['guard'] = ocp.args.JsonRestore()
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         data_state = self._read_data(step_dir) if data_iter is not None else None
+      except _Misfit as e:
+        raise ConfigError(
+            f'checkpoint {step} in {self.directory} does not fit this run ({e}); it is intact and left in place: '
+            f'resume with the config it was written with, or start a new --workdir with '
+            f'checkpoint.init_from={self.directory} (parameters only, any optimizer)') from None
       except Exception as e:  # pylint: disable=broad-except  -- corrupt: fall back to an older step
         unreadable += 1
         aside = self._move_aside(step)
@@ -521,11 +571,13 @@ class Checkpointer:
       self.manager.close()
 
 
-def load_params(path: str, abstract_params, shardings):
+def load_params(path: str, abstract_params, shardings, weights: str = 'raw'):
   """Warm start: parameters only from another run's checkpoint directory (its newest step) or a step directory.
 
   Arrays are cast to this run's dtypes; a missing parameter or a shape mismatch is a CheckpointError naming it.
+  weights='ema' reads the exponential moving average of the parameters (optim.ema) instead.
   """
+  item = 'ema' if weights == 'ema' else 'params'
   path = os.path.abspath(os.path.expanduser(path))
   if os.path.isdir(os.path.join(path, 'state')):  # a step directory
     step_dir = path
@@ -538,7 +590,11 @@ def load_params(path: str, abstract_params, shardings):
   checkpointer = ocp.StandardCheckpointer()
   saved = checkpointer.metadata(os.path.join(step_dir, 'state'))
   saved = getattr(saved, 'item_metadata', saved)
-  saved_params = saved['params'] if isinstance(saved, dict) else saved.tree['params']
+  saved_tree = saved if isinstance(saved, dict) else saved.tree
+  if item not in saved_tree or not jax.tree.leaves(saved_tree[item]):
+    raise CheckpointError(f'{step_dir} holds no averaged weights: the run trained without optim.ema; use '
+                          f'--weights=raw.')
+  saved_params = saved_tree[item]
   flat_saved = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(saved_params)[0]}
   for key, want in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
     name = jax.tree_util.keystr(key)
@@ -554,7 +610,7 @@ def load_params(path: str, abstract_params, shardings):
       abstract_params, shardings)
   # StandardCheckpointer.restore takes no `args`; the PyTree checkpointer does the partial (params-only) restore.
   state = ocp.PyTreeCheckpointer().restore(os.path.join(step_dir, 'state'), args=ocp.args.PyTreeRestore(
-      item={'params': target}, restore_args=ocp.checkpoint_utils.construct_restore_args({'params': target}),
+      item={item: target}, restore_args=ocp.checkpoint_utils.construct_restore_args({item: target}),
       partial_restore=True))
-  return jax.tree.map(lambda x, w: x.astype(w.dtype), state['params'], abstract_params)
+  return jax.tree.map(lambda x, w: x.astype(w.dtype), state[item], abstract_params)
 

@@ -168,7 +168,13 @@ def _train_errors(t, o) -> list[str]:
   if o.lr <= 0:
     e.append(f'optim.lr={o.lr} must be positive.')
   if o.name not in optimizer.OPTIMIZERS:
-    e.append(f'optim.name={o.name!r} is unknown; use adamw or adafactor.')
+    e.append(f'optim.name={o.name!r} is unknown; use one of {", ".join(optimizer.OPTIMIZERS)}.')
+  if o.get('muon_scale', 'rms') not in optimizer.MUON_SCALES:
+    e.append(f'optim.muon_scale={o.muon_scale!r} is unknown; use rms or spectral.')
+  if not 0 <= o.get('muon_momentum', 0.95) < 1 or o.get('muon_ns_steps', 5) < 1 or o.get('adam_lr', 0.0) < 0:
+    e.append('optim.muon_momentum must be in [0, 1), optim.muon_ns_steps >= 1 and optim.adam_lr >= 0.')
+  if not 0 <= o.get('ema', 0.0) < 1 or o.get('ema_start', 0) < 0:
+    e.append(f'optim.ema={o.ema} must be in [0, 1) (0 = off) and optim.ema_start >= 0.')
   if o.schedule not in optimizer.SCHEDULES:
     e.append(f'optim.schedule={o.schedule!r} is unknown; use one of cosine, linear, wsd, constant.')
   if not 0.0 < o.decay_fraction <= 1.0:

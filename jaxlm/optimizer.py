@@ -1,4 +1,4 @@
-"""The optimizer: an optax chain of global-norm clipping and AdamW (or Adafactor) under a warmup schedule."""
+"""The optimizer: an optax chain of global-norm clipping and AdamW (or Adafactor, or Muon) under a warmup schedule."""
 
 from typing import NamedTuple
 
@@ -7,19 +7,21 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-OPTIMIZERS = ('adamw', 'adafactor')  # optim.name; config validation reads these
+OPTIMIZERS = ('adamw', 'adafactor', 'muon', 'sf_adamw')  # optim.name; config validation reads these
 SCHEDULES = ('cosine', 'linear', 'wsd', 'constant')  # optim.schedule
+MUON_SCALES = ('rms', 'spectral')  # optim.muon_scale
 
 
-def schedule(optim_cfg, total_steps: int) -> optax.Schedule:
+def schedule(optim_cfg, total_steps: int, peak: float | None = None) -> optax.Schedule:
   """Linear warmup from 0 to `lr`, then `optim.schedule` down to `lr * final_lr_fraction` at `total_steps`.
 
   cosine: cosine decay (the default, as PaLM-era runs); linear: straight line; wsd: warmup-stable-decay
   (constant, then a linear decay over the last `decay_fraction` of training — lets a run be extended);
-  constant: no decay.
+  constant: no decay. `peak` replaces `lr` (Muon's AdamW part runs the same shape at `optim.adam_lr`).
   """
   o = optim_cfg
-  peak, final, warmup = o.lr, o.lr * o.final_lr_fraction, o.warmup_steps
+  peak = o.lr if peak is None else peak
+  final, warmup = peak * o.final_lr_fraction, o.warmup_steps
   if o.schedule == 'cosine':
     return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, total_steps, end_value=final)
   if o.schedule == 'constant':
@@ -43,12 +45,27 @@ def decay_mask(logical_specs):
                       is_leaf=lambda x: isinstance(x, P))
 
 
-def make_optimizer(optim_cfg, total_steps: int, mask) -> optax.GradientTransformation:
-  """clip_by_global_norm → AdamW (b1, b2, eps, decoupled weight decay on `mask`) or Adafactor, scheduled."""
+def make_optimizer(optim_cfg, total_steps: int, mask, logical=None) -> optax.GradientTransformation:
+  """clip_by_global_norm → AdamW (b1, b2, eps, decoupled weight decay on `mask`), Adafactor or Muon, scheduled.
+
+  Muon needs the parameters' logical axis names (`logical`): they say which weights are matrices, and which of
+  their axes are rows and columns (jaxlm/muon.py).
+  """
   o = optim_cfg
   chain = [optax.clip_by_global_norm(o.clip)] if o.clip > 0 else []
   lr = schedule(o, total_steps)
-  if o.name == 'adafactor':
+  if o.name == 'muon':
+    from jaxlm import muon  # used by one optimizer: its own module
+    chain.append(muon.muon(o, lr, schedule(o, total_steps, o.adam_lr or o.lr), logical, mask))
+  elif o.name == 'sf_adamw':
+    # Schedule-free AdamW (Defazio et al. 2024): a constant LR after warmup, no decay phase; the averaged point
+    # (`eval_params`) is what is evaluated. Its base step is AdamW without momentum (schedule_free_adamw's),
+    # here with jaxlm's decay mask.
+    constant = optax.warmup_constant_schedule(0.0, o.lr, o.warmup_steps)
+    base = optax.chain(optax.scale_by_rms(decay=o.b2, eps=o.eps, eps_in_sqrt=False, bias_correction=True),
+                       optax.add_decayed_weights(o.weight_decay, mask), optax.scale_by_learning_rate(constant))
+    chain.append(optax.contrib.schedule_free(base, learning_rate=constant, b1=o.b1))
+  elif o.name == 'adafactor':
     # PaLM's optimizer: factored second moments (memory ~ rows + columns), update clipping, no momentum.
     # Adafactor's own parameter scaling would fight the explicit schedule, so it is off (as in PaLM).
     chain.append(optax.adafactor(lr, multiply_by_parameter_scale=False, decay_rate=0.8,
@@ -56,6 +73,51 @@ def make_optimizer(optim_cfg, total_steps: int, mask) -> optax.GradientTransform
   else:
     chain.append(optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=mask))
   return optax.chain(*chain)
+
+
+def state_logical(tx, abstract_opt, param_logical, abstract_params):
+  """The logical axis names of `tx`'s state: those of its parameter where a leaf mirrors one, else replicated.
+
+  Adam's moments and Muon's momentum mirror the parameters, so they take the parameters' specs; counters, and
+  Adafactor's factored moments (other shapes than their parameters, and small), are replicated. Muon's
+  optax.partition masks each part's state: a MaskedNode where the other part's parameters are.
+  """
+  replicated = P()
+  return optax.tree_map_params(
+      tx, lambda x, spec, p: x if isinstance(x, optax.MaskedNode) else spec if x.shape == p.shape else replicated,
+      abstract_opt, param_logical, abstract_params, transform_non_params=lambda _: replicated,
+      is_leaf=lambda x: isinstance(x, (P, optax.MaskedNode)))
+
+
+def identity(optim_cfg) -> dict:
+  """What a checkpoint's optimizer state depends on, recorded with it: another one cannot resume from it."""
+  return {'name': optim_cfg.name, 'ema': bool(optim_cfg.get('ema', 0.0))}
+
+
+def eval_params(opt_state, params):
+  """The parameters to evaluate: schedule-free's averaged point x under sf_adamw, else `params` themselves."""
+  state = find_state(opt_state, optax.contrib.ScheduleFreeState)
+  return params if state is None else optax.contrib.schedule_free_eval_params(state, params)
+
+
+def init_ema(optim_cfg, params):
+  """optim.ema > 0: a float32 copy of the parameters to average into (TrainState.ema); else {}."""
+  if not optim_cfg.get('ema', 0.0):
+    return {}
+  return jax.tree.map(lambda p: p.astype(jnp.float32), params)
+
+
+def update_ema(optim_cfg, ema, params, step, applied):
+  """The exponential moving average after optimizer step `step` gave `params`.
+
+  Before `optim.ema_start` it follows the parameters (a copy); a step whose update was not applied (a float16
+  overflow, a skipped non-finite step: `applied` False) leaves it unchanged.
+  """
+  if not ema:
+    return ema
+  decay = jnp.where(step >= optim_cfg.get('ema_start', 0), jnp.float32(optim_cfg.ema), 0.0)
+  return jax.tree.map(lambda e, p: jnp.where(applied, decay * e + (1 - decay) * p.astype(jnp.float32), e),
+                      ema, params)
 
 
 class LossScaleState(NamedTuple):

@@ -63,18 +63,45 @@ def read_config(step_path: str) -> ml_collections.ConfigDict:
                       f'was it written by jaxlm.train or jaxlm.hf.import_llama?') from e
 
 
-def read_params(step_path: str) -> dict:
-  """The `params` subtree of a step directory's `state` item as numpy arrays; the rest is never read."""
+def _schedule_free(tree):
+  """The schedule-free optimizer state (optax.contrib.ScheduleFreeState, saved as a dict) inside `tree`, or None."""
+  if isinstance(tree, dict):
+    if {'b1', 'z', 'base_optimizer_state'} <= set(tree):
+      return tree
+    children = tree.values()
+  elif isinstance(tree, (list, tuple)):
+    children = tree
+  else:
+    return None
+  return next((found for child in children if (found := _schedule_free(child)) is not None), None)
+
+
+def read_params(step_path: str, weights: str = 'raw') -> dict:
+  """The `params` subtree (weights='ema': the `ema` one) of a step's `state` item as numpy arrays; the rest is
+  never read, except under optim.name=sf_adamw: there the raw weights are schedule-free's averaged point x (the
+  point it is evaluated at), computed from the saved params y and the state's z."""
+  item = 'ema' if weights == 'ema' else 'params'
   state_path = os.path.join(step_path, 'state')
   checkpointer = ocp.PyTreeCheckpointer()
   meta = checkpointer.metadata(state_path)
   tree = getattr(getattr(meta, 'item_metadata', meta), 'tree', meta)
-  if 'params' not in tree:
+  if item not in tree or not jax.tree.leaves(tree[item]):
+    if item == 'ema':
+      raise RunDirError(f'{state_path} holds no averaged weights: the run trained without optim.ema; use '
+                        f'--weights=raw.')
     raise RunDirError(f'{state_path} has no params (keys: {", ".join(tree)}).')
-  as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree['params'])
+  if item == 'params' and _schedule_free(tree.get('opt_state')) is not None:
+    import types  # pylint: disable=import-outside-toplevel
+    import optax  # pylint: disable=import-outside-toplevel
+    everything = checkpointer.restore(state_path, args=ocp.args.PyTreeRestore(
+        item=tree, restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)))
+    sf = _schedule_free(everything['opt_state'])
+    return optax.contrib.schedule_free_eval_params(types.SimpleNamespace(b1=sf['b1'], z=sf['z']),
+                                                   everything['params'])
+  as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree[item])
   restored = checkpointer.restore(state_path, args=ocp.args.PyTreeRestore(
-      item={'params': tree['params']}, restore_args={'params': as_numpy}, partial_restore=True))
-  return restored['params']
+      item={item: tree[item]}, restore_args={item: as_numpy}, partial_restore=True))
+  return restored[item]
 
 
 def read_metrics(workdir_or_file: str) -> list[dict]:

@@ -31,6 +31,7 @@ class TrainState:
   lr_scale: jax.Array  # float32 multiplier on updates, set by the host (post-rollback LR, fault drills)
   batches: jax.Array  # int32 batches drawn from the data, skipped ones included (fault drills key on it)
   fp8: Any  # model.matmul_dtype=fp8: the scales and amax histories (model.FP8 collection); else {}
+  ema: Any = dataclasses.field(default_factory=dict)  # optim.ema > 0: float32 average of the params; else {}
 
 
 class _InContext:
@@ -96,7 +97,7 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
   # Shapes before values: logical axis names come with the abstract (boxed) parameters.
   boxed = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0)))
   param_logical = nn.get_partition_spec(boxed)
-  tx = optimizer_lib.make_optimizer(optim_cfg, steps, optimizer_lib.decay_mask(param_logical))
+  tx = optimizer_lib.make_optimizer(optim_cfg, steps, optimizer_lib.decay_mask(param_logical), param_logical)
   if skip_nonfinite:
     # The host decides what persistent NaNs mean (stability.Guard), so never let apply_if_finite give up.
     tx = optax.apply_if_finite(tx, max_consecutive_errors=2**30)
@@ -105,16 +106,12 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
   abstract_params = jax.eval_shape(lambda: nn.unbox(init_params(jax.random.PRNGKey(0))))
   abstract_opt = jax.eval_shape(tx.init, abstract_params)
   replicated = jax.sharding.PartitionSpec()
-  # Adam's moments mirror the parameters, so they take the parameters' specs; counters, and Adafactor's
-  # factored moments (other shapes than their parameters, and small), are replicated.
-  opt_logical = optax.tree_map_params(
-      tx, lambda x, spec, p: spec if x.shape == p.shape else replicated, abstract_opt, param_logical,
-      abstract_params, transform_non_params=lambda _: replicated,
-      is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  opt_logical = optimizer_lib.state_logical(tx, abstract_opt, param_logical, abstract_params)
   abstract_fp8 = jax.eval_shape(lambda: init_variables(jax.random.PRNGKey(0)).get(model_lib.FP8, {}))
   logical = TrainState(step=replicated, params=param_logical, opt_state=opt_logical, rng=replicated,
                        lr_scale=replicated, batches=replicated,
-                       fp8=jax.tree.map(lambda _: replicated, abstract_fp8))  # a few floats per layer
+                       fp8=jax.tree.map(lambda _: replicated, abstract_fp8),  # a few floats per layer
+                       ema=param_logical if optim_cfg.get('ema', 0.0) else {})  # sharded like the parameters
   state_shardings = sharding.logical_to_mesh(logical, mesh)
 
   def init():
@@ -123,7 +120,7 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
     params = variables['params']
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng,
                       lr_scale=jnp.ones((), jnp.float32), batches=jnp.zeros((), jnp.int32),
-                      fp8=variables.get(model_lib.FP8, {}))
+                      fp8=variables.get(model_lib.FP8, {}), ema=optimizer_lib.init_ema(optim_cfg, params))
 
   abstract_state = jax.eval_shape(init)
   lr = optimizer_lib.schedule(optim_cfg, steps)
@@ -158,8 +155,10 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
       metrics.update(skipped_steps=finite_state.total_notfinite, nonfinite_run=finite_state.notfinite_count)
     if fp16:
       metrics['loss_scale'] = optimizer_lib.loss_scale(opt_state)
+    # Gradients of the loss (scaled, under float16): not finite exactly when the update was not applied.
+    ema = optimizer_lib.update_ema(optim_cfg, state.ema, params, state.step, jnp.isfinite(metrics['grad_norm']))
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state, fp8=fp8,
-                         batches=state.batches + 1), metrics
+                         batches=state.batches + 1, ema=ema), metrics
 
   # Evaluation runs the ordinary matmuls on the same weights (no fp8 state needed): the held-out loss is that
   # of the model tools/eval scores and hf/export writes.

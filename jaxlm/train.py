@@ -32,6 +32,7 @@ from jaxlm import pipeline as pipeline_lib
 from jaxlm import preflight
 from jaxlm import metrics as metrics_lib
 from jaxlm import model as model_lib
+from jaxlm import optimizer as optimizer_lib
 from jaxlm import rundir
 from jaxlm import sharding
 from jaxlm import stability as stability_lib
@@ -174,7 +175,8 @@ def restore_or_init(r: Run) -> step_lib.TrainState:
     r.train_iter.expect(allow_change=r.cfg.checkpoint.allow_data_change, topology=topology,
                         **{'train.batch_size': t.batch_size, 'train.batch_ramp': t.batch_ramp})
   with r.acct.track('checkpoint'), r.acct.phase('restore'):
-    state, guard_state = r.ckpt.restore(program.abstract_state, program.state_shardings, r.train_iter)
+    state, guard_state = r.ckpt.restore(program.abstract_state, program.state_shardings, r.train_iter,
+                                        identity=r.env.get('optimizer'))
   if state is not None:
     r.guard.load(guard_state)
     start = int(state.step)
@@ -306,10 +308,17 @@ def log_step(r: Run, step: int, metrics: dict, window: Window, size: int, eta: p
 
 
 def evaluate_and_log(r: Run, step: int, state) -> float:
-  """Held-out loss on the same batches every time, and a system record (time accounting, memory)."""
+  """Held-out loss on the same batches every time, and a system record (time accounting, memory).
+
+  With optim.ema the averaged weights are scored too (`eval_loss_ema`); under sf_adamw the raw loss is that of
+  schedule-free's averaged point, the weights it is meant to be evaluated at.
+  """
   with r.acct.track('eval'):
-    loss = evaluate(r.program, state.params, r.eval_data)
-  r.log.write(step, {'eval_loss': loss}, kind='eval')
+    loss = evaluate(r.program, optimizer_lib.eval_params(state.opt_state, state.params), r.eval_data)
+    record = {'eval_loss': loss}
+    if state.ema:
+      record['eval_loss_ema'] = evaluate(r.program, state.ema, r.eval_data)
+  r.log.write(step, record, kind='eval')
   r.log.write(step, {**r.acct.summary(), **perf.device_memory_stats()}, kind='system')
   return loss
 

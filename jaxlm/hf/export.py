@@ -215,7 +215,7 @@ def write_tokenizer(model_path: str, out: str, *, model_max_length: int,
 
 
 def export(workdir: str, out: str, *, step: int | None = None, dtype: str = 'float32',
-           tokenizer: str | None = None) -> dict:
+           tokenizer: str | None = None, weights: str = 'raw') -> dict:
   """Writes the Hugging Face directory `out` for a run's checkpoint; returns a summary of what was written."""
   if dtype not in DTYPES:
     raise ExportError(f'--dtype={dtype} is unknown; use one of {", ".join(DTYPES)}.')
@@ -223,7 +223,7 @@ def export(workdir: str, out: str, *, step: int | None = None, dtype: str = 'flo
   cfg = read_config(path)
   m = model_lib.ModelConfig.from_config(cfg.model)
   arch = architecture(m)  # refuse before reading any weights
-  tensors = to_hf(read_params(path), m)
+  tensors = to_hf(read_params(path, weights), m)  # weights='ema': the moving average (optim.ema)
   # Put beside the checkpoints by jaxlm.hf.import_llama; else the one the run's data was prepared with.
   beside = [p for n in ('tokenizer.json', 'tokenizer.model') if os.path.isfile(p := os.path.join(workdir, n))]
   tokenizer = tokenizer or (beside[0] if beside else find_tokenizer(cfg.data, m.vocab_size))
@@ -274,6 +274,8 @@ def _define_flags() -> None:
   flags.DEFINE_integer('step', None, 'Checkpoint step to export (default: the newest).')
   flags.DEFINE_string('out', None, 'Output directory for the Hugging Face model.')
   flags.DEFINE_enum('dtype', 'float32', DTYPES, 'dtype of the written weights.')
+  flags.DEFINE_enum('weights', 'raw', ('raw', 'ema'), 'raw: the trained weights; ema: their moving average '
+                    '(runs with optim.ema).')
   flags.DEFINE_string('tokenizer', None, 'Tokenizer to ship: a SentencePiece .model, a tokenizer.json or its '
                       'directory (default: the one in <workdir> if present, else the one the run\'s data was '
                       'prepared with).')
@@ -281,7 +283,8 @@ def _define_flags() -> None:
 
 def main(argv):
   del argv
-  summary = export(FLAGS.workdir, FLAGS.out, step=FLAGS.step, dtype=FLAGS.dtype, tokenizer=FLAGS.tokenizer)
+  summary = export(FLAGS.workdir, FLAGS.out, step=FLAGS.step, dtype=FLAGS.dtype, tokenizer=FLAGS.tokenizer,
+                   weights=FLAGS.weights)
   print(f'exported step {summary["step"]} as {summary["architecture"]} ({summary["dtype"]}) to {summary["out"]}: '
         f'{", ".join(summary["files"])}')
   for note in summary['notes']:

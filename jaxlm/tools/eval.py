@@ -124,10 +124,14 @@ def _mesh_cfg(cfg):
   return sharding.single_host_mesh_cfg(mesh_cfg, jax.device_count(), jax.process_count())
 
 
-def _restore(path: str, cfg, mesh):
-  """The run's program and checkpointed parameters."""
+def _restore(path: str, cfg, mesh, weights: str = 'raw'):
+  """The run's program and checkpointed parameters (weights='ema': their moving average, optim.ema)."""
   program = step_lib.build_program(cfg, mesh)
-  return program, checkpoint_lib.load_params(path, program.abstract_state.params, program.state_shardings.params)
+  abstract, shardings = program.abstract_state.params, program.state_shardings.params
+  if cfg.optim.get('name') == 'sf_adamw' and weights == 'raw':  # schedule-free is evaluated at its averaged point
+    x = export_lib.read_params(path)
+    return program, jax.device_put(jax.tree.map(lambda a, w: np.asarray(a, w.dtype), x, abstract), shardings)
+  return program, checkpoint_lib.load_params(path, abstract, shardings, weights)
 
 
 def _nats_and_tokens(program, params, batches) -> tuple[float, float]:
@@ -138,7 +142,7 @@ def _nats_and_tokens(program, params, batches) -> tuple[float, float]:
 
 def evaluate_run(workdir: str, *, step: int | None = None, batches: int | None = None,
                  batch_size: int | None = None, prompt: str | None = None, max_tokens: int = 64,
-                 temperature: float = 0.0, seed: int = 0) -> dict:
+                 temperature: float = 0.0, seed: int = 0, weights: str = 'raw') -> dict:
   """Held-out metrics (and a sample, if `prompt` is given) of a run's checkpoint, as a dict."""
   path = export_lib.step_dir(workdir, step)
   cfg = export_lib.read_config(path)
@@ -149,12 +153,12 @@ def evaluate_run(workdir: str, *, step: int | None = None, batches: int | None =
   vocab = cfg.model.vocab_size
   with jax.sharding.set_mesh(mesh):
     with nn.logical_axis_rules(sharding.RULES):
-      program, params = _restore(path, cfg, mesh)
+      program, params = _restore(path, cfg, mesh, weights)
       eval_data = data_lib.eval_batches(cfg.data, batch_size=batch_size, num_batches=batches, vocab_size=vocab)
       nats, tokens = _nats_and_tokens(program, params, eval_data)
     tokenizer = data_lib.load_tokenizer(cfg.data, vocab)
     result = summarize(nats, tokens, sum(text_bytes(b, tokenizer.decode) for b in eval_data))
-    result.update(step=int(os.path.basename(path)), batches=len(eval_data), batch_size=batch_size)
+    result.update(step=int(os.path.basename(path)), batches=len(eval_data), batch_size=batch_size, weights=weights)
     if prompt is not None:
       # The separator (EOS for SentencePiece) starts every document in training (data.py).
       ids = [tokenizer.separator_id] + tokenizer.encode(prompt)
@@ -272,7 +276,7 @@ def window_batches(windows, seq_len: int, batch_size: int) -> list[dict]:
 
 
 def score_documents(workdir: str, texts: Sequence[str], *, step: int | None = None,
-                    batch_size: int | None = None) -> dict:
+                    batch_size: int | None = None, weights: str = 'raw') -> dict:
   """Loss per token, perplexity and bits per byte of `texts` under a run's checkpoint, as a dict."""
   path = export_lib.step_dir(workdir, step)
   cfg = export_lib.read_config(path)
@@ -286,7 +290,7 @@ def score_documents(workdir: str, texts: Sequence[str], *, step: int | None = No
   mesh = sharding.make_mesh(_mesh_cfg(cfg))
   with jax.sharding.set_mesh(mesh):
     with nn.logical_axis_rules(sharding.RULES):
-      nats, tokens = _nats_and_tokens(*_restore(path, cfg, mesh), batches)
+      nats, tokens = _nats_and_tokens(*_restore(path, cfg, mesh, weights), batches)
   result = summarize(nats, tokens, sum(len(text.encode('utf-8')) for text in texts))
   result.update(step=int(os.path.basename(path)), documents=len(texts), windows=len(windows), seq_len=seq_len)
   return result
@@ -299,6 +303,8 @@ def _define_flags() -> None:
   # Defined only when run as a program (importing this module defines no flags).
   flags.DEFINE_string('workdir', None, 'Run directory (holds checkpoints/).')
   flags.DEFINE_integer('step', None, 'Checkpoint step (default: the newest).')
+  flags.DEFINE_enum('weights', 'raw', ('raw', 'ema'), 'raw: the trained weights; ema: their moving average '
+                    '(runs with optim.ema).')
   flags.DEFINE_integer('batches', None, 'Held-out batches (default: the run\'s train.eval_batches).')
   flags.DEFINE_integer('batch_size', None, 'Sequences per batch (default: the run\'s).')
   flags.DEFINE_string('prompt', None, 'Text to continue; no sample if unset.')
@@ -328,11 +334,11 @@ def main(argv):
     if FLAGS.documents:
       texts = read_documents(FLAGS.documents, text_field=FLAGS.text_field, txt_docs=FLAGS.txt_docs,
                              max_documents=FLAGS.max_documents)
-      r = score_documents(FLAGS.workdir, texts, step=FLAGS.step, batch_size=FLAGS.batch_size)
+      r = score_documents(FLAGS.workdir, texts, step=FLAGS.step, batch_size=FLAGS.batch_size, weights=FLAGS.weights)
     else:
       r = evaluate_run(FLAGS.workdir, step=FLAGS.step, batches=FLAGS.batches, batch_size=FLAGS.batch_size,
                        prompt=FLAGS.prompt, max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,
-                       seed=FLAGS.seed)
+                       seed=FLAGS.seed, weights=FLAGS.weights)
   except OSError as e:  # an unwritable --write_jsonl, a document file that vanished while being read
     if isinstance(e, errors.JaxlmError):
       raise
