@@ -138,6 +138,11 @@ class MoE(nn.Module):
     dt = jnp.dtype(m.dtype)
     param = lambda name, names, shape, std: model_lib._param(self, name, names, shape, std, m)
     w_router = param('router', ('embed', None), (D, X), D ** -0.5)
+    # Per-expert selection bias (auxiliary-loss-free balancing, `update_bias`; DeepSeek-V3's
+    # e_score_correction_bias). A parameter so that checkpoints, eval and export carry it; only top-k's choice
+    # reads it, so its gradient is zero and the optimizer never moves it (1-D: no weight decay either).
+    bias = self.param('bias', nn.with_logical_partitioning(nn.initializers.zeros, ('experts',)), (X,),
+                      jnp.float32)
     w_gate = param('gate', ('experts', 'embed', 'mlp'), (X, D, F), D ** -0.5)
     w_up = param('up', ('experts', 'embed', 'mlp'), (X, D, F), D ** -0.5)
     w_down = param('down', ('experts', 'mlp', 'embed'), (X, F, D), F ** -0.5)
@@ -146,7 +151,8 @@ class MoE(nn.Module):
     valid = model_lib.tokens(segment_ids) > 0  # (N,)
     # The router in float32 whatever the compute dtype: near-ties between experts decide the choice.
     logits = jnp.dot(xt.astype(jnp.float32), w_router.astype(jnp.float32))  # (N, X)
-    weights, experts, scores = route(logits, m.moe_router, k, m.moe_norm_topk_prob, m.moe_routed_scale)
+    weights, experts, scores = route(logits, m.moe_router, k, m.moe_norm_topk_prob, m.moe_routed_scale,
+                                     bias=jax.lax.stop_gradient(bias.astype(jnp.float32)))
     keep, load = assign(experts, valid, X, capacity(B * T, k, X, m.moe_capacity_factor))
     # Expert GEMMs stay in model.dtype: fp8's per-tensor scales do not cover X experts' grouped rows.
     run = ragged_experts if m.moe_impl == 'ragged' else dense_experts
@@ -179,3 +185,96 @@ def statistics(logits, scores, keep, load, valid) -> dict:
 def moe_mlp_dim(model_cfg) -> int:
   """One routed expert's SwiGLU width: model.moe_mlp_dim, or model.mlp_dim's resolved width."""
   return model_cfg.moe_mlp_dim or model_cfg.mlp_dim or 4 * model_cfg.d_model
+
+
+def _nodes(tree, marker: str, path=()):
+  """(path, node) for every dict in `tree` holding key `marker`: one per MoE module (scanned or not)."""
+  if marker in tree:
+    yield path, tree
+    return
+  for key in sorted(tree):
+    if isinstance(tree[key], dict) or hasattr(tree[key], 'items'):
+      yield from _nodes(tree[key], marker, (*path, key))
+
+
+def per_layer(stats, every: int, marker: str = 'load') -> list[tuple[int, dict]]:
+  """[(layer number, that layer's statistics)], in layer order, from the STATS collection of a model's apply.
+
+  Scanned stacks hold one entry per unit on a leading axis (`layers/moe` or `layers/block_j/moe`, units of
+  `every` layers); unrolled ones are `layers_i/moe`.
+  """
+  out = []
+  for path, node in _nodes(stats, marker):
+    if path[0] == 'layers':  # scanned: split the leading unit axis
+      j = int(path[1].split('_')[1]) if path[1].startswith('block_') else every - 1
+      units = node[marker].shape[0]
+      out += [(u * every + j, {k: v[u] for k, v in node.items()}) for u in range(units)]
+    else:
+      out.append((int(path[0].split('_')[1]), dict(node)))
+  return sorted(out, key=lambda item: item[0])
+
+
+def aux_loss(layer: dict, tokens, top_k: int, load=None):
+  """Switch/GShard load-balancing loss X·Σ_e f_e·P_e of one layer: 1.0 when routing is uniform.
+
+  f_e = load_e / (tokens·k), the fraction of assignments expert e was asked to take (no gradient); P_e = prob_e
+  / tokens, its mean router probability. `tokens` is the whole batch's count of real tokens and `load` its
+  loads, so that a microbatch's share (its prob_e) adds up over microbatches to the whole batch's loss.
+  """
+  load = layer['load'] if load is None else load
+  f = jax.lax.stop_gradient(load) / (tokens * top_k)
+  return load.shape[-1] * (f * layer['prob'] / tokens).sum()
+
+
+def loss(stats, m, tokens, loads=None):
+  """The routing losses added to the training loss: moe_aux_loss · mean over MoE layers of `aux_loss`, plus
+  moe_router_z_loss · mean over layers of the router z-loss (Σ log Z² / tokens). Linear in each microbatch's
+  sums given the whole batch's `tokens` (and `loads`, per layer, when the batch is split), so the same update
+  whatever the split."""
+  layers = per_layer(stats, m.moe_every)
+  loads = [None] * len(layers) if loads is None else loads
+  total = 0.0
+  if m.moe_aux_loss:
+    total += m.moe_aux_loss * sum(aux_loss(s, tokens, m.moe_top_k, l) for (_, s), l in zip(layers, loads)) / len(layers)
+  if m.moe_router_z_loss:
+    total += m.moe_router_z_loss * sum(s['z'] for _, s in layers) / tokens / len(layers)
+  return total
+
+
+def metrics(stats, m, bias_params=None) -> dict:
+  """Per MoE layer: max/mean load, dropped fraction, aux and z losses (unscaled), router entropy, bias norm;
+  and `moe/max_load`, the largest over layers (the progress line's summary)."""
+  out = {}
+  biases = dict(per_layer(bias_params, m.moe_every, 'router')) if bias_params is not None else {}
+  for i, s in per_layer(stats, m.moe_every):
+    tokens = jnp.maximum(s['tokens'], 1.0)
+    load = s['load']
+    out[f'moe/{i}/max_load'] = load.max() / jnp.maximum(load.mean(), 1e-9)
+    out[f'moe/{i}/dropped'] = 1.0 - s['kept'] / (tokens * m.moe_top_k)
+    out[f'moe/{i}/aux_loss'] = aux_loss(s, tokens, m.moe_top_k)
+    out[f'moe/{i}/z_loss'] = s['z'] / tokens
+    out[f'moe/{i}/entropy'] = s['entropy'] / tokens
+    if i in biases:
+      out[f'moe/{i}/bias_norm'] = jnp.linalg.norm(biases[i]['bias'])
+  out['moe/max_load'] = jnp.max(jnp.stack([v for k, v in out.items() if k.endswith('/max_load')]))
+  return out
+
+
+def loads(stats, every: int) -> list:
+  """Each MoE layer's load (X,), in layer order."""
+  return [s['load'] for _, s in per_layer(stats, every)]
+
+
+def update_bias(params, stats, rate: float):
+  """Auxiliary-loss-free balancing (DeepSeek-V3 §2.1.2; torchtitan's default): after each optimizer step, each
+  expert's selection bias moves by `rate` towards its share, bias_e += rate·sign(mean load − load_e), centred so
+  the biases keep summing to zero. `stats` are the whole batch's sums (all microbatches, all data shards)."""
+  stat_nodes = dict(_nodes(stats, 'load'))
+
+  def walk(tree, path=()):
+    if 'bias' in tree and 'router' in tree:
+      load = stat_nodes[path]['load']  # (..., X): a leading unit axis under scan
+      delta = rate * jnp.sign(load.mean(-1, keepdims=True) - load)
+      return {**tree, 'bias': tree['bias'] + delta - delta.mean(-1, keepdims=True)}
+    return {k: walk(v, (*path, k)) if isinstance(v, dict) else v for k, v in tree.items()}
+  return walk(params)

@@ -33,13 +33,13 @@ def _inputs(n_rows=3, seq=11, pad=4, seed=0):
 def _params(**overrides):
   x, seg = _inputs()
   m = _cfg(**overrides)
-  return jax.jit(moe.MoE(m).init)(jax.random.PRNGKey(1), x, seg)['params']
+  params = jax.jit(moe.MoE(m).init)(jax.random.PRNGKey(1), x, seg)['params']
+  return jax.tree.map(lambda p: getattr(p, 'value', p), params, is_leaf=lambda p: hasattr(p, 'names'))
 
 
 def _out_and_grads(impl, x, seg, **overrides):
   m = _cfg(moe_impl=impl, **overrides)
-  params = jax.tree.map(lambda p: getattr(p, 'value', p), _params(**overrides),
-                        is_leaf=lambda p: hasattr(p, 'names'))
+  params = _params(**overrides)
   layer = moe.MoE(m)
   cot = jax.random.normal(jax.random.PRNGKey(7), x.shape)
 
@@ -61,10 +61,13 @@ def test_ragged_dot_path_equals_dense_reference(overrides):
   y, g = _out_and_grads('ragged', x, seg, **overrides)
   assert float(jnp.abs(y_ref).max()) > 0.1  # the layer computed something
   np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=0)
-  flat, flat_ref = jax.tree.leaves(g), jax.tree.leaves(g_ref)
-  assert len(flat) == len(flat_ref) >= 5
-  for a, b in zip(flat, flat_ref):
-    assert float(jnp.abs(b).max()) > 0  # every parameter (router included) and the input get a gradient
+  flat, flat_ref = jax.tree_util.tree_flatten_with_path(g)[0], jax.tree.leaves(g_ref)
+  assert len(flat) == len(flat_ref) >= 6
+  for (path, a), b in zip(flat, flat_ref):
+    if 'bias' in jax.tree_util.keystr(path):  # only top-k's choice reads the balancing bias: no gradient
+      np.testing.assert_array_equal(a, 0.0)
+    else:  # every other parameter (router included) and the input get a gradient
+      assert float(jnp.abs(b).max()) > 0, path
     np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
 
 
@@ -144,10 +147,89 @@ def _loss_and_grad_norm(**overrides):
 
 @pytest.mark.parametrize('remat', grid(['full', 'dots'], fast=['dots']))
 def test_remat_changes_nothing_in_a_moe_model(remat):
-  reference = _loss_and_grad_norm(remat='none', moe_every=2, num_layers=4)
-  np.testing.assert_allclose(_loss_and_grad_norm(remat=remat, moe_every=2, num_layers=4), reference, rtol=1e-5)
+  reference = _loss_and_grad_norm(remat='none', moe_every=2)  # one scanned group: a dense layer, then MoE
+  np.testing.assert_allclose(_loss_and_grad_norm(remat=remat, moe_every=2), reference, rtol=1e-5)
 
 
+@pytest.mark.e2e  # the full suite only: the layer-level comparison above is the fast one
 def test_moe_model_ragged_equals_dense_reference():
   np.testing.assert_allclose(_loss_and_grad_norm(moe_impl='ragged'), _loss_and_grad_norm(moe_impl='dense'),
                              rtol=1e-5)
+
+
+def _with_bias(params, bias):
+  return {**params, 'bias': jnp.asarray(bias, jnp.float32)}
+
+
+def _apply_stats(m, params, x, seg):
+  return jax.jit(lambda p, x: moe.MoE(m).apply({'params': p}, x, seg, mutable=[moe.STATS]))(params, x)
+
+
+def test_infinite_capacity_is_dropless_bit_for_bit():
+  x, seg = _inputs()
+  params = _params()
+  y0, s0 = _apply_stats(_cfg(), params, x, seg)
+  # A capacity every expert stays under, yet below the token count: the capacity path runs and drops nothing.
+  most = int(s0[moe.STATS]['load'].max())
+  n = x.shape[0] * x.shape[1]
+  factor = most * X / (n * K)
+  assert moe.capacity(n, K, X, factor) < n
+  for f in (factor, 1e6):
+    y, s = _apply_stats(_cfg(moe_capacity_factor=f), params, x, seg)
+    np.testing.assert_array_equal(y, y0)
+    assert float(s[moe.STATS]['kept']) == float(s0[moe.STATS]['kept'])
+
+
+@pytest.mark.parametrize('top_k', [1, 2])
+def test_capacity_drops_the_analytic_count_under_forced_skew(top_k):
+  x, _ = _inputs(pad=0)
+  seg = jnp.ones(x.shape[:2], jnp.int32)
+  m = _cfg(moe_top_k=top_k, moe_capacity_factor=1.0)
+  params = _with_bias(_params(moe_top_k=top_k), np.array([10.0, 5.0] + [0.0] * (X - 2)))  # every token → 0 (, 1)
+  y, s = _apply_stats(m, params, x, seg)
+  s = s[moe.STATS]
+  n = x.shape[0] * x.shape[1]
+  cap = int(np.ceil(1.0 * n * top_k / X))
+  np.testing.assert_array_equal(s['load'], [n] * top_k + [0] * (X - top_k))
+  assert float(s['kept']) == top_k * cap  # each chosen expert takes `cap`, drops n - cap
+  dropped = 1.0 - float(moe.metrics({'layers_0': {'moe': s}}, m)['moe/0/dropped'])
+  np.testing.assert_allclose(dropped, top_k * cap / (n * top_k), rtol=1e-6)
+  # Earlier tokens win: the first `cap` tokens got their expert(s), the rest an all-zero output.
+  out = np.asarray(y).reshape(n, D)
+  assert np.abs(out[:cap]).min(axis=1).min() > 0 and np.all(out[cap:] == 0)
+
+
+def test_aux_loss_is_one_at_uniform_routing():
+  x, seg = _inputs()
+  params = _params()
+  params = {**params, 'router': jnp.zeros_like(params['router'])}  # every router probability 1/X
+  _, s = _apply_stats(_cfg(), params, x, seg)
+  s = s[moe.STATS]
+  np.testing.assert_allclose(moe.aux_loss(s, s['tokens'], K), 1.0, rtol=1e-6)
+  # And X·Σ f·P with f and P both uniform, from the definition: 1.0; all tokens on one expert with P one-hot: X.
+  n = 12.0
+  uniform = {'load': jnp.full(X, n * K / X), 'prob': jnp.full(X, n / X)}
+  np.testing.assert_allclose(moe.aux_loss(uniform, n, K), 1.0, rtol=1e-6)
+  skewed = {'load': jnp.zeros(X).at[0].set(n), 'prob': jnp.zeros(X).at[0].set(n)}
+  np.testing.assert_allclose(moe.aux_loss(skewed, n, 1), X, rtol=1e-6)
+
+
+def test_bias_balancing_evens_out_a_synthetic_skew():
+  logits = jax.random.normal(jax.random.PRNGKey(5), (512, X)) + jnp.linspace(2.0, 0.0, X)  # expert 0 favoured
+
+  def stats(params):
+    chosen = moe.route(logits, 'mixtral', K, True, 1.0, params['layers_0']['moe']['bias'])[1]
+    return {'layers_0': {'moe': {'load': jnp.bincount(chosen.reshape(-1), length=X).astype(jnp.float32)}}}
+
+  def ratio(params):
+    load = stats(params)['layers_0']['moe']['load']
+    return float(load.max() / load.mean())
+
+  params = {'layers_0': {'moe': {'bias': jnp.zeros(X), 'router': jnp.zeros((D, X))}}}
+  assert ratio(params) > 1.5  # the skew is real
+  step = jax.jit(lambda p: moe.update_bias(p, stats(p), 1e-2))
+  for _ in range(150):
+    params = step(params)
+  assert ratio(params) <= 1.2
+  np.testing.assert_allclose(params['layers_0']['moe']['bias'].sum(), 0.0, atol=1e-5)  # centred
+  np.testing.assert_array_equal(params['layers_0']['moe']['router'], 0.0)  # nothing else moved
