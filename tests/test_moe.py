@@ -233,3 +233,79 @@ def test_bias_balancing_evens_out_a_synthetic_skew():
   assert ratio(params) <= 1.2
   np.testing.assert_allclose(params['layers_0']['moe']['bias'].sum(), 0.0, atol=1e-5)  # centred
   np.testing.assert_array_equal(params['layers_0']['moe']['router'], 0.0)  # nothing else moved
+
+
+def _moe_config(**overrides):
+  """odd_config as a Llama-style MoE (5 experts, 2 per token), every routing loss and the bias balancing on."""
+  cfg = odd_config(parallel_block=False)
+  cfg.model.update(moe_experts=5, moe_top_k=2, moe_mlp_dim=18, moe_aux_loss=1e-2, moe_router_z_loss=1e-3,
+                   moe_bias_rate=1e-2, qk_norm='head', **overrides)
+  return cfg
+
+
+def _skew(state, program):
+  """Every token's choice forced onto experts 0 and 1 (selection biases far above the router's scores)."""
+  def f(path, x):
+    if jax.tree_util.keystr(path).endswith("['bias']"):
+      return jax.device_put(jnp.zeros_like(x).at[..., 0].set(10.0).at[..., 1].set(5.0), x.sharding)
+    return x
+  return state.replace(params=jax.tree_util.tree_map_with_path(f, state.params))
+
+
+@functools.cache
+def _moe_steps(mesh_shape, skewed: bool = False, microbatches: int = 1, steps: int = 3):
+  """`steps` training steps of _moe_config on `mesh_shape` (data, fsdp, tensor): losses, metrics, final params."""
+  from jaxlm import sharding
+  from tests.helpers import plain_program
+  cfg = _moe_config()
+  # A first Adam step is g / (|g| + eps): with eps = 1 it is ~linear in g, so parameters compare gradients.
+  cfg.optim.eps = 1.0
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh_shape
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:int(np.prod(mesh_shape))])
+  batch = random_batch(8, 16, cfg.model.vocab_size, docs=2)
+  batch['segment_ids'][:, -3:] = 0  # padded tails: routed nowhere, counted nowhere
+  batch['weights'][:, -3:] = 0
+  program = plain_program(cfg, mesh, steps=10, microbatches=microbatches)
+  state = program.init()
+  if skewed:
+    state = _skew(state, program)
+  from jaxlm import train
+  b = train.global_batch(batch, program.batch_sharding)
+  losses, metrics = [], []
+  for _ in range(steps):
+    state, m = program.train_step(state, b)
+    losses.append(float(m['loss']))
+    metrics.append({k: np.asarray(v) for k, v in m.items()})
+  return losses, metrics, jax.tree.map(np.asarray, state.params)
+
+
+def _max_diff(a, b) -> float:
+  return max(float(np.abs(x - y).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.mark.e2e  # two compiled programs (the split one with its routing pass)
+def test_microbatches_give_the_same_update_bias_included():
+  one, m1, p1 = _moe_steps((1, 2, 1), steps=1)
+  four, m4, p4 = _moe_steps((1, 2, 1), microbatches=4, steps=1)
+  assert _max_diff(p1, p4) <= 1e-6
+  biases = lambda p: [x for path, x in jax.tree_util.tree_flatten_with_path(p)[0] if 'bias' in str(path)]
+  assert np.abs(biases(p1)[0]).max() > 0  # the bias did move
+  for a, b in zip(biases(p1), biases(p4)):
+    np.testing.assert_array_equal(a, b)  # the same loads, so the same sign step
+  for key in ('loss', 'moe/1/aux_loss', 'moe/1/z_loss', 'moe/1/max_load', 'moe/0/entropy'):
+    np.testing.assert_allclose(m4[0][key], m1[0][key], rtol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize('shape, skewed', grid([(s, k) for s in [(1, 8, 1), (2, 2, 2), (1, 4, 2)] for k in (False, True)],
+                                               fast=[((1, 8, 1), True)], ids=lambda c: f'{"x".join(map(str, c[0]))}'
+                                               f'{"-skewed" if c[1] else ""}', unpack=True))
+def test_sharded_moe_steps_match_single_device(shape, skewed):
+  ref_losses, ref_metrics, ref_params = _moe_steps((1, 1, 1), skewed)
+  assert ref_losses[-1] < ref_losses[0]
+  losses, metrics, params = _moe_steps(shape, skewed)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  if skewed:  # every real token on experts 0 and 1: max/mean load = X/k
+    np.testing.assert_allclose(ref_metrics[0]['moe/max_load'], 5 / 2, rtol=1e-6)
+  for key in ('moe/0/max_load', 'moe/1/dropped', 'moe/1/bias_norm'):
+    np.testing.assert_allclose(metrics[-1][key], ref_metrics[-1][key], rtol=1e-5, err_msg=key)
+  assert _max_diff(params, ref_params) <= 1e-4
