@@ -309,3 +309,66 @@ def test_sharded_moe_steps_match_single_device(shape, skewed):
   for key in ('moe/0/max_load', 'moe/1/dropped', 'moe/1/bias_norm'):
     np.testing.assert_allclose(metrics[-1][key], ref_metrics[-1][key], rtol=1e-5, err_msg=key)
   assert _max_diff(params, ref_params) <= 1e-4
+
+
+# Tiny random Hugging Face MoE models, made here (nothing downloaded): family -> (config class, model class, kwargs).
+_HF_FAMILIES = {
+    'mixtral': ('MixtralConfig', 'MixtralForCausalLM', dict(num_local_experts=5, num_experts_per_tok=2,
+                                                            intermediate_size=20, head_dim=8)),
+    'qwen3_moe': ('Qwen3MoeConfig', 'Qwen3MoeForCausalLM', dict(num_experts=5, num_experts_per_tok=2,
+                                                                moe_intermediate_size=12, intermediate_size=28,
+                                                                decoder_sparse_step=2, norm_topk_prob=True,
+                                                                head_dim=8)),
+    'olmoe': ('OlmoeConfig', 'OlmoeForCausalLM', dict(num_experts=5, num_experts_per_tok=2, intermediate_size=20,
+                                                      norm_topk_prob=False)),
+}
+
+
+@functools.cache
+def _hf_model(family: str):
+  """(config.json dict, fused in-memory state dict, per-expert saved state dict, inputs, transformers' logits)."""
+  import tempfile
+  import safetensors.numpy
+  import torch
+  import transformers
+  config_cls, model_cls, extra = _HF_FAMILIES[family]
+  torch.manual_seed(0)
+  config = getattr(transformers, config_cls)(
+      vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+      rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+      pad_token_id=0, **extra)
+  config._attn_implementation = 'eager'
+  model = getattr(transformers, model_cls)(config).eval()
+  inputs = np.random.default_rng(0).integers(0, 97, (2, 13))
+  with torch.no_grad():
+    logits = model(torch.tensor(inputs)).logits.numpy()
+  fused = {k: v.numpy() for k, v in model.state_dict().items()}
+  with tempfile.TemporaryDirectory() as d:
+    model.save_pretrained(d)
+    saved = safetensors.numpy.load_file(f'{d}/model.safetensors')
+  return config.to_dict(), fused, saved, inputs, logits
+
+
+def _jaxlm_logits(hf_config: dict, tensors: dict, inputs, **flip):
+  from jaxlm import cli
+  from jaxlm.hf import convert
+  from tests.conftest import ROOT
+  cfg = cli.load_file(ROOT / 'configs' / 'base.py')
+  cfg.model.update(convert.model_overrides(hf_config), dtype='float32', remat='none', **flip)
+  m = model_lib.ModelConfig.from_config(cfg.model)
+  params = convert.from_hf(tensors, m, scan_layers=True)
+  seg = np.ones_like(inputs)
+  pos = np.tile(np.arange(inputs.shape[1]), (inputs.shape[0], 1))
+  return np.asarray(jax.jit(model_lib.Decoder(m).apply)({'params': params}, inputs, seg, pos))
+
+
+@pytest.mark.parametrize('family', list(_HF_FAMILIES))
+def test_hf_moe_import_matches_transformers(family):
+  hf_config, fused, saved, inputs, want = _hf_model(family)
+  assert not set(fused) & {k for k in saved if 'experts.' in k}  # the two layouts really differ
+  for tensors in (fused, saved):
+    got = _jaxlm_logits(hf_config, tensors, inputs)
+    assert np.abs(got - want).max() <= 1e-4, np.abs(got - want).max()
+  if family != 'mixtral':  # Mixtral always renormalises: the flag is the other families'
+    flipped = _jaxlm_logits(hf_config, saved, inputs, moe_norm_topk_prob=not hf_config['norm_topk_prob'])
+    assert np.abs(flipped - want).max() > 1e-3

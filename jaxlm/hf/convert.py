@@ -164,11 +164,35 @@ def _rope(hf: dict) -> dict:
   return out
 
 
+# Mixture-of-experts families (jaxlm/moe.py): model_type -> (router preset, QK-norm).
+MOE_FAMILIES = {'mixtral': ('mixtral', 'none'), 'qwen3_moe': ('qwen3_moe', 'head'), 'olmoe': ('olmoe', 'full')}
+IMPORTABLE = ('llama', *MOE_FAMILIES)
+
+
+def _moe_overrides(hf: dict) -> dict:
+  """cfg.model's moe_* and qk_norm values for a Mixtral, Qwen3-MoE or OLMoE config.json."""
+  kind = hf['model_type']
+  if kind not in MOE_FAMILIES:
+    return {}
+  router, qk_norm = MOE_FAMILIES[kind]
+  if hf.get('mlp_only_layers'):
+    raise HFImportError(f'mlp_only_layers={hf["mlp_only_layers"]} is not supported: jaxlm places MoE layers '
+                        f'every decoder_sparse_step-th layer only.')
+  if hf.get('clip_qkv') is not None:
+    raise HFImportError(f'clip_qkv={hf["clip_qkv"]} is not supported: jaxlm does not clip q, k and v.')
+  # Mixtral always renormalises; transformers' OLMoE and Qwen3-MoE configs default norm_topk_prob to False.
+  # The expert count is num_local_experts in Mixtral's and transformers 5's files, num_experts in older ones.
+  return dict(moe_experts=int(hf.get('num_local_experts') or hf['num_experts']), moe_top_k=int(hf['num_experts_per_tok']),
+              moe_mlp_dim=int(hf.get('moe_intermediate_size') or hf['intermediate_size']),
+              moe_every=int(hf.get('decoder_sparse_step') or 1), moe_router=router,
+              moe_norm_topk_prob=bool(hf.get('norm_topk_prob', kind == 'mixtral')), qk_norm=qk_norm)
+
+
 def model_overrides(hf: dict) -> dict:
   """cfg.model values that compute what the Hugging Face `config.json` dict `hf` describes."""
-  if hf.get('model_type') != 'llama':
-    raise HFImportError(f'model_type={hf.get("model_type")!r}: only Llama-architecture checkpoints '
-                        f'(model_type "llama") can be imported.')
+  if hf.get('model_type') not in IMPORTABLE:
+    raise HFImportError(f'model_type={hf.get("model_type")!r}: only {", ".join(IMPORTABLE)} checkpoints '
+                        f'can be imported.')
   if hf.get('hidden_act', 'silu') != 'silu':
     raise HFImportError(f'hidden_act={hf["hidden_act"]!r}: jaxlm\'s MLP is SwiGLU (silu) only.')
   for key, allowed in _UNSUPPORTED.items():
@@ -181,7 +205,7 @@ def model_overrides(hf: dict) -> dict:
     raise HFImportError(f'num_key_value_heads={K} must divide num_attention_heads={H}, and head_dim={E} be even.')
   return dict(vocab_size=hf['vocab_size'], d_model=D, num_layers=hf['num_hidden_layers'], num_heads=H,
               num_kv_heads=K, head_dim=E, mlp_dim=hf['intermediate_size'], parallel_block=False,
-              tie_embeddings=False, norm_eps=float(hf.get('rms_norm_eps', 1e-6)), **_rope(hf))
+              tie_embeddings=False, norm_eps=float(hf.get('rms_norm_eps', 1e-6)), **_rope(hf), **_moe_overrides(hf))
 
 
 def from_hf(tensors: dict[str, np.ndarray], m: model_lib.ModelConfig, *, scan_layers: bool) -> dict:
@@ -200,22 +224,56 @@ def from_hf(tensors: dict[str, np.ndarray], m: model_lib.ModelConfig, *, scan_la
   layers = []
   for i in range(L):
     pre = f'layers.{i}.'
-    layers.append({
+    layer = {
         'attention': {
             'query': get(pre + 'self_attn.q_proj.weight', (H * E, D)).T.reshape(D, H, E),
             'key': get(pre + 'self_attn.k_proj.weight', (K * E, D)).T.reshape(D, K, E),
             'value': get(pre + 'self_attn.v_proj.weight', (K * E, D)).T.reshape(D, K, E),
             'out': get(pre + 'self_attn.o_proj.weight', (D, H * E)).T.reshape(H, E, D)},
-        'mlp': {'gate': get(pre + 'mlp.gate_proj.weight').T, 'up': get(pre + 'mlp.up_proj.weight').T,
-                'down': get(pre + 'mlp.down_proj.weight').T},
         'attn_norm': {'scale': get(pre + 'input_layernorm.weight', (D,))},
-        'mlp_norm': {'scale': get(pre + 'post_attention_layernorm.weight', (D,))}})
+        'mlp_norm': {'scale': get(pre + 'post_attention_layernorm.weight', (D,))}}
+    if m.qk_norm != 'none':  # Qwen3: one (E,) scale per q/k; OLMoE: over all heads, (H·E,) and (K·E,)
+      shapes = ((E,), (E,)) if m.qk_norm == 'head' else ((H, E), (K, E))
+      layer['attention']['query_norm'] = {'scale': get(pre + 'self_attn.q_norm.weight').reshape(shapes[0])}
+      layer['attention']['key_norm'] = {'scale': get(pre + 'self_attn.k_norm.weight').reshape(shapes[1])}
+    if model_lib.is_moe(m, i):
+      layer['moe'] = _experts_from_hf(tensors, get, pre, m)
+    else:
+      layer['mlp'] = {'gate': get(pre + 'mlp.gate_proj.weight').T, 'up': get(pre + 'mlp.up_proj.weight').T,
+                      'down': get(pre + 'mlp.down_proj.weight').T}
+    layers.append(layer)
   embedding = get('embed_tokens.weight', (m.vocab_size, D))
   lm_head = tensors.get('lm_head.weight', embedding)  # absent when tied: the head is the embedding
   params = {'embedding': embedding, 'final_norm': {'scale': get('norm.weight', (D,))},
             'unembed': np.ascontiguousarray(np.asarray(lm_head, np.float32).T)}
-  if scan_layers:
+  if scan_layers and m.moe_experts and m.moe_every > 1:  # scanned in groups of moe_every layers (model.Group)
+    n = m.moe_every
+    groups = [{f'block_{j}': layers[g * n + j] for j in range(n)} for g in range(L // n)]
+    params['layers'] = jax.tree.map(lambda *xs: np.stack(xs), *groups)
+  elif scan_layers:
     params['layers'] = jax.tree.map(lambda *xs: np.stack(xs), *layers)
   else:
     params.update({f'layers_{i}': p for i, p in enumerate(layers)})
   return jax.tree.map(np.ascontiguousarray, params)
+
+
+def _experts_from_hf(tensors: dict, get, pre: str, m: model_lib.ModelConfig) -> dict:
+  """One MoE layer's jaxlm parameters from either Hugging Face layout, told apart by key names, never by shape.
+
+  per-expert  Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2 (gate/up/down), or Qwen3-MoE's and OLMoE's
+              mlp.experts.{e}.gate_proj/up_proj/down_proj: each torch (out, in).
+  fused       transformers 5's in-memory layout: mlp.experts.gate_up_proj (X, 2F, D), gate rows first, and
+              mlp.experts.down_proj (X, D, F).
+  """
+  X, D, F = m.moe_experts, m.d_model, m.moe_mlp_dim
+  block = pre + ('block_sparse_moe.' if pre + 'block_sparse_moe.gate.weight' in tensors else 'mlp.')
+  out = {'router': get(block + 'gate.weight', (X, D)).T, 'bias': np.zeros((X,), np.float32)}
+  if block + 'experts.gate_up_proj' in tensors:
+    gate_up = get(block + 'experts.gate_up_proj', (X, 2 * F, D))
+    out.update(gate=gate_up[:, :F].transpose(0, 2, 1), up=gate_up[:, F:].transpose(0, 2, 1),
+               down=get(block + 'experts.down_proj', (X, D, F)).transpose(0, 2, 1))
+    return out
+  names = ('w1', 'w3', 'w2') if block.endswith('block_sparse_moe.') else ('gate_proj', 'up_proj', 'down_proj')
+  for key, name, shape in zip(('gate', 'up', 'down'), names, ((F, D), (F, D), (D, F))):
+    out[key] = np.stack([get(f'{block}experts.{e}.{name}.weight', shape).T for e in range(X)])
+  return out
