@@ -404,3 +404,42 @@ def test_hf_moe_export_loads_in_transformers_with_the_same_logits(family, tmp_pa
       lambda path, x: x + 0.5 if jax.tree_util.keystr(path).endswith("['bias']") else x, params)
   with pytest.raises(convert.ExportError, match='moe_bias_rate=0'):
     convert.to_hf(biased, m)
+
+
+@pytest.mark.e2e  # whole training runs in process, with a checkpoint written and read back
+def test_checkpoint_and_resume_is_bit_for_bit_balancing_biases_included(tmp_path):
+  import os
+  from jaxlm import checkpoint as checkpoint_lib
+  from jaxlm import sharding, step as step_lib
+  from tests.helpers import load_config, plain_program
+  cfg = load_config('moe_tiny')
+  cfg.model.update(moe_bias_rate=1e-2, moe_aux_loss=1e-2)
+  cfg.mesh.update(data=1, fsdp=4, tensor=2)
+  cfg.checkpoint.async_save = False
+
+  def train(program, state, first, last):
+    losses = []
+    for i in range(first, last):
+      b = random_batch(8, 64, 512, seed=i, docs=2)
+      state, metrics = program.train_step(state, step_lib.global_batch(b, program.batch_sharding))
+      losses.append(float(metrics['loss']))
+    return state, losses
+
+  program = plain_program(cfg, sharding.make_mesh(cfg.mesh), steps=6)
+  straight, straight_losses = train(program, program.init(), 0, 6)
+  state, first = train(program, program.init(), 0, 3)
+  events = []
+  ckpt = checkpoint_lib.Checkpointer(os.path.join(tmp_path, 'checkpoints'), cfg.checkpoint,
+                                     lambda *a, **k: events.append(a))
+  ckpt.save(3, state, None, {'config': cfg.to_dict()})
+  ckpt.wait()
+  fresh = plain_program(cfg, sharding.make_mesh(cfg.mesh), steps=6)
+  restored, _ = ckpt.restore(fresh.abstract_state, fresh.state_shardings, None)
+  ckpt.close()
+  assert not events, events
+  bias = lambda s: np.asarray(s.params['layers']['moe']['bias'])
+  np.testing.assert_array_equal(bias(restored), bias(state))
+  assert np.abs(bias(state)).max() > 0  # three steps of balancing moved it
+  resumed, second = train(fresh, restored, 3, 6)
+  np.testing.assert_array_equal(first + second, straight_losses)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.params), jax.device_get(straight.params))
