@@ -447,3 +447,10 @@ def test_checkpoint_and_resume_is_bit_for_bit_balancing_biases_included(tmp_path
   resumed, second = train(fresh, restored, 3, 6)
   np.testing.assert_array_equal(first + second, straight_losses)
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.params), jax.device_get(straight.params))
+
+
+def test_progress_line_shows_the_max_load():
+  from jaxlm import metrics
+  line = metrics.progress_line(5, 20, {'loss': 2.5, 'tokens_per_s': 100.0, 'moe/max_load': 1.3906}, None)
+  assert '| max load 1.39 |' in line
+  assert 'max load' not in metrics.progress_line(5, 20, {'loss': 2.5, 'tokens_per_s': 100.0}, None)
