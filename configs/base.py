@@ -43,6 +43,21 @@ def get_config() -> ml_collections.ConfigDict:
   m.attention_block_q = 0  # xla attention: query rows per block on each context shard (long sequences); 0 = all
   m.matmul_dtype = 'dtype'  # the layers' projections: dtype (model.dtype) | fp8 (e4m3/e5m2, delayed scaling; GPUs with fp8)
   m.explicit_transpose_grads = False  # weight gradients as plain products of a transposed copy: faster on XLA:CPU only
+  m.qk_norm = 'none'  # RMSNorm on queries and keys before RoPE: none | head (per head: Qwen3) | full (all heads: OLMoE)
+  # Mixture of experts (jaxlm/moe.py); the moe_* keys below are read only when moe_experts > 0.
+  m.moe_experts = 0  # X, routed experts per MoE layer; 0 = dense MLPs everywhere
+  m.moe_top_k = 2  # k, experts each token is sent to
+  m.moe_mlp_dim = 0  # one expert's SwiGLU width; 0 = mlp_dim's resolved width
+  m.moe_shared_experts = 0  # experts every token goes through besides its k (DeepSeek), as one SwiGLU that wide
+  m.moe_every = 1  # every n-th layer is MoE (layers n-1, 2n-1, ...), the rest dense; num_layers % n == 0
+  m.moe_router = 'mixtral'  # mixtral | qwen3_moe | olmoe (softmax, top-k) | deepseek_v3 (sigmoid, biased choice)
+  m.moe_norm_topk_prob = True  # qwen3_moe/olmoe/deepseek_v3: renormalise the k weights to sum to 1 (mixtral always)
+  m.moe_routed_scale = 1.0  # deepseek_v3's routed_scaling_factor: the routed experts' weights times this
+  m.moe_capacity_factor = 0.0  # 0 = dropless; else each expert takes ceil(factor·N·k/X) tokens, the rest dropped
+  m.moe_aux_loss = 0.0  # Switch/GShard load-balancing loss coefficient (the loss is 1.0 at uniform routing); 0 = off
+  m.moe_router_z_loss = 0.0  # router z-loss coefficient (ST-MoE): mean log(Σ exp(router logits))²; 0 = off
+  m.moe_bias_rate = 1e-3  # auxiliary-loss-free balancing (the default): selection-bias step per update; 0 = off
+  m.moe_impl = 'ragged'  # ragged (tokens sorted by expert, grouped GEMMs) | dense (every expert on every token: tests)
 
   c.data = d = ml_collections.ConfigDict()
   d.source = 'stdlib'  # stdlib: this interpreter's standard-library sources (no download); prepared: `paths`

@@ -12,6 +12,7 @@ import numpy as np
 from jaxlm import attention
 from jaxlm import distributed
 from jaxlm import model
+from jaxlm import moe
 from jaxlm import optimizer
 from jaxlm import pipeline as pipeline_lib
 from jaxlm import preflight
@@ -29,6 +30,9 @@ ATTENTION_IMPLS = attention.IMPLS
 DATA_SOURCES = pipeline.SOURCES
 STABILITY_POLICIES = stability.POLICIES
 PIPELINE_SCHEDULES = pipeline_lib.SCHEDULES
+QK_NORMS = model.QK_NORMS
+MOE_ROUTERS = moe.ROUTERS
+MOE_IMPLS = moe.IMPLS
 
 def _model_errors(m) -> list[str]:
   e = []
@@ -86,6 +90,46 @@ def _rope_errors(m) -> list[str]:
              f'model.rope_beta_fast={m.rope_beta_fast} (YaRN: 1 and 32).')
   if kind == 'yarn' and m.rope_attention_factor < 0:
     e.append(f'model.rope_attention_factor={m.rope_attention_factor} must be >= 0 (0 = 0.1·ln(factor) + 1).')
+  return e
+
+
+def _moe_errors(c, num_devices: int) -> list[str]:
+  """model.qk_norm and the mixture-of-experts keys (read only when model.moe_experts > 0)."""
+  m = c.model
+  e = []
+  if m.get('qk_norm', 'none') not in QK_NORMS:
+    e.append(f'model.qk_norm={m.qk_norm!r} is unknown; use one of {", ".join(QK_NORMS)}.')
+  X = m.get('moe_experts', 0)
+  if X < 0:
+    e.append(f'model.moe_experts={X} must be >= 0 (0 = dense MLPs).')
+  if X <= 0:
+    return e
+  if not 1 <= m.moe_top_k <= X:
+    e.append(f'model.moe_top_k={m.moe_top_k} must be between 1 and model.moe_experts={X}.')
+  for key in ('moe_mlp_dim', 'moe_shared_experts'):
+    if m[key] < 0:
+      e.append(f'model.{key}={m[key]} must be >= 0.')
+  if m.moe_every < 1 or (m.num_layers > 0 and m.num_layers % m.moe_every):
+    e.append(f'model.moe_every={m.moe_every} must be a positive divisor of model.num_layers={m.num_layers} (every '
+             f'n-th layer is MoE, the scanned unit is a group of n layers).')
+  if m.moe_router not in MOE_ROUTERS:
+    e.append(f'model.moe_router={m.moe_router!r} is unknown; use one of {", ".join(MOE_ROUTERS)}.')
+  if m.moe_impl not in MOE_IMPLS:
+    e.append(f'model.moe_impl={m.moe_impl!r} is unknown; use one of {", ".join(MOE_IMPLS)}.')
+  for key in ('moe_capacity_factor', 'moe_aux_loss', 'moe_router_z_loss', 'moe_bias_rate'):
+    if m[key] < 0:
+      e.append(f'model.{key}={m[key]} must be >= 0 (0 = off{", dropless" if key == "moe_capacity_factor" else ""}).')
+  if m.moe_routed_scale <= 0:
+    e.append(f'model.moe_routed_scale={m.moe_routed_scale} must be positive.')
+  if not sharding.MeshShape.errors(c.mesh, num_devices):
+    shape = sharding.MeshShape.resolve(c.mesh, num_devices)
+    if shape.stages > 1:
+      e.append(f'model.moe_experts={X} with mesh.stage={shape.stages}: mixture-of-experts layers do not run '
+               f'inside a pipeline yet; set mesh.stage=1 (shard with fsdp or tensor instead).')
+    F = m.moe_mlp_dim or model.mlp_dim(m)
+    if F % shape.size('tensor'):
+      e.append(f'model.moe_mlp_dim={F} is not divisible by mesh.tensor={shape.size("tensor")}; experts\' hidden '
+               f'width is split over tensor, so pick a width that divides.')
   return e
 
 
@@ -337,8 +381,8 @@ def _other_errors(c) -> list[str]:
 
 def validate(c: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1, num_slices: int = 1) -> None:
   """Raises ConfigError listing every problem with `c` on `num_devices` devices in `num_processes` processes."""
-  errors = (_model_errors(c.model) + _fp8_errors(c) + _deterministic_errors(c) + _data_errors(c.data)
-            + _train_errors(c.train, c.optim)
+  errors = (_model_errors(c.model) + _moe_errors(c, num_devices) + _fp8_errors(c) + _deterministic_errors(c)
+            + _data_errors(c.data) + _train_errors(c.train, c.optim)
             + _mesh_errors(c, num_devices, num_processes, num_slices) + distributed.dist_errors(c.dist) + _other_errors(c))
   if errors:
     raise ConfigError('invalid config:\n  - ' + '\n  - '.join(errors))

@@ -74,7 +74,7 @@ def _si(x: float) -> str:
 
 
 def progress_line(step: int, total_steps: int | None, values: dict, eta_s: float | None) -> str:
-  """One stdout line: step, loss, tokens/s, MFU (when known) and the time left (when the total is known)."""
+  """One stdout line: step, loss, tokens/s, MFU (when known), a MoE's max load, and the time left (when known)."""
   if total_steps:
     width = len(str(total_steps))
     parts = [f'step {step:>{width}}/{total_steps} ({100 * step / total_steps:5.1f}%)']
@@ -85,6 +85,8 @@ def progress_line(step: int, total_steps: int | None, values: dict, eta_s: float
   parts += [f'loss {values["loss"]:.4f}', f'{_si(values["tokens_per_s"])} tok/s']
   if values.get('mfu') is not None:
     parts.append(f'MFU {100 * values["mfu"]:.1f}%')
+  if values.get('moe/max_load') is not None:  # a mixture of experts: the busiest expert over the mean, all layers
+    parts.append(f'max load {values["moe/max_load"]:.2f}')
   if total_steps:
     parts.append(f'ETA {duration(eta_s)}')
   return ' | '.join(parts)

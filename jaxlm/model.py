@@ -20,6 +20,7 @@ from flax.linen import fp8_ops
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxlm import attention as attention_lib
+from jaxlm import moe as moe_lib
 from jaxlm import pipeline as pipeline_lib
 
 
@@ -28,6 +29,7 @@ MATMUL_DTYPES = ('dtype', 'fp8')  # model.matmul_dtype: the projections in model
 # Flax's collection for fp8 scales and amax histories: their "gradient" is their next value (step.py).
 FP8 = fp8_ops.OVERWRITE_WITH_GRADIENT
 ROPE_SCALINGS = ('none', 'linear', 'llama3', 'yarn')  # model.rope_scaling
+QK_NORMS = ('none', 'head', 'full')  # model.qk_norm (QKNorm)
 
 
 def head_dim(model_cfg) -> int:
@@ -73,6 +75,20 @@ class ModelConfig:
   attention_block_q: int = 0
   explicit_transpose_grads: bool = False
   matmul_dtype: str = 'dtype'
+  qk_norm: str = 'none'  # see QKNorm
+  moe_experts: int = 0  # 0: dense MLPs; the moe_* fields below are read only when > 0 (jaxlm/moe.py)
+  moe_top_k: int = 2
+  moe_mlp_dim: int = 0
+  moe_shared_experts: int = 0
+  moe_every: int = 1
+  moe_router: str = 'mixtral'
+  moe_norm_topk_prob: bool = True
+  moe_routed_scale: float = 1.0
+  moe_capacity_factor: float = 0.0
+  moe_aux_loss: float = 0.0
+  moe_router_z_loss: float = 0.0
+  moe_bias_rate: float = 0.0
+  moe_impl: str = 'ragged'
 
   @classmethod
   def from_config(cls, model_cfg) -> 'ModelConfig':
@@ -80,27 +96,45 @@ class ModelConfig:
     # .get: a config saved before a key existed (an old checkpoint's) means that key's default.
     fields = {f.name: model_cfg.get(f.name, f.default) for f in dataclasses.fields(cls)}
     fields.update(head_dim=head_dim(model_cfg), mlp_dim=mlp_dim(model_cfg))
+    fields.update(moe_mlp_dim=model_cfg.get('moe_mlp_dim', 0) or fields['mlp_dim'])
     return cls(**fields)
 
 
-def param_count(m: ModelConfig) -> int:
-  """Parameters of the model, from its shape alone (tests check it against the real pytree)."""
+def is_moe(m: ModelConfig, layer: int) -> bool:
+  """Whether layer `layer` (from 0) is a mixture of experts: every moe_every-th layer, the last of each group."""
+  return m.moe_experts > 0 and (layer + 1) % m.moe_every == 0
+
+
+def qk_norm_params(m: ModelConfig) -> int:
+  """QK-norm's scales per layer: one E vector each for q and k per head, or one per feature of all heads."""
+  return {'none': 0, 'head': 2 * m.head_dim, 'full': (m.num_heads + m.num_kv_heads) * m.head_dim}[m.qk_norm]
+
+
+def param_count(m: ModelConfig, active: bool = False) -> int:
+  """Parameters of the model, from its shape alone (tests check it against the real pytree).
+
+  active: only those one token's forward pass multiplies by: the router, the shared experts and k of the X
+  routed experts (what MFU counts for a mixture of experts).
+  """
   D, H, K, E, F, V, L = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim, m.vocab_size, m.num_layers
-  attention = D * H * E + 2 * D * K * E + H * E * D  # q, k, v, out
+  attention = D * H * E + 2 * D * K * E + H * E * D + qk_norm_params(m)  # q, k, v, out, q/k norms
   mlp = 3 * D * F  # gate, up, down
+  routed = m.moe_top_k if active else m.moe_experts
+  moe = (D + 1) * m.moe_experts + 3 * D * m.moe_mlp_dim * (routed + m.moe_shared_experts)  # router + bias, experts
+  moe_layers = sum(is_moe(m, i) for i in range(L))
   norms = D if m.parallel_block else 2 * D  # one shared LayerNorm vs pre-attention and pre-MLP RMSNorms
   embeddings = V * D * (1 if m.tie_embeddings else 2)
-  return L * (attention + mlp + norms) + D + embeddings  # + final norm
+  return L * (attention + norms) + (L - moe_layers) * mlp + moe_layers * moe + D + embeddings  # + final norm
 
 
 def flops_per_token(m: ModelConfig, seq_len: int, causal: bool = False) -> float:
   """Training FLOPs per token by PaLM's appendix B: 6N + 12·L·H·Q·T (Q = head dim, T = sequence length).
 
   N counts every parameter that takes part in a matmul: with untied embeddings the input table is a lookup and
-  is left out (PaLM's models were tied, where N is simply all parameters). PaLM counts attention over the
+  is left out, and of a mixture of experts only the active parameters (`param_count(active=True)`) count (PaLM's models were tied, where N is simply all parameters). PaLM counts attention over the
   whole T×T square; `causal=True` halves that term, as only the lower triangle does useful work.
   """
-  n = param_count(m) - (0 if m.tie_embeddings else m.vocab_size * m.d_model)
+  n = param_count(m, active=True) - (0 if m.tie_embeddings else m.vocab_size * m.d_model)
   attention = 12 * m.num_layers * m.num_heads * m.head_dim * seq_len
   return 6 * n + (attention / 2 if causal else attention)
 
@@ -125,6 +159,27 @@ class Norm(nn.Module):
       x32 = x32 - x32.mean(-1, keepdims=True)
     x32 = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.config.norm_eps)
     return (x32 * scale).astype(self.config.dtype)
+
+
+class QKNorm(nn.Module):
+  """QK-norm: RMSNorm of queries or keys (B, T, N, E) before RoPE, which keeps attention logits from growing.
+
+  head  over each head's E features, one (E,) scale shared by the heads (Qwen3: `q_norm` of size head_dim).
+  full  over all N·E features of a token, an (N, E) scale (OLMoE, OLMo 2: `q_norm` of size num_heads·head_dim).
+  """
+  config: ModelConfig
+  heads: str  # the logical name of the head axis: `heads` for queries, `kv_heads` for keys
+
+  @nn.compact
+  def __call__(self, x):  # (B, T, N, E)
+    m = self.config
+    whole = m.qk_norm == 'full'
+    shape, names = ((x.shape[2], x.shape[3]), (self.heads, 'kv')) if whole else ((x.shape[3],), ('kv',))
+    scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, names), shape,
+                       jnp.dtype(m.param_dtype))
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt((x32 * x32).mean((-2, -1) if whole else -1, keepdims=True) + m.norm_eps)
+    return (x32 * scale).astype(x.dtype)
 
 
 def rope_frequencies(m: ModelConfig) -> tuple[np.ndarray, float]:
@@ -295,6 +350,8 @@ class Attention(nn.Module):
     k = project(x, wk.astype(dt).reshape(D, K * E), 'key', m).reshape(B, T, K, E)
     v = project(x, wv.astype(dt).reshape(D, K * E), 'value', m).reshape(B, T, K, E)
     q = nn.with_logical_constraint(q, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
+    if m.qk_norm != 'none':
+      q, k = QKNorm(m, 'heads', name='query_norm')(q), QKNorm(m, 'kv_heads', name='key_norm')(k)
     # Plain RoPE keeps its float32 formula; a scaled one takes its precomputed frequencies.
     frequencies = None if m.rope_scaling == 'none' else rope_frequencies(m)
     q, k = rope(q, positions, m.rope_theta, frequencies), rope(k, positions, m.rope_theta, frequencies)
@@ -371,11 +428,16 @@ class Block(nn.Module):
   """One decoder layer: PaLM's parallel block, or the sequential pre-norm block when parallel_block=False."""
   config: ModelConfig
   deterministic: bool = True
+  moe: bool = False  # the MLP is a mixture of experts (jaxlm/moe.py)
 
   @nn.compact
   def __call__(self, x, segment_ids, positions):  # x: (B, T, D)
     m = self.config
     drop = nn.Dropout(m.dropout_rate, deterministic=self.deterministic)
+    if self.moe:  # routed per token; padding (segment id 0) goes to no expert
+      mlp = lambda h: moe_lib.MoE(m, name='moe')(h, segment_ids)  # noqa: E731
+    else:
+      mlp = SwiGLU(m, name='mlp')
     # x arrives sequence-split over tensor (RESIDUAL, Megatron's sequence parallelism): the norms and residual
     # adds run on T/tensor tokens per device; `gathered` makes each norm's output whole along the sequence for
     # the input matmuls (one all-gather), and `to_residual` returns the output projections' partial sums to
@@ -383,15 +445,28 @@ class Block(nn.Module):
     if m.parallel_block:
       # PaLM: y = x + Attn(LN(x)) + MLP(LN(x)); the two input matmuls can fuse (PaLM reports it faster at scale).
       h = gathered(Norm(m, rms=False, name='norm')(x))
-      attn, mlp = Attention(m, name='attention')(h, segment_ids, positions), SwiGLU(m, name='mlp')(h)
-      x = x + drop(to_residual(attn)) + drop(to_residual(mlp))
+      attn, out = Attention(m, name='attention')(h, segment_ids, positions), mlp(h)
+      x = x + drop(to_residual(attn)) + drop(to_residual(out))
     else:
       h = gathered(Norm(m, rms=True, name='attn_norm')(x))
       x = x + drop(to_residual(Attention(m, name='attention')(h, segment_ids, positions)))
       x = nn.with_logical_constraint(x, RESIDUAL)
-      x = x + drop(to_residual(SwiGLU(m, name='mlp')(gathered(Norm(m, rms=True, name='mlp_norm')(x)))))
+      x = x + drop(to_residual(mlp(gathered(Norm(m, rms=True, name='mlp_norm')(x)))))
     x = nn.with_logical_constraint(x, RESIDUAL)
     return x, None  # (carry, output) as nn.scan wants
+
+
+class Group(nn.Module):
+  """moe_every consecutive layers, the last a mixture of experts: the unit scanned when dense and MoE alternate."""
+  config: ModelConfig
+  deterministic: bool = True
+
+  @nn.compact
+  def __call__(self, x, segment_ids, positions):
+    m = self.config
+    for j in range(m.moe_every):
+      x, _ = Block(m, self.deterministic, moe=is_moe(m, j), name=f'block_{j}')(x, segment_ids, positions)
+    return x, None
 
 
 REMAT_POLICIES = {
@@ -427,9 +502,14 @@ class Decoder(nn.Module):
     x = jnp.take(table, inputs, axis=0).astype(m.dtype)  # (B, T, D)
     x = nn.with_logical_constraint(x, RESIDUAL)
 
+    # The scanned unit: one layer, or with MoE every n-th layer a group of n (jaxlm/moe.py); the stack's
+    # variables (parameters, fp8 scales, routing statistics) get a leading axis, one entry per unit.
+    unit, units = (Group, m.num_layers // m.moe_every) if m.moe_experts and m.moe_every > 1 else (Block, m.num_layers)
+    fields = {'moe': True} if unit is Block and m.moe_experts else {}
     block = Block
     if m.remat != 'none':
       block = nn.remat(Block, policy=REMAT_POLICIES[m.remat], prevent_cse=not m.scan_layers)
+      unit = nn.remat(unit, policy=REMAT_POLICIES[m.remat], prevent_cse=not m.scan_layers)
     if self.pipeline is not None and not self.is_initializing():
       def layer(p, h, seg, pos, rng):  # one Block on one microbatch, with one layer's parameters
         rngs = {} if rng is None else {'dropout': rng}
@@ -441,13 +521,14 @@ class Decoder(nn.Module):
       x = nn.with_logical_constraint(x, RESIDUAL)
     elif m.scan_layers:
       # One compiled layer body applied L times; parameters get a leading `layers` axis.
-      stack = nn.scan(block, variable_axes={'params': 0, FP8: 0}, split_rngs={'params': True, 'dropout': True},
-                      in_axes=(nn.broadcast, nn.broadcast), length=m.num_layers,
+      stack = nn.scan(unit, variable_axes={'params': 0, FP8: 0, moe_lib.STATS: 0},
+                      split_rngs={'params': True, 'dropout': True},
+                      in_axes=(nn.broadcast, nn.broadcast), length=units,
                       metadata_params={nn.PARTITION_NAME: 'layers'})
-      x, _ = stack(m, deterministic, name='layers')(x, segment_ids, positions)
+      x, _ = stack(m, deterministic, name='layers', **fields)(x, segment_ids, positions)
     else:
       for i in range(m.num_layers):
-        x, _ = block(m, deterministic, name=f'layers_{i}')(x, segment_ids, positions)
+        x, _ = block(m, deterministic, moe=is_moe(m, i), name=f'layers_{i}')(x, segment_ids, positions)
 
     x = gathered(Norm(m, rms=not m.parallel_block, name='final_norm')(x))
     B, T, _ = x.shape

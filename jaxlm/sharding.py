@@ -44,6 +44,7 @@ RULES = (
     ('kv_heads', None),  # one kv head under multi-query attention: too few to split, so replicated
     ('kv', None),  # head dim
     ('mlp', 'tensor'),
+    ('experts', None),  # a mixture of experts' stacked weights (X, D, F): every device holds every expert
     ('layers', None),  # the scanned layer axis: every device holds its slice of every layer
     # Activations.
     ('act_batch', ('data', 'fsdp')),

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 
 from jaxlm import model as model_lib
+from jaxlm import moe as moe_lib
 from jaxlm import optimizer as optimizer_lib
 from jaxlm import pipeline as pipeline_lib
 from jaxlm import sharding
@@ -125,21 +126,34 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
   abstract_state = jax.eval_shape(init)
   lr = optimizer_lib.schedule(optim_cfg, steps)
   deterministic = m.dropout_rate == 0.0
+  moe = m.moe_experts > 0
 
   def train_step(state: TrainState, batch: dict):
     rng = jax.random.fold_in(state.rng, state.step)
     # Every microbatch divides by the whole batch's token count, so summed gradients equal the full batch's.
     denominator = jnp.maximum(batch['weights'].sum(), 1.0)
     scale = optimizer_lib.loss_scale(state.opt_state) if fp16 else 1.0  # float16: small gradients not flushed
+    # Mixture of experts: routing losses over the whole batch's real tokens (and, split into microbatches, its
+    # loads from a routing pass first), so they too add up over microbatches to the whole batch's.
+    moe_tokens = jnp.maximum((batch['segment_ids'] > 0).sum(), 1).astype(jnp.float32) if moe else None
+    moe_loads = None
+    if moe and m.moe_aux_loss and microbatches > 1:
+      moe_loads = routing_loads(model, variables_of(state), batch, rng, microbatches, deterministic)
 
     def loss_of(variables, mb, mb_rng):
       logits = model.apply(variables, mb['inputs'], mb['segment_ids'], mb['positions'],
-                           deterministic=deterministic, rngs={'dropout': mb_rng})
+                           deterministic=deterministic, rngs={'dropout': mb_rng},
+                           mutable=[moe_lib.STATS] if moe else False)
+      logits, stats = logits if moe else (logits, None)
       total, aux = model_lib.loss_fn(logits, mb['targets'], mb['weights'], m.z_loss, denominator)
+      if moe:
+        total = total + moe_lib.loss(stats[moe_lib.STATS], m, moe_tokens, moe_loads)
+        aux = dict(aux, moe=stats[moe_lib.STATS])
       return total * scale, aux
 
     grads, aux = accumulate_gradients(jax.value_and_grad(loss_of, has_aux=True), variables_of(state), batch, rng,
                                       microbatches)
+    moe_stats = aux.pop('moe', None)  # the whole batch's routing sums
     grads, fp8 = split_overwrite(grads, state.fp8)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     step_lr = lr(state.step)
@@ -150,6 +164,12 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
     metrics = dict(aux, grad_norm=optax.tree.norm(grads) / scale, lr=step_lr,
                    update_ratio=optax.tree.norm(updates) / optax.tree.norm(state.params),
                    **group_norms(grads, scale))
+    if moe:
+      if m.moe_bias_rate:  # a skipped (non-finite) step leaves the biases as it leaves every parameter
+        balanced = moe_lib.update_bias(params, moe_stats, m.moe_bias_rate)
+        finite = jnp.isfinite(optax.tree.norm(grads)) if skip_nonfinite else True
+        params = jax.tree.map(lambda new, old: jnp.where(finite, new, old), balanced, params)
+      metrics.update(moe_lib.metrics(moe_stats, m, params))
     if skip_nonfinite:
       finite_state = optimizer_lib.find_state(opt_state, optax.ApplyIfFiniteState)
       metrics.update(skipped_steps=finite_state.total_notfinite, nonfinite_run=finite_state.notfinite_count)
@@ -209,30 +229,60 @@ def accumulate_gradients(grad_fn, params, batch: dict, rng, microbatches: int):
   if microbatches == 1:
     (_, aux), grads = grad_fn(params, batch, rng)
     return grads, aux
-  # (B, T) -> (M, B/M, T), taking every M-th row so each microbatch stays spread over all devices.
-  split = jax.tree.map(lambda x: x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:])
-                       .swapaxes(0, 1), batch)
+  split = split_microbatches(batch, microbatches)
 
   def add(carry, mb_and_index):
     mb, i = mb_and_index
     mb = {k: nn.with_logical_constraint(v, ('act_batch', 'act_seq')) for k, v in mb.items()}
     (_, aux_i), g = grad_fn(params, mb, jax.random.fold_in(rng, i))
     acc_g, acc_aux = carry
-    acc_aux = {k: jnp.maximum(acc_aux[k], v) if k == 'max_logit' else acc_aux[k] + v for k, v in aux_i.items()}
+    acc_aux = {k: jnp.maximum(acc_aux[k], v) if k == 'max_logit' else jax.tree.map(jnp.add, acc_aux[k], v)
+               for k, v in aux_i.items()}
     return (jax.tree.map(jnp.add, acc_g, g), acc_aux), None
 
-  zeros = (jax.tree.map(jnp.zeros_like, params),
-           {'loss': 0.0, 'z_loss': 0.0, 'max_logit': jnp.finfo(jnp.float32).min})
+  # Sums start at zero (a MoE layer's routing statistics too, whatever their shapes), the max at float32's min.
+  aux_shapes = jax.eval_shape(lambda: grad_fn(params, jax.tree.map(lambda x: x[0], split), rng)[0][1])
+  zero_aux = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), aux_shapes)
+  zeros = (jax.tree.map(jnp.zeros_like, params), dict(zero_aux, max_logit=jnp.finfo(jnp.float32).min))
   (grads, aux), _ = jax.lax.scan(add, zeros, (split, jnp.arange(microbatches)))
   return grads, aux
 
 
+def split_microbatches(batch: dict, microbatches: int) -> dict:
+  """(B, T) -> (M, B/M, T), taking every M-th row so each microbatch stays spread over all devices."""
+  return jax.tree.map(lambda x: x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:])
+                      .swapaxes(0, 1), batch)
+
+
+def routing_loads(model, variables, batch: dict, rng, microbatches: int, deterministic: bool) -> list:
+  """Each MoE layer's load over the whole batch, from a forward pass over its microbatches (no gradients).
+
+  The auxiliary loss weighs each expert's router probability by the whole batch's load; with the batch split,
+  that load is known only after every microbatch, so it is counted first (one extra forward pass, only when
+  model.moe_aux_loss is on with train.microbatches > 1).
+  """
+  m = model.config
+
+  def add(acc, mb_and_index):
+    mb, i = mb_and_index
+    mb = {k: nn.with_logical_constraint(v, ('act_batch', 'act_seq')) for k, v in mb.items()}
+    _, stats = model.apply(variables, mb['inputs'], mb['segment_ids'], mb['positions'],
+                           deterministic=deterministic, rngs={'dropout': jax.random.fold_in(rng, i)},
+                           mutable=[moe_lib.STATS])
+    return [a + b for a, b in zip(acc, moe_lib.loads(stats[moe_lib.STATS], m.moe_every))], None
+
+  layers = sum(model_lib.is_moe(m, i) for i in range(m.num_layers))
+  zeros = [jnp.zeros((m.moe_experts,), jnp.float32)] * layers
+  loads, _ = jax.lax.scan(add, zeros, (split_microbatches(batch, microbatches), jnp.arange(microbatches)))
+  return [jax.lax.stop_gradient(x) for x in loads]
+
+
 def group_norms(grads, scale=1.0) -> dict:
-  """Gradient norm per layer group (embedding, attention, mlp, norms, unembed): where a spike starts."""
+  """Gradient norm per layer group (embedding, attention, mlp, moe, norms, unembed): where a spike starts."""
   groups = {}
   for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
     names = [str(getattr(k, 'key', k)) for k in path]
-    group = next((n for n in ('attention', 'mlp', 'unembed', 'embedding') if n in names), 'norms')
+    group = next((n for n in ('attention', 'mlp', 'moe', 'unembed', 'embedding') if n in names), 'norms')
     groups.setdefault(group, []).append(g)
   return {f'grad_norm/{k}': optax.tree.norm(v) / scale for k, v in sorted(groups.items())}
 

@@ -106,7 +106,9 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
                                            seq_len=cfg.data.seq_len, context=mesh.shape.get('context', 1))[1])
   with acct.phase('program'):
     program = step_lib.build_program(cfg, mesh)
-  say(f'parameters ({model_lib.param_count(program.model.config):,}):\n'
+  active = model_lib.param_count(program.model.config, active=True)  # a mixture of experts: what MFU counts
+  say(f'parameters ({model_lib.param_count(program.model.config):,}'
+      + (f'; {active:,} active per token, which MFU counts' if program.model.config.moe_experts else '') + '):\n'
       + sharding.param_table(program.abstract_state.params, program.state_shardings.params))
   sharding.check_sharded(program.abstract_state.params, program.state_shardings.params, mesh)
   if program.model.pipeline is not None:  # which layers on which stage, the schedule and its bubble

@@ -61,6 +61,14 @@ BAD = [
      'not divisible by mesh.context × mesh.tensor = 2×4'),
     ('train.deterministic', dict(train=dict(deterministic=True), model=dict(attention='cudnn')),
      'model.attention=cudnn has no deterministic backward under train.deterministic=True'),
+    ('model.moe_top_k', dict(model=dict(moe_experts=4, moe_top_k=5)), 'model.moe_top_k=5 must be between 1'),
+    ('model.moe_every', dict(model=dict(moe_experts=4, moe_every=3)), 'model.moe_every=3 must be a positive divisor'),
+    ('model.moe_router', dict(model=dict(moe_experts=4, moe_router='gshard')), "model.moe_router='gshard' is unknown"),
+    ('model.moe_capacity_factor', dict(model=dict(moe_experts=4, moe_capacity_factor=-1.0)),
+     'model.moe_capacity_factor=-1.0 must be >= 0'),
+    ('model.moe_experts (pipeline)', dict(model=dict(moe_experts=4), mesh=dict(fsdp=-1, stage=2)),
+     'mixture-of-experts layers do not run inside a pipeline'),
+    ('model.qk_norm', dict(model=dict(qk_norm='yes')), "model.qk_norm='yes' is unknown"),
 ]
 
 

@@ -18,8 +18,13 @@ class ExportError(errors.ConfigError):
   """A checkpoint or model that cannot be exported faithfully; the message says why and what to do."""
 
 
-def layer_params(params: dict, num_layers: int) -> list[dict]:
-  """Per-layer parameter dicts, whether the layers were scanned (stacked on axis 0) or unrolled."""
+def layer_params(params: dict, m) -> list[dict]:
+  """Per-layer parameter dicts, whether the layers were scanned (stacked on axis 0, in groups of moe_every
+  when MoE and dense layers alternate) or unrolled. `m`: a ModelConfig, or (older callers) the layer count."""
+  num_layers, every = (m, 1) if isinstance(m, int) else (m.num_layers, m.moe_every if m.moe_experts else 1)
+  if 'layers' in params and every > 1:
+    return [jax.tree.map(lambda x, i=i: x[i // every], params['layers'][f'block_{i % every}'])
+            for i in range(num_layers)]
   if 'layers' in params:
     return [jax.tree.map(lambda x, i=i: x[i], params['layers']) for i in range(num_layers)]
   return [params[f'layers_{i}'] for i in range(num_layers)]
@@ -31,8 +36,35 @@ def interleave_permutation(head_dim: int) -> np.ndarray:
   return np.stack([np.arange(half), np.arange(half) + half], axis=-1).reshape(-1)
 
 
+# Mixture-of-experts export: router preset -> (architecture, model_type, the QK-norm it computes).
+MOE_ARCHITECTURES = {'mixtral': ('MixtralForCausalLM', 'mixtral', 'none'),
+                     'qwen3_moe': ('Qwen3MoeForCausalLM', 'qwen3_moe', 'head'),
+                     'olmoe': ('OlmoeForCausalLM', 'olmoe', 'full')}
+
+
+def _moe_architecture(m: model_lib.ModelConfig) -> str:
+  """The Hugging Face MoE class for `m`, or an ExportError naming what it cannot hold."""
+  if m.parallel_block:
+    raise ExportError('a parallel-block (PaLM) mixture of experts has no Hugging Face equivalent; train it with '
+                      'model.parallel_block=False to export it.')
+  if m.moe_router not in MOE_ARCHITECTURES:
+    raise ExportError(f'model.moe_router={m.moe_router} has no export; use mixtral, qwen3_moe or olmoe.')
+  arch, _, qk_norm = MOE_ARCHITECTURES[m.moe_router]
+  if m.qk_norm != qk_norm or m.moe_shared_experts or m.moe_routed_scale != 1.0 or (
+      m.moe_every != 1 and m.moe_router != 'qwen3_moe'):
+    raise ExportError(f'{arch} computes qk_norm={qk_norm}, no shared experts, routed scale 1'
+                      f'{"" if m.moe_router == "qwen3_moe" else ", MoE in every layer"}; this model differs '
+                      f'(qk_norm={m.qk_norm}, moe_shared_experts={m.moe_shared_experts}, moe_every={m.moe_every}), so '
+                      f'it has no faithful Hugging Face equivalent.')
+  return arch
+
+
 def architecture(m: model_lib.ModelConfig) -> str:
   """The Hugging Face class that computes exactly this model, or an ExportError saying why there is none."""
+  if m.moe_experts:
+    return _moe_architecture(m)
+  if m.qk_norm != 'none':
+    raise ExportError(f'model.qk_norm={m.qk_norm} on a dense model has no export yet; export it with qk_norm=none.')
   if m.d_model % m.num_heads:
     # transformers validates hidden_size % num_attention_heads == 0 even when head_dim is given explicitly.
     raise ExportError(f'd_model={m.d_model} is not a multiple of num_heads={m.num_heads}: transformers refuses '
@@ -51,16 +83,23 @@ def to_hf(params: dict, m: model_lib.ModelConfig) -> dict[str, np.ndarray]:
   f32 = lambda x: np.asarray(x, np.float32)
   rope_order = interleave_permutation(E) if cohere else np.arange(E)
   out = {'model.embed_tokens.weight': f32(params['embedding'])}  # (V, D)
-  for i, p in enumerate(layer_params(params, m.num_layers)):
+  for i, p in enumerate(layer_params(params, m)):
     pre = f'model.layers.{i}.'
-    a, mlp = p['attention'], p['mlp']
+    a = p['attention']
     out[pre + 'self_attn.q_proj.weight'] = f32(a['query'])[:, :, rope_order].reshape(D, H * E).T
     out[pre + 'self_attn.k_proj.weight'] = f32(a['key'])[:, :, rope_order].reshape(D, K * E).T
     out[pre + 'self_attn.v_proj.weight'] = f32(a['value']).reshape(D, K * E).T
     out[pre + 'self_attn.o_proj.weight'] = f32(a['out']).reshape(H * E, D).T
-    out[pre + 'mlp.gate_proj.weight'] = f32(mlp['gate']).T  # (F, D)
-    out[pre + 'mlp.up_proj.weight'] = f32(mlp['up']).T
-    out[pre + 'mlp.down_proj.weight'] = f32(mlp['down']).T  # (D, F)
+    if m.qk_norm != 'none':
+      out[pre + 'self_attn.q_norm.weight'] = f32(a['query_norm']['scale']).reshape(-1)
+      out[pre + 'self_attn.k_norm.weight'] = f32(a['key_norm']['scale']).reshape(-1)
+    if 'moe' in p:
+      out.update(_experts_to_hf(p['moe'], pre, m))
+    else:
+      mlp = p['mlp']
+      out[pre + 'mlp.gate_proj.weight'] = f32(mlp['gate']).T  # (F, D)
+      out[pre + 'mlp.up_proj.weight'] = f32(mlp['up']).T
+      out[pre + 'mlp.down_proj.weight'] = f32(mlp['down']).T  # (D, F)
     if cohere:
       out[pre + 'input_layernorm.weight'] = f32(p['norm']['scale'])
     else:
@@ -88,6 +127,13 @@ def hf_config(m: model_lib.ModelConfig, *, max_positions: int, dtype: str, bos_i
       'bos_token_id': bos_id, 'eos_token_id': eos_id, 'pad_token_id': None, 'use_cache': True,
       'torch_dtype': dtype, 'dtype': dtype,
   }
+  if m.moe_experts:
+    _, model_type, _ = MOE_ARCHITECTURES[m.moe_router]
+    c.update(model_type=model_type, num_local_experts=m.moe_experts, num_experts=m.moe_experts,
+             num_experts_per_tok=m.moe_top_k, norm_topk_prob=m.moe_norm_topk_prob, output_router_logits=False,
+             intermediate_size=m.moe_mlp_dim if model_type != 'qwen3_moe' else m.mlp_dim,
+             moe_intermediate_size=m.moe_mlp_dim, decoder_sparse_step=m.moe_every, mlp_only_layers=[],
+             sliding_window=None, use_sliding_window=False, clip_qkv=None)
   if cohere:
     c.update(layer_norm_eps=m.norm_eps, use_qk_norm=False, tie_word_embeddings=m.tie_embeddings,
              logit_scale=1.0 / math.sqrt(m.d_model) if m.tie_embeddings else 1.0)
@@ -164,11 +210,35 @@ def _rope(hf: dict) -> dict:
   return out
 
 
+# Mixture-of-experts families (jaxlm/moe.py): model_type -> (router preset, QK-norm).
+MOE_FAMILIES = {'mixtral': ('mixtral', 'none'), 'qwen3_moe': ('qwen3_moe', 'head'), 'olmoe': ('olmoe', 'full')}
+IMPORTABLE = ('llama', *MOE_FAMILIES)
+
+
+def _moe_overrides(hf: dict) -> dict:
+  """cfg.model's moe_* and qk_norm values for a Mixtral, Qwen3-MoE or OLMoE config.json."""
+  kind = hf['model_type']
+  if kind not in MOE_FAMILIES:
+    return {}
+  router, qk_norm = MOE_FAMILIES[kind]
+  if hf.get('mlp_only_layers'):
+    raise HFImportError(f'mlp_only_layers={hf["mlp_only_layers"]} is not supported: jaxlm places MoE layers '
+                        f'every decoder_sparse_step-th layer only.')
+  if hf.get('clip_qkv') is not None:
+    raise HFImportError(f'clip_qkv={hf["clip_qkv"]} is not supported: jaxlm does not clip q, k and v.')
+  # Mixtral always renormalises; transformers' OLMoE and Qwen3-MoE configs default norm_topk_prob to False.
+  # The expert count is num_local_experts in Mixtral's and transformers 5's files, num_experts in older ones.
+  return dict(moe_experts=int(hf.get('num_local_experts') or hf['num_experts']), moe_top_k=int(hf['num_experts_per_tok']),
+              moe_mlp_dim=int(hf.get('moe_intermediate_size') or hf['intermediate_size']),
+              moe_every=int(hf.get('decoder_sparse_step') or 1), moe_router=router,
+              moe_norm_topk_prob=bool(hf.get('norm_topk_prob', kind == 'mixtral')), qk_norm=qk_norm)
+
+
 def model_overrides(hf: dict) -> dict:
   """cfg.model values that compute what the Hugging Face `config.json` dict `hf` describes."""
-  if hf.get('model_type') != 'llama':
-    raise HFImportError(f'model_type={hf.get("model_type")!r}: only Llama-architecture checkpoints '
-                        f'(model_type "llama") can be imported.')
+  if hf.get('model_type') not in IMPORTABLE:
+    raise HFImportError(f'model_type={hf.get("model_type")!r}: only {", ".join(IMPORTABLE)} checkpoints '
+                        f'can be imported.')
   if hf.get('hidden_act', 'silu') != 'silu':
     raise HFImportError(f'hidden_act={hf["hidden_act"]!r}: jaxlm\'s MLP is SwiGLU (silu) only.')
   for key, allowed in _UNSUPPORTED.items():
@@ -181,7 +251,7 @@ def model_overrides(hf: dict) -> dict:
     raise HFImportError(f'num_key_value_heads={K} must divide num_attention_heads={H}, and head_dim={E} be even.')
   return dict(vocab_size=hf['vocab_size'], d_model=D, num_layers=hf['num_hidden_layers'], num_heads=H,
               num_kv_heads=K, head_dim=E, mlp_dim=hf['intermediate_size'], parallel_block=False,
-              tie_embeddings=False, norm_eps=float(hf.get('rms_norm_eps', 1e-6)), **_rope(hf))
+              tie_embeddings=False, norm_eps=float(hf.get('rms_norm_eps', 1e-6)), **_rope(hf), **_moe_overrides(hf))
 
 
 def from_hf(tensors: dict[str, np.ndarray], m: model_lib.ModelConfig, *, scan_layers: bool) -> dict:
@@ -200,22 +270,73 @@ def from_hf(tensors: dict[str, np.ndarray], m: model_lib.ModelConfig, *, scan_la
   layers = []
   for i in range(L):
     pre = f'layers.{i}.'
-    layers.append({
+    layer = {
         'attention': {
             'query': get(pre + 'self_attn.q_proj.weight', (H * E, D)).T.reshape(D, H, E),
             'key': get(pre + 'self_attn.k_proj.weight', (K * E, D)).T.reshape(D, K, E),
             'value': get(pre + 'self_attn.v_proj.weight', (K * E, D)).T.reshape(D, K, E),
             'out': get(pre + 'self_attn.o_proj.weight', (D, H * E)).T.reshape(H, E, D)},
-        'mlp': {'gate': get(pre + 'mlp.gate_proj.weight').T, 'up': get(pre + 'mlp.up_proj.weight').T,
-                'down': get(pre + 'mlp.down_proj.weight').T},
         'attn_norm': {'scale': get(pre + 'input_layernorm.weight', (D,))},
-        'mlp_norm': {'scale': get(pre + 'post_attention_layernorm.weight', (D,))}})
+        'mlp_norm': {'scale': get(pre + 'post_attention_layernorm.weight', (D,))}}
+    if m.qk_norm != 'none':  # Qwen3: one (E,) scale per q/k; OLMoE: over all heads, (H·E,) and (K·E,)
+      shapes = ((E,), (E,)) if m.qk_norm == 'head' else ((H, E), (K, E))
+      layer['attention']['query_norm'] = {'scale': get(pre + 'self_attn.q_norm.weight').reshape(shapes[0])}
+      layer['attention']['key_norm'] = {'scale': get(pre + 'self_attn.k_norm.weight').reshape(shapes[1])}
+    if model_lib.is_moe(m, i):
+      layer['moe'] = _experts_from_hf(tensors, get, pre, m)
+    else:
+      layer['mlp'] = {'gate': get(pre + 'mlp.gate_proj.weight').T, 'up': get(pre + 'mlp.up_proj.weight').T,
+                      'down': get(pre + 'mlp.down_proj.weight').T}
+    layers.append(layer)
   embedding = get('embed_tokens.weight', (m.vocab_size, D))
   lm_head = tensors.get('lm_head.weight', embedding)  # absent when tied: the head is the embedding
   params = {'embedding': embedding, 'final_norm': {'scale': get('norm.weight', (D,))},
             'unembed': np.ascontiguousarray(np.asarray(lm_head, np.float32).T)}
-  if scan_layers:
+  if scan_layers and m.moe_experts and m.moe_every > 1:  # scanned in groups of moe_every layers (model.Group)
+    n = m.moe_every
+    groups = [{f'block_{j}': layers[g * n + j] for j in range(n)} for g in range(L // n)]
+    params['layers'] = jax.tree.map(lambda *xs: np.stack(xs), *groups)
+  elif scan_layers:
     params['layers'] = jax.tree.map(lambda *xs: np.stack(xs), *layers)
   else:
     params.update({f'layers_{i}': p for i, p in enumerate(layers)})
   return jax.tree.map(np.ascontiguousarray, params)
+
+
+def _experts_from_hf(tensors: dict, get, pre: str, m: model_lib.ModelConfig) -> dict:
+  """One MoE layer's jaxlm parameters from either Hugging Face layout, told apart by key names, never by shape.
+
+  per-expert  Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2 (gate/up/down), or Qwen3-MoE's and OLMoE's
+              mlp.experts.{e}.gate_proj/up_proj/down_proj: each torch (out, in).
+  fused       transformers 5's in-memory layout: mlp.experts.gate_up_proj (X, 2F, D), gate rows first, and
+              mlp.experts.down_proj (X, D, F).
+  """
+  X, D, F = m.moe_experts, m.d_model, m.moe_mlp_dim
+  block = pre + ('block_sparse_moe.' if pre + 'block_sparse_moe.gate.weight' in tensors else 'mlp.')
+  out = {'router': get(block + 'gate.weight', (X, D)).T, 'bias': np.zeros((X,), np.float32)}
+  if block + 'experts.gate_up_proj' in tensors:
+    gate_up = get(block + 'experts.gate_up_proj', (X, 2 * F, D))
+    out.update(gate=gate_up[:, :F].transpose(0, 2, 1), up=gate_up[:, F:].transpose(0, 2, 1),
+               down=get(block + 'experts.down_proj', (X, D, F)).transpose(0, 2, 1))
+    return out
+  names = ('w1', 'w3', 'w2') if block.endswith('block_sparse_moe.') else ('gate_proj', 'up_proj', 'down_proj')
+  for key, name, shape in zip(('gate', 'up', 'down'), names, ((F, D), (F, D), (D, F))):
+    out[key] = np.stack([get(f'{block}experts.{e}.{name}.weight', shape).T for e in range(X)])
+  return out
+
+
+def _experts_to_hf(p: dict, pre: str, m: model_lib.ModelConfig) -> dict:
+  """One MoE layer in its family's per-expert layout (what transformers' save_pretrained writes)."""
+  if np.any(np.asarray(p['bias']) != 0):
+    raise ExportError(f'the model\'s expert-selection biases are not zero (auxiliary-loss-free balancing, '
+                      f'model.moe_bias_rate): {MOE_ARCHITECTURES[m.moe_router][0]} has no place for them; train with '
+                      f'model.moe_bias_rate=0 (and model.moe_aux_loss instead) to export.')
+  mixtral = m.moe_router == 'mixtral'
+  block = pre + ('block_sparse_moe.' if mixtral else 'mlp.')
+  names = ('w1', 'w3', 'w2') if mixtral else ('gate_proj', 'up_proj', 'down_proj')
+  out = {block + 'gate.weight': np.asarray(p['router'], np.float32).T}  # (X, D)
+  for key, name in zip(('gate', 'up', 'down'), names):
+    w = np.asarray(p[key], np.float32)
+    for e in range(m.moe_experts):
+      out[f'{block}experts.{e}.{name}.weight'] = w[e].T
+  return out

@@ -1,0 +1,280 @@
+"""Mixture of experts: the router presets, dropless dispatch through grouped GEMMs, capacity, routing statistics.
+
+model.py calls `MoE` in place of the dense MLP in every MoE layer; nothing else in the model knows experts.
+
+Shape letters (model.py's, plus): X routed experts (model.moe_experts), k experts per token (model.moe_top_k),
+F here is one expert's hidden width (model.moe_mlp_dim), A = N·k token-expert assignments.
+
+Dropless (the default, as MaxText's megablox path and torchtitan): every assignment is kept. The A assignments
+are sorted by expert, each expert's rows run through its weights as one grouped GEMM (`jax.lax.ragged_dot`), and
+the rows are put back by the inverse permutation and summed over k with the router's weights: a gather and a
+reshape-sum, no scatter-add, so the result does not depend on the order atomics land in. Padding tokens
+(segment id 0) are assigned to no expert: they sort past the last group, which ragged_dot leaves at zero, and
+they count in no statistic.
+"""
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+ROUTERS = ('mixtral', 'qwen3_moe', 'olmoe', 'deepseek_v3')  # model.moe_router
+IMPLS = ('ragged', 'dense')  # model.moe_impl: sorted grouped GEMMs, or every expert on every token (reference)
+STATS = 'moe_stats'  # the Flax collection each MoE layer writes its routing statistics into, when mutable
+
+
+def route(logits, preset: str, top_k: int, norm_topk_prob: bool, routed_scale: float, bias=None):
+  """The router's choice for each token: (weights (N, k), experts (N, k) int32, scores (N, X)), in float32.
+
+  mixtral      softmax over all X, top-k, renormalised over the k (= a softmax over the top-k logits).
+  qwen3_moe    softmax over all X, top-k, renormalised only with norm_topk_prob (Qwen3-MoE checkpoints set it).
+  olmoe        the same formula as qwen3_moe (OLMoE checkpoints leave norm_topk_prob off).
+  deepseek_v3  sigmoid scores; the top-k chosen on scores + bias (the checkpoint's e_score_correction_bias),
+               weighted by the unbiased scores, renormalised with norm_topk_prob, times routed_scale.
+  `bias` (X,) shifts the choice only, never the weights (auxiliary-loss-free balancing, DeepSeek-V3 §2.1.2).
+  The same operations in the same order as transformers' routers (tests/test_moe.py compares them).
+  """
+  logits = logits.astype(jnp.float32)
+  scores = jax.nn.sigmoid(logits) if preset == 'deepseek_v3' else jax.nn.softmax(logits, axis=-1)
+  _, experts = jax.lax.top_k(scores if bias is None else scores + bias, top_k)
+  weights = jnp.take_along_axis(scores, experts, axis=-1)
+  if preset == 'mixtral' or norm_topk_prob:
+    weights = weights / (weights.sum(-1, keepdims=True) + (1e-20 if preset == 'deepseek_v3' else 0.0))
+  if routed_scale != 1.0:
+    weights = weights * routed_scale
+  return weights, experts.astype(jnp.int32), scores
+
+
+def capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
+  """Assignments each expert takes from `num_tokens` tokens under capacity `factor` (0: all of them, dropless)."""
+  if factor <= 0:
+    return num_tokens
+  return min(num_tokens, math.ceil(factor * num_tokens * top_k / num_experts))
+
+
+def assign(experts, valid, num_experts: int, cap: int):
+  """Which assignments an expert takes: (keep (N, k) bool, load (X,) assignments asked of each expert).
+
+  valid (N,) marks real tokens; padding asks nothing. Over capacity, earlier tokens win (a stable sort keeps
+  the token order inside each expert, as GShard's position-in-expert cumsum does); a token's k choices are
+  judged independently.
+  """
+  N, k = experts.shape
+  flat = jnp.where(valid[:, None], experts, num_experts).reshape(-1)  # (A,): padding → past the last expert
+  load = jnp.bincount(flat, length=num_experts + 1)[:num_experts]  # (X,)
+  if cap >= N:  # every expert can take every token: nothing is dropped
+    return (flat < num_experts).reshape(N, k), load
+  order = jnp.argsort(flat, stable=True)
+  counts = jnp.bincount(flat, length=num_experts + 1)
+  starts = jnp.cumsum(counts) - counts  # first sorted row of each expert
+  rank = jnp.arange(N * k) - starts[flat[order]]  # position of each sorted row inside its expert
+  keep_sorted = (rank < cap) & (flat[order] < num_experts)
+  keep = jnp.zeros_like(keep_sorted).at[order].set(keep_sorted)  # back to (token, choice) order; unique indices
+  return keep.reshape(N, k), load
+
+
+@jax.custom_vjp
+def permute(x, order, inverse):
+  """x[order] for a permutation `order` whose inverse is `inverse`; the backward is a gather too (no scatter)."""
+  return jnp.take(x, order, axis=0, unique_indices=True, mode='clip')
+
+
+def _permute_fwd(x, order, inverse):
+  return permute(x, order, inverse), (order, inverse)
+
+
+def _permute_bwd(residuals, dy):
+  order, inverse = residuals
+  return permute(dy, inverse, order), None, None
+
+
+permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+def ragged_experts(x, weights, experts, keep, w_gate, w_up, w_down, swiglu):
+  """Σ_k weight · expert(x) for each token, dropless: sort by expert, grouped GEMMs, unsort, reshape-sum.
+
+  x (N, D); weights, experts, keep (N, k); w_gate, w_up (X, D, F); w_down (X, F, D). Assignments not kept
+  (padding, over capacity) sort past the last expert's rows, where ragged_dot writes zeros.
+  """
+  N, k = experts.shape
+  X = w_gate.shape[0]
+  flat = jnp.where(keep, experts, X).reshape(-1)  # (A,)
+  order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # sorted row → assignment
+  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(N * k, dtype=jnp.int32))  # assignment → sorted row
+  group_sizes = jnp.bincount(flat, length=X + 1)[:X].astype(jnp.int32)  # (X,)
+  rows = jnp.broadcast_to(x[:, None], (N, k, x.shape[-1])).reshape(N * k, -1)  # (A, D): assignment a = n·k + j
+  xs = permute(rows, order, inverse)  # (A, D) grouped by expert
+  h = swiglu(jax.lax.ragged_dot(xs, w_gate, group_sizes), jax.lax.ragged_dot(xs, w_up, group_sizes))  # (A, F)
+  ys = jax.lax.ragged_dot(h, w_down, group_sizes)  # (A, D)
+  y = permute(ys, inverse, order).reshape(N, k, -1)  # (N, k, D) back in assignment order
+  return (y * jnp.where(keep, weights, 0.0).astype(y.dtype)[..., None]).sum(axis=1)
+
+
+def dense_experts(x, weights, experts, keep, w_gate, w_up, w_down, swiglu):
+  """The same sum computed as every expert on every token, weighted by a one-hot combine: the test reference."""
+  X = w_gate.shape[0]
+  combine = (jax.nn.one_hot(experts, X, dtype=jnp.float32) * jnp.where(keep, weights, 0.0)[..., None]).sum(1)
+  h = swiglu(jnp.einsum('nd,xdf->nxf', x, w_gate), jnp.einsum('nd,xdf->nxf', x, w_up))  # (N, X, F)
+  y = jnp.einsum('nxf,xfd->nxd', h, w_down)  # (N, X, D)
+  return jnp.einsum('nx,nxd->nd', combine.astype(y.dtype), y)
+
+
+class MoE(nn.Module):
+  """A routed SwiGLU MLP: a float32 router picks k of X experts per token, plus optional shared experts.
+
+  `config` is model.ModelConfig. When the STATS collection is mutable, the layer writes its routing statistics
+  there as sums over its tokens (`statistics`), so microbatches and data shards add up to the whole batch's.
+  """
+  config: 'object'
+
+  @nn.compact
+  def __call__(self, x, segment_ids):  # x: (B, T, D), segment_ids: (B, T)
+    from jaxlm import model as model_lib  # model.py imports this module
+    m = self.config
+    D, X, F, k = m.d_model, m.moe_experts, moe_mlp_dim(m), m.moe_top_k
+    dt = jnp.dtype(m.dtype)
+    param = lambda name, names, shape, std: model_lib._param(self, name, names, shape, std, m)
+    w_router = param('router', ('embed', None), (D, X), D ** -0.5)
+    # Per-expert selection bias (auxiliary-loss-free balancing, `update_bias`; DeepSeek-V3's
+    # e_score_correction_bias). A parameter so that checkpoints, eval and export carry it; only top-k's choice
+    # reads it, so its gradient is zero and the optimizer never moves it (1-D: no weight decay either).
+    bias = self.param('bias', nn.with_logical_partitioning(nn.initializers.zeros, ('experts',)), (X,),
+                      jnp.float32)
+    w_gate = param('gate', ('experts', 'embed', 'mlp'), (X, D, F), D ** -0.5)
+    w_up = param('up', ('experts', 'embed', 'mlp'), (X, D, F), D ** -0.5)
+    w_down = param('down', ('experts', 'mlp', 'embed'), (X, F, D), F ** -0.5)
+    B, T, _ = x.shape
+    xt = model_lib.tokens(x)  # (N, D)
+    valid = model_lib.tokens(segment_ids) > 0  # (N,)
+    # The router in float32 whatever the compute dtype: near-ties between experts decide the choice.
+    logits = jnp.dot(xt.astype(jnp.float32), w_router.astype(jnp.float32))  # (N, X)
+    weights, experts, scores = route(logits, m.moe_router, k, m.moe_norm_topk_prob, m.moe_routed_scale,
+                                     bias=jax.lax.stop_gradient(bias.astype(jnp.float32)))
+    keep, load = assign(experts, valid, X, capacity(B * T, k, X, m.moe_capacity_factor))
+    # Expert GEMMs stay in model.dtype: fp8's per-tensor scales do not cover X experts' grouped rows.
+    run = ragged_experts if m.moe_impl == 'ragged' else dense_experts
+    y = run(xt, weights, experts, keep, w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt), model_lib.swiglu)
+    if m.moe_shared_experts:  # DeepSeek's shared experts: one dense SwiGLU as wide as all of them, on every token
+      shared = dataclasses.replace(m, mlp_dim=m.moe_shared_experts * F)
+      y = y + model_lib.tokens(model_lib.SwiGLU(shared, name='shared')(x))
+    if self.is_mutable_collection(STATS):
+      for name, value in statistics(logits, scores, keep, load, valid).items():
+        self.variable(STATS, name, lambda v=value: jnp.zeros_like(v)).value = value
+    return y.reshape(B, T, D)
+
+
+def statistics(logits, scores, keep, load, valid) -> dict:
+  """One layer's routing statistics over its tokens, as sums (so they add up over microbatches and shards).
+
+  tokens: real tokens; load (X,): assignments asked of each expert; kept: assignments taken; prob (X,): router
+  probabilities summed over tokens (the P of the Switch auxiliary loss); z: Σ log(Σ exp(logits))² (router
+  z-loss, ST-MoE); entropy: Σ of each token's router entropy.
+  """
+  w = valid.astype(jnp.float32)
+  log_z = jax.nn.logsumexp(logits, axis=-1)  # (N,)
+  p = jax.nn.softmax(logits, axis=-1)
+  entropy = -(p * jax.nn.log_softmax(logits, axis=-1)).sum(-1)
+  return {'tokens': w.sum(), 'load': load.astype(jnp.float32), 'kept': (keep & valid[:, None]).sum().astype(
+      jnp.float32), 'prob': (scores * w[:, None]).sum(0), 'z': (jnp.square(log_z) * w).sum(),
+          'entropy': (entropy * w).sum()}
+
+
+def moe_mlp_dim(model_cfg) -> int:
+  """One routed expert's SwiGLU width: model.moe_mlp_dim, or model.mlp_dim's resolved width."""
+  return model_cfg.moe_mlp_dim or model_cfg.mlp_dim or 4 * model_cfg.d_model
+
+
+def _nodes(tree, marker: str, path=()):
+  """(path, node) for every dict in `tree` holding key `marker`: one per MoE module (scanned or not)."""
+  if marker in tree:
+    yield path, tree
+    return
+  for key in sorted(tree):
+    if isinstance(tree[key], dict) or hasattr(tree[key], 'items'):
+      yield from _nodes(tree[key], marker, (*path, key))
+
+
+def per_layer(stats, every: int, marker: str = 'load') -> list[tuple[int, dict]]:
+  """[(layer number, that layer's statistics)], in layer order, from the STATS collection of a model's apply.
+
+  Scanned stacks hold one entry per unit on a leading axis (`layers/moe` or `layers/block_j/moe`, units of
+  `every` layers); unrolled ones are `layers_i/moe`.
+  """
+  out = []
+  for path, node in _nodes(stats, marker):
+    if path[0] == 'layers':  # scanned: split the leading unit axis
+      j = int(path[1].split('_')[1]) if path[1].startswith('block_') else every - 1
+      units = node[marker].shape[0]
+      out += [(u * every + j, {k: v[u] for k, v in node.items()}) for u in range(units)]
+    else:
+      out.append((int(path[0].split('_')[1]), dict(node)))
+  return sorted(out, key=lambda item: item[0])
+
+
+def aux_loss(layer: dict, tokens, top_k: int, load=None):
+  """Switch/GShard load-balancing loss X·Σ_e f_e·P_e of one layer: 1.0 when routing is uniform.
+
+  f_e = load_e / (tokens·k), the fraction of assignments expert e was asked to take (no gradient); P_e = prob_e
+  / tokens, its mean router probability. `tokens` is the whole batch's count of real tokens and `load` its
+  loads, so that a microbatch's share (its prob_e) adds up over microbatches to the whole batch's loss.
+  """
+  load = layer['load'] if load is None else load
+  f = jax.lax.stop_gradient(load) / (tokens * top_k)
+  return load.shape[-1] * (f * layer['prob'] / tokens).sum()
+
+
+def loss(stats, m, tokens, loads=None):
+  """The routing losses added to the training loss: moe_aux_loss · mean over MoE layers of `aux_loss`, plus
+  moe_router_z_loss · mean over layers of the router z-loss (Σ log Z² / tokens). Linear in each microbatch's
+  sums given the whole batch's `tokens` (and `loads`, per layer, when the batch is split), so the same update
+  whatever the split."""
+  layers = per_layer(stats, m.moe_every)
+  loads = [None] * len(layers) if loads is None else loads
+  total = 0.0
+  if m.moe_aux_loss:
+    total += m.moe_aux_loss * sum(aux_loss(s, tokens, m.moe_top_k, l) for (_, s), l in zip(layers, loads)) / len(layers)
+  if m.moe_router_z_loss:
+    total += m.moe_router_z_loss * sum(s['z'] for _, s in layers) / tokens / len(layers)
+  return total
+
+
+def metrics(stats, m, bias_params=None) -> dict:
+  """Per MoE layer: max/mean load, dropped fraction, aux and z losses (unscaled), router entropy, bias norm;
+  and `moe/max_load`, the largest over layers (the progress line's summary)."""
+  out = {}
+  biases = dict(per_layer(bias_params, m.moe_every, 'router')) if bias_params is not None else {}
+  for i, s in per_layer(stats, m.moe_every):
+    tokens = jnp.maximum(s['tokens'], 1.0)
+    load = s['load']
+    out[f'moe/{i}/max_load'] = load.max() / jnp.maximum(load.mean(), 1e-9)
+    out[f'moe/{i}/dropped'] = 1.0 - s['kept'] / (tokens * m.moe_top_k)
+    out[f'moe/{i}/aux_loss'] = aux_loss(s, tokens, m.moe_top_k)
+    out[f'moe/{i}/z_loss'] = s['z'] / tokens
+    out[f'moe/{i}/entropy'] = s['entropy'] / tokens
+    if i in biases:
+      out[f'moe/{i}/bias_norm'] = jnp.linalg.norm(biases[i]['bias'])
+  out['moe/max_load'] = jnp.max(jnp.stack([v for k, v in out.items() if k.endswith('/max_load')]))
+  return out
+
+
+def loads(stats, every: int) -> list:
+  """Each MoE layer's load (X,), in layer order."""
+  return [s['load'] for _, s in per_layer(stats, every)]
+
+
+def update_bias(params, stats, rate: float):
+  """Auxiliary-loss-free balancing (DeepSeek-V3 §2.1.2; torchtitan's default): after each optimizer step, each
+  expert's selection bias moves by `rate` towards its share, bias_e += rate·sign(mean load − load_e), centred so
+  the biases keep summing to zero. `stats` are the whole batch's sums (all microbatches, all data shards)."""
+  stat_nodes = dict(_nodes(stats, 'load'))
+
+  def walk(tree, path=()):
+    if 'bias' in tree and 'router' in tree:
+      load = stat_nodes[path]['load']  # (..., X): a leading unit axis under scan
+      delta = rate * jnp.sign(load.mean(-1, keepdims=True) - load)
+      return {**tree, 'bias': tree['bias'] + delta - delta.mean(-1, keepdims=True)}
+    return {k: walk(v, (*path, k)) if isinstance(v, dict) else v for k, v in tree.items()}
+  return walk(params)

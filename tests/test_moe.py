@@ -1,0 +1,456 @@
+"""Mixture of experts: the dropless grouped-GEMM path against the dense reference, padding, capacity, balancing."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlm import model as model_lib
+from jaxlm import moe
+from tests.helpers import grid, odd_config, random_batch
+
+# Small, distinct sizes (X experts of width F on D): a wrong transpose or expert index fails loudly.
+D, X, F, K = 24, 7, 10, 3
+
+
+def _cfg(**overrides) -> model_lib.ModelConfig:
+  base = dict(vocab_size=101, d_model=D, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=12, mlp_dim=20,
+              dtype='float32', moe_experts=X, moe_top_k=K, moe_mlp_dim=F)
+  return model_lib.ModelConfig(**{**base, **overrides})
+
+
+def _inputs(n_rows=3, seq=11, pad=4, seed=0):
+  """x (B, T, D) and segment ids with the last `pad` tokens of each row padding (segment id 0)."""
+  x = jax.random.normal(jax.random.PRNGKey(seed), (n_rows, seq, D))
+  seg = np.ones((n_rows, seq), np.int32)
+  seg[:, seq - pad:] = 0
+  return x, jnp.asarray(seg)
+
+
+@functools.cache
+def _params(**overrides):
+  x, seg = _inputs()
+  m = _cfg(**overrides)
+  params = jax.jit(moe.MoE(m).init)(jax.random.PRNGKey(1), x, seg)['params']
+  return jax.tree.map(lambda p: getattr(p, 'value', p), params, is_leaf=lambda p: hasattr(p, 'names'))
+
+
+def _out_and_grads(impl, x, seg, **overrides):
+  m = _cfg(moe_impl=impl, **overrides)
+  params = _params(**overrides)
+  layer = moe.MoE(m)
+  cot = jax.random.normal(jax.random.PRNGKey(7), x.shape)
+
+  def f(p, x):
+    y, vjp = jax.vjp(lambda p, x: layer.apply({'params': p}, x, seg), p, x)
+    return y, vjp(cot)
+  return jax.jit(f)(params, x)  # one compile: outputs and the gradients of (y · cot) together
+
+
+_LAYER_CASES = {
+    'mixtral': {},
+    'qwen3-unnormalised': {'moe_router': 'qwen3_moe', 'moe_norm_topk_prob': False},
+    'deepseek-shared': {'moe_router': 'deepseek_v3', 'moe_routed_scale': 2.5, 'moe_shared_experts': 1},
+    'capacity1': {'moe_capacity_factor': 1.0},  # some assignments dropped
+}
+
+
+@pytest.mark.parametrize('overrides', grid(list(_LAYER_CASES.values()), fast=[{}, {'moe_capacity_factor': 1.0}],
+                                           ids=lambda o: next(k for k, v in _LAYER_CASES.items() if v == o)))
+def test_ragged_dot_path_equals_dense_reference(overrides):
+  x, seg = _inputs()
+  y_ref, g_ref = _out_and_grads('dense', x, seg, **overrides)
+  y, g = _out_and_grads('ragged', x, seg, **overrides)
+  assert float(jnp.abs(y_ref).max()) > 0.1  # the layer computed something
+  np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=0)
+  flat, flat_ref = jax.tree_util.tree_flatten_with_path(g)[0], jax.tree.leaves(g_ref)
+  assert len(flat) == len(flat_ref) >= 6
+  for (path, a), b in zip(flat, flat_ref):
+    if 'bias' in jax.tree_util.keystr(path):  # only top-k's choice reads the balancing bias: no gradient
+      np.testing.assert_array_equal(a, 0.0)
+    else:  # every other parameter (router included) and the input get a gradient
+      assert float(jnp.abs(b).max()) > 0, path
+    np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+
+
+def test_padding_tokens_are_routed_nowhere():
+  x, seg = _inputs()
+  m = _cfg()
+  params = _params()
+  y, stats = jax.jit(lambda p, x: moe.MoE(m).apply({'params': p}, x, seg, mutable=[moe.STATS]))(params, x)
+  pad = np.asarray(seg) == 0
+  np.testing.assert_array_equal(np.asarray(y)[pad], 0.0)  # no expert ran on them
+  valid = int((~pad).sum())
+  assert float(stats[moe.STATS]['tokens']) == valid
+  assert float(stats[moe.STATS]['load'].sum()) == valid * K == float(stats[moe.STATS]['kept'])
+  # Whatever the padding holds changes neither the real tokens' outputs nor any statistic.
+  x2 = jnp.where(jnp.asarray(pad)[..., None], 100.0 * x[::-1], x)
+  y2, stats2 = jax.jit(lambda p, x: moe.MoE(m).apply({'params': p}, x, seg, mutable=[moe.STATS]))(params, x2)
+  np.testing.assert_array_equal(np.asarray(y2)[~pad], np.asarray(y)[~pad])
+  for k, v in stats[moe.STATS].items():
+    np.testing.assert_allclose(stats2[moe.STATS][k], v, rtol=1e-6, err_msg=k)
+
+
+def test_route_presets_normalise_as_their_families():
+  logits = jax.random.normal(jax.random.PRNGKey(3), (5, X)) * 2
+  w, e, s = moe.route(logits, 'mixtral', K, False, 1.0)  # mixtral renormalises whatever the flag says
+  np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-6)
+  top = jax.lax.top_k(logits, K)[0]
+  np.testing.assert_allclose(w, jax.nn.softmax(top, -1), rtol=1e-5)  # a softmax over the top-k logits
+  w, e2, _ = moe.route(logits, 'olmoe', K, False, 1.0)
+  np.testing.assert_array_equal(e, e2)
+  np.testing.assert_allclose(w, jnp.take_along_axis(jax.nn.softmax(logits, -1), e, -1), rtol=1e-6)
+  assert float(w.sum(-1).max()) < 1.0
+  bias = jnp.zeros(X).at[0].set(10.0)  # bias changes the choice, not the weights
+  w, e, s = moe.route(logits, 'deepseek_v3', K, True, 2.0, bias=bias)
+  assert (np.asarray(e) == 0).any(axis=1).all()
+  np.testing.assert_allclose(w.sum(-1), 2.0, rtol=1e-6)
+  sel = jnp.take_along_axis(jax.nn.sigmoid(logits), e, -1)
+  np.testing.assert_allclose(w, 2.0 * sel / sel.sum(-1, keepdims=True), rtol=1e-6)
+
+
+def _model(**overrides):
+  cfg = odd_config(parallel_block=False)
+  cfg.model.update(moe_experts=5, moe_top_k=2, moe_mlp_dim=18, **overrides)
+  return model_lib.ModelConfig.from_config(cfg.model)
+
+
+@pytest.mark.parametrize('overrides', [{}, {'moe_every': 2, 'num_layers': 4, 'moe_shared_experts': 2},
+                                       {'scan_layers': False, 'moe_every': 2, 'qk_norm': 'full'},
+                                       {'parallel_block': True, 'qk_norm': 'head'}])
+def test_param_counts_match_pytree(overrides):
+  m = _model(**overrides)
+  b = random_batch(1, 8, m.vocab_size)
+  variables = jax.eval_shape(model_lib.Decoder(m).init, jax.random.PRNGKey(0), b['inputs'], b['segment_ids'],
+                             b['positions'])
+  params = variables['params']
+  assert model_lib.param_count(m) == sum(x.size for x in jax.tree.leaves(params))
+  routed = 3 * m.d_model * m.moe_mlp_dim * (m.moe_experts - m.moe_top_k)
+  moe_layers = m.num_layers // m.moe_every
+  assert model_lib.param_count(m) - model_lib.param_count(m, active=True) == moe_layers * routed
+  flops = model_lib.flops_per_token(m, 16)
+  assert flops == 6 * model_lib.param_count(m, active=True) + 12 * m.num_layers * m.num_heads * m.head_dim * 16
+
+
+@functools.cache
+def _loss_and_grad_norm(**overrides):
+  m = _model(**overrides)
+  b = random_batch(2, 12, m.vocab_size, docs=2)
+  b['segment_ids'][:, -3:] = 0  # a padded tail
+  decoder = model_lib.Decoder(m)
+  params = jax.jit(decoder.init)(jax.random.PRNGKey(1), b['inputs'], b['segment_ids'], b['positions'])['params']
+
+  def loss(p):
+    logits = decoder.apply({'params': p}, b['inputs'], b['segment_ids'], b['positions'])
+    return model_lib.loss_fn(logits, b['targets'], b['weights'], m.z_loss)[0]
+  value, grads = jax.jit(jax.value_and_grad(loss))(params)
+  return float(value), float(jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads))))
+
+
+@pytest.mark.parametrize('remat', grid(['full', 'dots'], fast=[]))  # compiles a 2-layer model twice
+def test_remat_changes_nothing_in_a_moe_model(remat):
+  reference = _loss_and_grad_norm(remat='none', moe_every=2)  # one scanned group: a dense layer, then MoE
+  np.testing.assert_allclose(_loss_and_grad_norm(remat=remat, moe_every=2), reference, rtol=1e-5)
+
+
+@pytest.mark.e2e  # the full suite only: the layer-level comparison above is the fast one
+def test_moe_model_ragged_equals_dense_reference():
+  np.testing.assert_allclose(_loss_and_grad_norm(moe_impl='ragged'), _loss_and_grad_norm(moe_impl='dense'),
+                             rtol=1e-5)
+
+
+def _with_bias(params, bias):
+  return {**params, 'bias': jnp.asarray(bias, jnp.float32)}
+
+
+def _apply_stats(m, params, x, seg):
+  return jax.jit(lambda p, x: moe.MoE(m).apply({'params': p}, x, seg, mutable=[moe.STATS]))(params, x)
+
+
+def test_infinite_capacity_is_dropless_bit_for_bit():
+  x, seg = _inputs()
+  params = _params()
+  y0, s0 = _apply_stats(_cfg(), params, x, seg)
+  # A capacity every expert stays under, yet below the token count: the capacity path runs and drops nothing.
+  most = int(s0[moe.STATS]['load'].max())
+  n = x.shape[0] * x.shape[1]
+  factor = most * X / (n * K)
+  assert moe.capacity(n, K, X, factor) < n
+  for f in (factor, 1e6):
+    y, s = _apply_stats(_cfg(moe_capacity_factor=f), params, x, seg)
+    np.testing.assert_array_equal(y, y0)
+    assert float(s[moe.STATS]['kept']) == float(s0[moe.STATS]['kept'])
+
+
+@pytest.mark.parametrize('top_k', [1, 2])
+def test_capacity_drops_the_analytic_count_under_forced_skew(top_k):
+  x, _ = _inputs(pad=0)
+  seg = jnp.ones(x.shape[:2], jnp.int32)
+  m = _cfg(moe_top_k=top_k, moe_capacity_factor=1.0)
+  params = _with_bias(_params(moe_top_k=top_k), np.array([10.0, 5.0] + [0.0] * (X - 2)))  # every token → 0 (, 1)
+  y, s = _apply_stats(m, params, x, seg)
+  s = s[moe.STATS]
+  n = x.shape[0] * x.shape[1]
+  cap = int(np.ceil(1.0 * n * top_k / X))
+  np.testing.assert_array_equal(s['load'], [n] * top_k + [0] * (X - top_k))
+  assert float(s['kept']) == top_k * cap  # each chosen expert takes `cap`, drops n - cap
+  dropped = 1.0 - float(moe.metrics({'layers_0': {'moe': s}}, m)['moe/0/dropped'])
+  np.testing.assert_allclose(dropped, top_k * cap / (n * top_k), rtol=1e-6)
+  # Earlier tokens win: the first `cap` tokens got their expert(s), the rest an all-zero output.
+  out = np.asarray(y).reshape(n, D)
+  assert np.abs(out[:cap]).min(axis=1).min() > 0 and np.all(out[cap:] == 0)
+
+
+def test_aux_loss_is_one_at_uniform_routing():
+  x, seg = _inputs()
+  params = _params()
+  params = {**params, 'router': jnp.zeros_like(params['router'])}  # every router probability 1/X
+  _, s = _apply_stats(_cfg(), params, x, seg)
+  s = s[moe.STATS]
+  np.testing.assert_allclose(moe.aux_loss(s, s['tokens'], K), 1.0, rtol=1e-6)
+  # And X·Σ f·P with f and P both uniform, from the definition: 1.0; all tokens on one expert with P one-hot: X.
+  n = 12.0
+  uniform = {'load': jnp.full(X, n * K / X), 'prob': jnp.full(X, n / X)}
+  np.testing.assert_allclose(moe.aux_loss(uniform, n, K), 1.0, rtol=1e-6)
+  skewed = {'load': jnp.zeros(X).at[0].set(n), 'prob': jnp.zeros(X).at[0].set(n)}
+  np.testing.assert_allclose(moe.aux_loss(skewed, n, 1), X, rtol=1e-6)
+
+
+def test_bias_balancing_evens_out_a_synthetic_skew():
+  logits = jax.random.normal(jax.random.PRNGKey(5), (512, X)) + jnp.linspace(2.0, 0.0, X)  # expert 0 favoured
+
+  def stats(params):
+    chosen = moe.route(logits, 'mixtral', K, True, 1.0, params['layers_0']['moe']['bias'])[1]
+    return {'layers_0': {'moe': {'load': jnp.bincount(chosen.reshape(-1), length=X).astype(jnp.float32)}}}
+
+  def ratio(params):
+    load = stats(params)['layers_0']['moe']['load']
+    return float(load.max() / load.mean())
+
+  params = {'layers_0': {'moe': {'bias': jnp.zeros(X), 'router': jnp.zeros((D, X))}}}
+  assert ratio(params) > 1.5  # the skew is real
+  step = jax.jit(lambda p: moe.update_bias(p, stats(p), 1e-2))
+  for _ in range(150):
+    params = step(params)
+  assert ratio(params) <= 1.2
+  np.testing.assert_allclose(params['layers_0']['moe']['bias'].sum(), 0.0, atol=1e-5)  # centred
+  np.testing.assert_array_equal(params['layers_0']['moe']['router'], 0.0)  # nothing else moved
+
+
+def _moe_config(**overrides):
+  """odd_config as a Llama-style MoE (5 experts, 2 per token), every routing loss and the bias balancing on."""
+  cfg = odd_config(parallel_block=False)
+  cfg.model.update(moe_experts=5, moe_top_k=2, moe_mlp_dim=18, moe_aux_loss=1e-2, moe_router_z_loss=1e-3,
+                   moe_bias_rate=1e-2, qk_norm='head', **overrides)
+  return cfg
+
+
+def _skew(state, program):
+  """Every token's choice forced onto experts 0 and 1 (selection biases far above the router's scores)."""
+  def f(path, x):
+    if jax.tree_util.keystr(path).endswith("['bias']"):
+      return jax.device_put(jnp.zeros_like(x).at[..., 0].set(10.0).at[..., 1].set(5.0), x.sharding)
+    return x
+  return state.replace(params=jax.tree_util.tree_map_with_path(f, state.params))
+
+
+@functools.cache
+def _moe_steps(mesh_shape, skewed: bool = False, microbatches: int = 1, steps: int = 3):
+  """`steps` training steps of _moe_config on `mesh_shape` (data, fsdp, tensor): losses, metrics, final params."""
+  from jaxlm import sharding
+  from tests.helpers import plain_program
+  cfg = _moe_config()
+  # A first Adam step is g / (|g| + eps): with eps = 1 it is ~linear in g, so parameters compare gradients.
+  cfg.optim.eps = 1.0
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh_shape
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:int(np.prod(mesh_shape))])
+  batch = random_batch(8, 16, cfg.model.vocab_size, docs=2)
+  batch['segment_ids'][:, -3:] = 0  # padded tails: routed nowhere, counted nowhere
+  batch['weights'][:, -3:] = 0
+  program = plain_program(cfg, mesh, steps=10, microbatches=microbatches)
+  state = program.init()
+  if skewed:
+    state = _skew(state, program)
+  from jaxlm import train
+  b = train.global_batch(batch, program.batch_sharding)
+  losses, metrics = [], []
+  for _ in range(steps):
+    state, m = program.train_step(state, b)
+    losses.append(float(m['loss']))
+    metrics.append({k: np.asarray(v) for k, v in m.items()})
+  return losses, metrics, jax.tree.map(np.asarray, state.params)
+
+
+def _max_diff(a, b) -> float:
+  return max(float(np.abs(x - y).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.mark.e2e  # two compiled programs (the split one with its routing pass)
+def test_microbatches_give_the_same_update_bias_included():
+  one, m1, p1 = _moe_steps((1, 2, 1), steps=1)
+  four, m4, p4 = _moe_steps((1, 2, 1), microbatches=4, steps=1)
+  assert _max_diff(p1, p4) <= 1e-6
+  biases = lambda p: [x for path, x in jax.tree_util.tree_flatten_with_path(p)[0] if 'bias' in str(path)]
+  assert np.abs(biases(p1)[0]).max() > 0  # the bias did move
+  for a, b in zip(biases(p1), biases(p4)):
+    np.testing.assert_array_equal(a, b)  # the same loads, so the same sign step
+  for key in ('loss', 'moe/1/aux_loss', 'moe/1/z_loss', 'moe/1/max_load', 'moe/0/entropy'):
+    np.testing.assert_allclose(m4[0][key], m1[0][key], rtol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize('shape, skewed', grid([(s, k) for s in [(1, 8, 1), (2, 2, 2), (1, 4, 2)] for k in (False, True)],
+                                               fast=[], ids=lambda c: f'{"x".join(map(str, c[0]))}'
+                                               f'{"-skewed" if c[1] else ""}', unpack=True))
+def test_sharded_moe_steps_match_single_device(shape, skewed):
+  ref_losses, ref_metrics, ref_params = _moe_steps((1, 1, 1), skewed)
+  assert ref_losses[-1] < ref_losses[0]
+  losses, metrics, params = _moe_steps(shape, skewed)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  if skewed:  # every real token on experts 0 and 1: max/mean load = X/k
+    np.testing.assert_allclose(ref_metrics[0]['moe/max_load'], 5 / 2, rtol=1e-6)
+  for key in ('moe/0/max_load', 'moe/1/dropped', 'moe/1/bias_norm'):
+    np.testing.assert_allclose(metrics[-1][key], ref_metrics[-1][key], rtol=1e-5, err_msg=key)
+  assert _max_diff(params, ref_params) <= 1e-4
+
+
+# Tiny random Hugging Face MoE models, made here (nothing downloaded): family -> (config class, model class, kwargs).
+_HF_FAMILIES = {
+    'mixtral': ('MixtralConfig', 'MixtralForCausalLM', dict(num_local_experts=5, num_experts_per_tok=2,
+                                                            intermediate_size=20, head_dim=8)),
+    'qwen3_moe': ('Qwen3MoeConfig', 'Qwen3MoeForCausalLM', dict(num_experts=5, num_experts_per_tok=2,
+                                                                moe_intermediate_size=12, intermediate_size=28,
+                                                                decoder_sparse_step=2, norm_topk_prob=True,
+                                                                head_dim=8)),
+    'olmoe': ('OlmoeConfig', 'OlmoeForCausalLM', dict(num_experts=5, num_experts_per_tok=2, intermediate_size=20,
+                                                      norm_topk_prob=False)),
+}
+
+
+@functools.cache
+def _hf_model(family: str):
+  """(config.json dict, fused in-memory state dict, per-expert saved state dict, inputs, transformers' logits)."""
+  import tempfile
+  import safetensors.numpy
+  import torch
+  import transformers
+  config_cls, model_cls, extra = _HF_FAMILIES[family]
+  torch.manual_seed(0)
+  config = getattr(transformers, config_cls)(
+      vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+      rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+      pad_token_id=0, **extra)
+  config._attn_implementation = 'eager'
+  model = getattr(transformers, model_cls)(config).eval()
+  inputs = np.random.default_rng(0).integers(0, 97, (2, 13))
+  with torch.no_grad():
+    logits = model(torch.tensor(inputs)).logits.numpy()
+  fused = {k: v.numpy() for k, v in model.state_dict().items()}
+  with tempfile.TemporaryDirectory() as d:
+    model.save_pretrained(d)
+    saved = safetensors.numpy.load_file(f'{d}/model.safetensors')
+  return config.to_dict(), fused, saved, inputs, logits
+
+
+def _jaxlm_logits(hf_config: dict, tensors: dict, inputs, **flip):
+  from jaxlm import cli
+  from jaxlm.hf import convert
+  from tests.conftest import ROOT
+  cfg = cli.load_file(ROOT / 'configs' / 'base.py')
+  cfg.model.update(convert.model_overrides(hf_config), dtype='float32', remat='none', **flip)
+  m = model_lib.ModelConfig.from_config(cfg.model)
+  params = convert.from_hf(tensors, m, scan_layers=True)
+  seg = np.ones_like(inputs)
+  pos = np.tile(np.arange(inputs.shape[1]), (inputs.shape[0], 1))
+  return np.asarray(jax.jit(model_lib.Decoder(m).apply)({'params': params}, inputs, seg, pos))
+
+
+@pytest.mark.parametrize('family', grid(list(_HF_FAMILIES), fast=['qwen3_moe']))
+def test_hf_moe_import_matches_transformers(family):
+  hf_config, fused, saved, inputs, want = _hf_model(family)
+  assert not set(fused) & {k for k in saved if 'experts.' in k}  # the two layouts really differ
+  for tensors in (fused, saved):
+    got = _jaxlm_logits(hf_config, tensors, inputs)
+    assert np.abs(got - want).max() <= 1e-4, np.abs(got - want).max()
+  if family != 'mixtral':  # Mixtral always renormalises: the flag is the other families'
+    flipped = _jaxlm_logits(hf_config, saved, inputs, moe_norm_topk_prob=not hf_config['norm_topk_prob'])
+    assert np.abs(flipped - want).max() > 1e-3
+
+
+@pytest.mark.parametrize('family', grid(list(_HF_FAMILIES), fast=['qwen3_moe']))
+def test_hf_moe_export_loads_in_transformers_with_the_same_logits(family, tmp_path):
+  import json
+  import safetensors.numpy
+  import torch
+  import transformers
+  from jaxlm import cli
+  from jaxlm.hf import convert
+  from tests.conftest import ROOT
+  hf_config, _, saved, inputs, want = _hf_model(family)
+  cfg = cli.load_file(ROOT / 'configs' / 'base.py')
+  cfg.model.update(convert.model_overrides(hf_config), dtype='float32')
+  m = model_lib.ModelConfig.from_config(cfg.model)
+  params = convert.from_hf(saved, m, scan_layers=True)
+  safetensors.numpy.save_file(convert.to_hf(params, m), str(tmp_path / 'model.safetensors'))
+  config = convert.hf_config(m, max_positions=64, dtype='float32', bos_id=1, eos_id=2)
+  assert config['model_type'] == family
+  (tmp_path / 'config.json').write_text(json.dumps(config))
+  model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation='eager').eval()
+  with torch.no_grad():
+    got = model(torch.tensor(inputs)).logits.numpy()
+  assert np.abs(got - want).max() <= 1e-4
+  # What no Hugging Face class computes is refused, with one line naming it.
+  import dataclasses
+  with pytest.raises(convert.ExportError, match='parallel-block'):
+    convert.architecture(dataclasses.replace(m, parallel_block=True))
+  biased = jax.tree_util.tree_map_with_path(
+      lambda path, x: x + 0.5 if jax.tree_util.keystr(path).endswith("['bias']") else x, params)
+  with pytest.raises(convert.ExportError, match='moe_bias_rate=0'):
+    convert.to_hf(biased, m)
+
+
+@pytest.mark.e2e  # whole training runs in process, with a checkpoint written and read back
+def test_checkpoint_and_resume_is_bit_for_bit_balancing_biases_included(tmp_path):
+  import os
+  from jaxlm import checkpoint as checkpoint_lib
+  from jaxlm import sharding, step as step_lib
+  from tests.helpers import load_config, plain_program
+  cfg = load_config('moe_tiny')
+  cfg.model.update(moe_bias_rate=1e-2, moe_aux_loss=1e-2)
+  cfg.mesh.update(data=1, fsdp=4, tensor=2)
+  cfg.checkpoint.async_save = False
+
+  def train(program, state, first, last):
+    losses = []
+    for i in range(first, last):
+      b = random_batch(8, 64, 512, seed=i, docs=2)
+      state, metrics = program.train_step(state, step_lib.global_batch(b, program.batch_sharding))
+      losses.append(float(metrics['loss']))
+    return state, losses
+
+  program = plain_program(cfg, sharding.make_mesh(cfg.mesh), steps=6)
+  straight, straight_losses = train(program, program.init(), 0, 6)
+  state, first = train(program, program.init(), 0, 3)
+  events = []
+  ckpt = checkpoint_lib.Checkpointer(os.path.join(tmp_path, 'checkpoints'), cfg.checkpoint,
+                                     lambda *a, **k: events.append(a))
+  ckpt.save(3, state, None, {'config': cfg.to_dict()})
+  ckpt.wait()
+  fresh = plain_program(cfg, sharding.make_mesh(cfg.mesh), steps=6)
+  restored, _ = ckpt.restore(fresh.abstract_state, fresh.state_shardings, None)
+  ckpt.close()
+  assert not events, events
+  bias = lambda s: np.asarray(s.params['layers']['moe']['bias'])
+  np.testing.assert_array_equal(bias(restored), bias(state))
+  assert np.abs(bias(state)).max() > 0  # three steps of balancing moved it
+  resumed, second = train(fresh, restored, 3, 6)
+  np.testing.assert_array_equal(first + second, straight_losses)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.params), jax.device_get(straight.params))
+
+
+def test_progress_line_shows_the_max_load():
+  from jaxlm import metrics
+  line = metrics.progress_line(5, 20, {'loss': 2.5, 'tokens_per_s': 100.0, 'moe/max_load': 1.3906}, None)
+  assert '| max load 1.39 |' in line
+  assert 'max load' not in metrics.progress_line(5, 20, {'loss': 2.5, 'tokens_per_s': 100.0}, None)
