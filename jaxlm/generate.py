@@ -213,15 +213,8 @@ def _programs(model, sampling, eos_id, max_new, return_logits, params, batch, le
   return (prefill, decode), time.perf_counter() - start
 
 
-def generate(model_cfg: model_lib.ModelConfig, params, prompts: list[list[int]], max_new_tokens: int, *,
-             sampling: Sampling = Sampling(), seed: int = 0, eos_id: int | None = None, pad_id: int = 0,
-             mesh=None, max_len: int | None = None, return_logits: bool = False) -> Output:
-  """Continues each prompt (token ids) by up to `max_new_tokens` tokens on `mesh` (None: the default device).
-
-  `params` as the model stores them (placed on `mesh` as the program's shardings say, or anywhere without one).
-  `max_len`: the longest sequence the model takes (the run's data.seq_len); prompt + max_new_tokens beyond it
-  is refused. `eos_id` None: every row runs `max_new_tokens`.
-  """
+def check_lengths(prompts: list[list[int]], max_new_tokens: int, max_len: int | None) -> None:
+  """Refuses prompts the sampler cannot take: none, an empty one, or one too long for the cache with its reply."""
   if not prompts:
     raise GenerateError('no prompts given; pass at least one')
   if any(len(p) == 0 for p in prompts):
@@ -233,6 +226,19 @@ def generate(model_cfg: model_lib.ModelConfig, params, prompts: list[list[int]],
     raise GenerateError(f'the longest prompt ({longest} tokens) plus max_new_tokens={max_new_tokens} is '
                         f'{longest + max_new_tokens} tokens, beyond the {max_len} the cache is sized for (the '
                         f'model\'s sequence length); shorten the prompt or lower --max_new_tokens')
+
+
+def generate(model_cfg: model_lib.ModelConfig, params, prompts: list[list[int]], max_new_tokens: int, *,
+             sampling: Sampling = Sampling(), seed: int = 0, eos_id: int | None = None, pad_id: int = 0,
+             mesh=None, max_len: int | None = None, return_logits: bool = False) -> Output:
+  """Continues each prompt (token ids) by up to `max_new_tokens` tokens on `mesh` (None: the default device).
+
+  `params` as the model stores them (placed on `mesh` as the program's shardings say, or anywhere without one).
+  `max_len`: the longest sequence the model takes (the run's data.seq_len); prompt + max_new_tokens beyond it
+  is refused. `eos_id` None: every row runs `max_new_tokens`.
+  """
+  check_lengths(prompts, max_new_tokens, max_len)
+  longest = max(len(p) for p in prompts)
   model = inference_model(model_cfg)
   length = _bucket(longest)
   if max_len is not None:
@@ -303,3 +309,17 @@ def _no_cache(model, length, max_new, params, tokens, segment_ids, positions):
 
   out = jnp.zeros((tokens.shape[0], max_new), jnp.int32)
   return jax.lax.fori_loop(0, max_new, body, (tokens, segment_ids, out))[2]
+
+
+def sample_texts(model_cfg: model_lib.ModelConfig, params, prompts, tokenizer, *, max_new_tokens: int,
+                 max_len: int, mesh=None) -> list[str]:
+  """Greedy continuations of text `prompts` (each after the start token training documents begin with, EOS),
+  as the training loop logs them at each evaluation; `max_new_tokens` shrinks to what the cache holds."""
+  eos = tokenizer.eos_id if tokenizer.eos_id >= 0 else None
+  ids = [([eos] if eos is not None else []) + tokenizer.encode(p) for p in prompts]
+  new = min(max_new_tokens, max_len - max(map(len, ids)))
+  if new < 1:
+    raise GenerateError(f'the longest sample prompt is {max(map(len, ids))} tokens, which leaves no room in the '
+                        f'{max_len}-token sequence; shorten train.sample_prompts')
+  out = generate(model_cfg, params, ids, new, eos_id=eos, mesh=mesh, max_len=max_len)
+  return [tokenizer.decode(t) for t in out.tokens]
