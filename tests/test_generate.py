@@ -220,4 +220,4 @@ def test_greedy_tokens_equal_transformers_generate_on_the_export(variant, tmp_pa
                                do_sample=False)[:, T:].numpy()
   assert theirs.shape == (len(prompts), new)
   assert ours == theirs.tolist()
-  assert len({t for row in ours for t in row}) > 20  # varied text, not one token repeated
+  assert len({t for row in ours for t in row}) > len(prompts)  # varied text, not one token repeated
