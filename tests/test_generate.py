@@ -221,3 +221,12 @@ def test_greedy_tokens_equal_transformers_generate_on_the_export(variant, tmp_pa
   assert theirs.shape == (len(prompts), new)
   assert ours == theirs.tolist()
   assert len({t for row in ours for t in row}) > len(prompts)  # varied text, not one token repeated
+
+
+def test_fp8_trained_weights_sample_with_ordinary_matmuls():
+  """An fp8 run's parameters are ordinary weights; the sampler runs them in model.dtype, as eval does."""
+  import dataclasses
+  m, params, _ = tiny()
+  fp8 = dataclasses.replace(m, matmul_dtype='fp8')
+  assert generate_lib.inference_model(fp8) == generate_lib.inference_model(m)
+  assert generate_lib.generate(fp8, params, PROMPTS, 8).tokens == generate_lib.generate(m, params, PROMPTS, 8).tokens

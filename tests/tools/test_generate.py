@@ -96,3 +96,16 @@ def test_generate_refusals_end_with_one_line_and_exit_2(sampled_run, args, says)
 
 def test_generate_refuses_a_run_without_a_checkpoint(tmp_path):
   assert_fails_with(_generate(f'--workdir={tmp_path}', '--prompt=def ', timeout=120), 2, 'holds no checkpoint')
+
+
+def test_sampling_mesh_folds_pipeline_stages_and_context_into_fsdp():
+  from jaxlm import sharding
+  from jaxlm.tools import generate as tool
+  cfg = load_config('palm_tiny')
+  cfg.mesh.update(data=1, fsdp=2, tensor=2, stage=2)  # a pipelined run: its stage devices become fsdp ones
+  mesh_cfg = tool._mesh_cfg(cfg)
+  assert mesh_cfg.stage == 1 and sharding.MeshShape.resolve(mesh_cfg, 8).sizes == (1, 4, 2, 1)
+  cfg = load_config('palm_tiny')
+  cfg.mesh.update(data=1, fsdp=2, tensor=2, context=2)  # context parallelism: sampling splits rows, not sequences
+  mesh_cfg = tool._mesh_cfg(cfg)
+  assert mesh_cfg.context == 1 and sharding.MeshShape.resolve(mesh_cfg, 8).sizes == (1, 4, 2, 1)
