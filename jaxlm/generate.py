@@ -158,7 +158,7 @@ def _decode(model, sampling, eos_id, max_new, return_logits, params, cache, logi
   B, V = logits.shape
   first = sample(logits, jax.random.fold_in(key, 0), sampling)
   tokens = jnp.zeros((B, max_new), jnp.int32).at[:, 0].set(first)
-  done = first == eos_id
+  done = (first == eos_id) | (next_positions == 0)  # the batch's padding rows (no prompt) are done from the start
   all_logits = jnp.zeros((B, max_new, V) if return_logits else (B, 0, V), jnp.float32)
   if return_logits:
     all_logits = all_logits.at[:, 0].set(logits)
