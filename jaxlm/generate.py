@@ -59,6 +59,7 @@ class Output:
   decode_seconds: float  # the compiled loop, after the first token (which prefill's logits give)
   compile_seconds: float  # 0 when both programs came from the cache
   logits: np.ndarray | None = None  # (prompts, max_new_tokens, V) float32 with return_logits: each step's
+  steps: int = 0  # tokens the loop wrote per row before every row had ended (<= max_new_tokens)
 
   @property
   def generated_tokens(self) -> int:
@@ -275,7 +276,7 @@ def generate(model_cfg: model_lib.ModelConfig, params, prompts: list[list[int]],
       result.append(row)
       reasons.append('length')
   return Output(result, reasons, int(lengths.sum()), prefilled - start, decoded - prefilled, compile_seconds,
-                np.asarray(all_logits)[:len(prompts)] if return_logits else None)
+                np.asarray(all_logits)[:len(prompts)] if return_logits else None, steps)
 
 
 def generate_without_cache(model_cfg: model_lib.ModelConfig, params, prompts: list[list[int]],

@@ -93,6 +93,10 @@ def test_generation_stops_each_row_at_its_end_of_text_token():
     else:
       assert (stopped, reason) == (row, 'length')
   assert out.finish_reasons[0] == 'eos'
+  # Three copies of row 0 fill a batch of 4 with one padding row; the loop stops once the three have ended.
+  out = generate_lib.generate(m, params, [PROMPTS[0]] * 3, 12, eos_id=eos)
+  stop = free.tokens[0].index(eos)  # 3, or earlier if row 0 wrote it before
+  assert out.tokens == [free.tokens[0][:stop]] * 3 and out.steps == stop + 1 < 12
   assert out.generated_tokens == sum(len(t) + (r == 'eos') for t, r in zip(out.tokens, out.finish_reasons))
 
 
