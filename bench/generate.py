@@ -1,7 +1,7 @@
 """Sampling speed: jaxlm's KV-cache sampler against decoding without a cache and against transformers' generate.
 
   python bench/generate.py [--config=configs/palm_small.py] [--batches=1,8] [--new=256] [--prompt_len=32]
-                           [--repeats=3] [--notransformers] [--json=FILE]
+                           [--repeats=3] [--no-transformers] [--json=FILE]
 
 For each batch size, greedy decoding of `--new` tokens after random prompts of `--prompt_len` tokens (random
 parameters in the config's shape, float32, no end-of-text so every row runs to the end), in one process:
