@@ -26,6 +26,7 @@ from jaxlm import cli
 from jaxlm import generate as generate_lib
 from jaxlm import sharding
 from jaxlm.data import pipeline as data_lib
+from jaxlm.data import tokenizer as tokenizer_lib
 from jaxlm.hf import export as export_lib
 from jaxlm.tools import eval as eval_lib
 
@@ -58,6 +59,14 @@ def read_prompts(path: str, chat: bool) -> list:
     else:
       raise GenerateError(f'{path}:{n} has neither a "prompt" string nor a "messages" list; give one of them')
   return prompts
+
+
+def run_tokenizer(workdir: str, cfg) -> tokenizer_lib.Tokenizer:
+  """The run's SentencePiece model: the one jaxlm.hf.import_llama put beside an import, else its data's."""
+  beside = os.path.join(os.path.expanduser(workdir), 'tokenizer.model')
+  if os.path.isfile(beside):
+    return tokenizer_lib.Tokenizer(beside)
+  return data_lib.load_tokenizer(cfg.data, cfg.model.vocab_size)
 
 
 def _chat_renderer(tokenizer):
@@ -99,7 +108,7 @@ def run(workdir: str, prompts: list, *, step: int | None = None, max_new_tokens:
     raise GenerateError(f'--num_samples={num_samples}: give at least 1')
   path = export_lib.step_dir(workdir, step)
   cfg = export_lib.read_config(path)
-  tokenizer = data_lib.load_tokenizer(cfg.data, cfg.model.vocab_size)
+  tokenizer = run_tokenizer(workdir, cfg)
   eos = tokenizer.eos_id if tokenizer.eos_id >= 0 else None
   if chat:
     render = _chat_renderer(tokenizer)

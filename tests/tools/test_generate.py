@@ -109,3 +109,14 @@ def test_sampling_mesh_folds_pipeline_stages_and_context_into_fsdp():
   cfg.mesh.update(data=1, fsdp=2, tensor=2, context=2)  # context parallelism: sampling splits rows, not sequences
   mesh_cfg = tool._mesh_cfg(cfg)
   assert mesh_cfg.context == 1 and sharding.MeshShape.resolve(mesh_cfg, 8).sizes == (1, 4, 2, 1)
+
+
+def test_an_imported_run_samples_with_the_tokenizer_import_put_beside_it(tmp_path):
+  from jaxlm.data import tokenizer as tokenizer_lib
+  from jaxlm.tools import generate as tool
+  lines = [f'def f{i}(x):\n    return x * {i} + "{chr(97 + i % 26)}"' for i in range(300)]
+  tokenizer_lib.train(lines, str(tmp_path / 'tokenizer.model'), vocab_size=400)  # where import_llama copies it
+  cfg = load_config('palm_tiny')
+  cfg.data.source = 'nowhere'  # an import has no prepared data to find a tokenizer in
+  tok = tool.run_tokenizer(str(tmp_path), cfg)
+  assert tok.encode('def f1(x):') == tokenizer_lib.Tokenizer(str(tmp_path / 'tokenizer.model')).encode('def f1(x):')
