@@ -81,6 +81,8 @@ def get_config() -> ml_collections.ConfigDict:
   t.log_every = 10  # steps between metric records
   t.eval_every = 100  # steps between held-out evaluations (0 = only at the end)
   t.eval_batches = 8  # batches per evaluation
+  t.sample_prompts = ()  # texts continued greedily at each evaluation, logged as `sample` events, e.g. ('def ',)
+  t.sample_tokens = 32  # most new tokens per sample (fewer where the prompt leaves less of data.seq_len)
   t.deterministic = False  # GPU: deterministic XLA ops, so reruns and resumes are bit for bit (slower); CPU/TPU always are
 
   c.optim = o = ml_collections.ConfigDict()

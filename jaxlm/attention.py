@@ -323,11 +323,18 @@ def gather_sequence(x):
   return jax.lax.with_sharding_constraint(x, P(batch_axes, None, *[P.UNCONSTRAINED] * (x.ndim - 2)))
 
 
-def attention(q, k, v, segment_ids, impl: str = 'xla', block_q: int = 0):
+def attention(q, k, v, segment_ids, impl: str = 'xla', block_q: int = 0, *, kv_segment_ids=None, order=None,
+              kv_order=None):
   """Causal, document-masked attention with the kernel `impl` selects here (see `select`).
 
   `block_q`: xla attention's query rows per block on each context shard (0 = all at once; see xla_attention).
+  Decoding (jaxlm/generate.py) passes a KV cache as k, v (B, S, K, E) with its `kv_segment_ids` (B, S), and the
+  cache slots of the queries, `order` (T,), and of the keys, `kv_order` (S,): the reference kernel then masks
+  by slot (causal) and segment (unwritten slots and padding are 0), whatever the kernel configured.
   """
+  if kv_segment_ids is not None:
+    _log_once('attention over a KV cache: xla attention (the fused kernels take no cache)')
+    return _scores_attention(q, k, v, segment_ids, order, kv_segment_ids, kv_order)
   context = context_ways()
   kernel, why = select(impl, dtype=q.dtype, head_dim=q.shape[-1], seq_len=q.shape[1], context=context)
   # A requested kernel that cannot run is worth a warning; auto's choice and plain xla are information.

@@ -209,6 +209,11 @@ def _train_errors(t, o) -> list[str]:
              'train.steps instead, or drop the ramp.')
   if t.eval_every < 0:
     e.append(f'train.eval_every={t.eval_every} must be >= 0 (0 = evaluate only at the end).')
+  prompts = t.get('sample_prompts', ())
+  if not isinstance(prompts, (tuple, list)) or not all(isinstance(p, str) and p for p in prompts):
+    e.append(f'train.sample_prompts={prompts!r} must be a tuple of non-empty texts, e.g. "(\'def \',)".')
+  if prompts and t.get('sample_tokens', 1) < 1:
+    e.append(f'train.sample_tokens={t.sample_tokens} must be a positive integer.')
   if o.lr <= 0:
     e.append(f'optim.lr={o.lr} must be positive.')
   if o.name not in optimizer.OPTIMIZERS:

@@ -355,11 +355,35 @@ class Attention(nn.Module):
     # Plain RoPE keeps its float32 formula; a scaled one takes its precomputed frequencies.
     frequencies = None if m.rope_scaling == 'none' else rope_frequencies(m)
     q, k = rope(q, positions, m.rope_theta, frequencies), rope(k, positions, m.rope_theta, frequencies)
-    out = attention_lib.attention(q, k, v, segment_ids, m.attention, m.attention_block_q)  # (B, T, H, E)
+    if self.is_mutable_collection('cache'):  # decoding (jaxlm/generate.py): attend over the KV cache
+      out = self.cached_attention(q, k, v, segment_ids)
+    else:
+      out = attention_lib.attention(q, k, v, segment_ids, m.attention, m.attention_block_q)  # (B, T, H, E)
     out = nn.with_logical_constraint(out, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
     # Named so the `attn_out` remat policy can keep it instead of recomputing the whole attention.
     out = checkpoint_name(out, 'attn_out')
     return project(out.reshape(B * T, H * E), wo.astype(dt).reshape(H * E, D), 'out', m).reshape(B, T, D)
+
+  def cached_attention(self, q, k, v, segment_ids):
+    """q (B, T, H, E) over this layer's KV cache after writing k, v (B, T, K, E) at its next T slots.
+
+    The cache holds only the K key/value heads (one under multi-query attention), sized (B, S, K, E) by the call
+    that creates it (its T becomes S), as Flax's decode caches are. `index` is the next slot to write, the same
+    for every row (generate.py left-pads ragged prompts); `segment_ids` (B, S) marks written, non-padding slots.
+    """
+    B, T, K, E = k.shape
+    key = self.variable('cache', 'key', jnp.zeros, (B, T, K, E), k.dtype)
+    value = self.variable('cache', 'value', jnp.zeros, (B, T, K, E), v.dtype)
+    segments = self.variable('cache', 'segment_ids', jnp.zeros, (B, T), jnp.int32)
+    index = self.variable('cache', 'index', lambda: jnp.zeros((), jnp.int32))
+    i = index.value
+    key.value = jax.lax.dynamic_update_slice(key.value, k.astype(key.value.dtype), (0, i, 0, 0))
+    value.value = jax.lax.dynamic_update_slice(value.value, v.astype(value.value.dtype), (0, i, 0, 0))
+    segments.value = jax.lax.dynamic_update_slice(segments.value, segment_ids.astype(jnp.int32), (0, i))
+    index.value = i + T
+    S = key.value.shape[1]
+    return attention_lib.attention(q, key.value, value.value, segment_ids, kv_segment_ids=segments.value,
+                                   order=i + jnp.arange(T), kv_order=jnp.arange(S))
 
 
 class SwiGLU(nn.Module):
@@ -521,7 +545,7 @@ class Decoder(nn.Module):
       x = nn.with_logical_constraint(x, RESIDUAL)
     elif m.scan_layers:
       # One compiled layer body applied L times; parameters get a leading `layers` axis.
-      stack = nn.scan(unit, variable_axes={'params': 0, FP8: 0, moe_lib.STATS: 0},
+      stack = nn.scan(unit, variable_axes={'params': 0, FP8: 0, moe_lib.STATS: 0, 'cache': 0},
                       split_rngs={'params': True, 'dropout': True},
                       in_axes=(nn.broadcast, nn.broadcast), length=units,
                       metadata_params={nn.PARTITION_NAME: 'layers'})

@@ -56,6 +56,7 @@ RULES = (
     ('act_table_embed', 'tensor'),  # the embedding table's view that tokens are looked up in (model.Decoder)
     ('act_embed', None),
     ('act_heads', 'tensor'),
+    ('act_kv_heads', 'tensor'),  # the KV cache's heads (generate.py); replicated where K does not divide tensor
     ('act_kv', None),
     ('act_mlp', 'tensor'),
     ('act_vocab', 'tensor'),

@@ -310,19 +310,34 @@ def log_step(r: Run, step: int, metrics: dict, window: Window, size: int, eta: p
 
 
 def evaluate_and_log(r: Run, step: int, state) -> float:
-  """Held-out loss on the same batches every time, and a system record (time accounting, memory).
+  """Held-out loss on the same batches every time, greedy samples of train.sample_prompts, and a system record.
 
-  With optim.ema the averaged weights are scored too (`eval_loss_ema`); under sf_adamw the raw loss is that of
-  schedule-free's averaged point, the weights it is meant to be evaluated at.
+  With optim.ema the averaged weights are scored too (`eval_loss_ema`); under sf_adamw the raw loss (and the
+  samples) are those of schedule-free's averaged point, the weights it is meant to be evaluated at.
   """
-  with r.acct.track('eval'):
-    loss = evaluate(r.program, optimizer_lib.eval_params(state.opt_state, state.params), r.eval_data)
+  with r.acct.track('eval'):  # samples count as evaluation time in goodput
+    params = optimizer_lib.eval_params(state.opt_state, state.params)
+    loss = evaluate(r.program, params, r.eval_data)
     record = {'eval_loss': loss}
     if state.ema:
       record['eval_loss_ema'] = evaluate(r.program, state.ema, r.eval_data)
+    texts = sample_prompts(r, params)
   r.log.write(step, record, kind='eval')
+  for prompt, text in zip(r.cfg.train.sample_prompts, texts):  # one `sample` event per prompt
+    r.log.event(step, 'sample', f'greedy: {prompt!r} -> {text!r}', prompt=prompt, completion=text)
   r.log.write(step, {**r.acct.summary(), **perf.device_memory_stats()}, kind='system')
   return loss
+
+
+def sample_prompts(r: Run, params) -> list[str]:
+  """Greedy continuations of train.sample_prompts (jaxlm/generate.py); [] when there are none."""
+  t = r.cfg.train
+  if not t.get('sample_prompts'):
+    return []
+  from jaxlm import generate as generate_lib  # pylint: disable=g-import-not-at-top  # runs that sample only
+  tokenizer = data_lib.load_tokenizer(r.cfg.data, r.cfg.model.vocab_size)
+  return generate_lib.sample_texts(r.program.model.config, params, list(t.sample_prompts), tokenizer,
+                                   max_new_tokens=t.sample_tokens, max_len=r.cfg.data.seq_len, mesh=r.mesh)
 
 
 def log_preempted(r: Run, step: int) -> None:
