@@ -81,7 +81,7 @@ def _chat_renderer(tokenizer):
                         'continue plain text, or sample a run fine-tuned with one')
   def render(prompt):
     messages = [{'role': 'user', 'content': prompt}] if isinstance(prompt, str) else prompt
-    return chat_lib.render(messages, template, add_generation_prompt=True)
+    return chat_lib.render(messages, template, add_generation_prompt=True, special_tokens=tokenizer.special_tokens)
   return render
 
 
