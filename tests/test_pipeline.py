@@ -273,3 +273,15 @@ def test_a_pipelined_run_reports_its_stages_and_its_checkpoint_serves_eval_expor
   assert loaded[0]['layers']['mlp']['up'].sharding.spec[0] == 'stage'
   for a, b in zip(jax.tree.leaves(loaded[0]), jax.tree.leaves(loaded[1])):
     np.testing.assert_array_equal(a, b)
+
+  # The sampler reads the pipelined checkpoint too (its stages folded into fsdp): greedy tokens equal the full
+  # recompute on the unpipelined parameters (issue #30).
+  from jaxlm import generate as generate_lib
+  from jaxlm import model as model_lib
+  from jaxlm.tools import generate as generate_tool
+  records, _ = generate_tool.run(workdir, ['def main('], max_new_tokens=8, sampling=generate_lib.Sampling(0.0))
+  tok = generate_tool.run_tokenizer(workdir, cfg)
+  reference = generate_lib.generate_without_cache(model_lib.ModelConfig.from_config(cfg.model), loaded[1],
+                                                  [[tok.separator_id] + tok.encode('def main(')], 8)
+  mine = records[0]['completion_ids']
+  assert len(mine) >= 1 and list(reference[0][:len(mine)]) == list(mine), (mine, reference)
