@@ -4,19 +4,11 @@ import pathlib
 
 from jaxlm.cli import load_file
 
-_BASE = pathlib.Path(__file__).with_name('base.py')
+_TINY = pathlib.Path(__file__).with_name('palm_tiny.py')
 
 
 def get_config():
-  c = load_file(_BASE)
+  c = load_file(_TINY)  # everything else as palm_tiny: the two differ only in the MLP and the block
   c.name = 'moe_tiny'
-  c.model.update(vocab_size=512, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=128,
-                 parallel_block=False, qk_norm='head', moe_experts=4, moe_top_k=2, moe_mlp_dim=32,
-                 dtype='float32', remat='none')
-  c.data.seq_len = 64
-  c.data.stdlib_max_mb = 2
-  c.train.update(steps=30, batch_size=8, log_every=5, eval_every=0, eval_batches=2)
-  c.optim.update(lr=3e-3, warmup_steps=5)
-  c.checkpoint.every = 10
-  c.stability.update(spike_window=20, min_history=10)
+  c.model.update(parallel_block=False, qk_norm='head', moe_experts=4, moe_top_k=2, moe_mlp_dim=32)
   return c
