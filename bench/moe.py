@@ -2,10 +2,12 @@
 
   python bench/moe.py --config=configs/moe_1b.py --steps=10 --warmup=2 [--config.model.x=y ...]
 
-Three rows, each the real train step (bench/mfu.py's `measure`) on random batches:
+Four rows, each the real train step (bench/mfu.py's `measure`) on random batches:
   dropless   the config as given (tokens sorted by expert, grouped GEMMs through ragged_dot)
   capacity   the same with model.moe_capacity_factor=1.0: fixed per-expert buffers; at the near-balanced routing
              of a freshly initialised router, what dropless costs over it is the price of ragged groups
+  one-hot    the same with model.moe_impl=dense: every expert on every token, a one-hot combine (X/k times the
+             routed FLOPs in plain einsums; the test reference, and on a CPU the faster path: see RESULTS)
   dense      the dense model with the same active parameters: one SwiGLU as wide as k experts (plus the shared
              ones), the router gone
 MFU counts active parameters (model.flops_per_token). On a device with no known peak (a CPU) MFU is n/a and the
@@ -29,15 +31,17 @@ FLAGS = flags.FLAGS
 
 
 def rows(cfg) -> dict:
-  """{'dropless': result, 'capacity': result, 'dense': result} for the MoE config `cfg`."""
+  """{'dropless', 'capacity', 'one-hot', 'dense'}: result, for the MoE config `cfg`."""
   m = cfg.model
   capacity = cfg.copy_and_resolve_references()
   capacity.model.moe_capacity_factor = 1.0
+  one_hot = cfg.copy_and_resolve_references()
+  one_hot.model.moe_impl = 'dense'
   dense = cfg.copy_and_resolve_references()
   width = (m.moe_top_k + m.moe_shared_experts) * (m.moe_mlp_dim or model_lib.mlp_dim(m))
   dense.model.update(moe_experts=0, mlp_dim=width)
   return {name: mfu.measure(c, FLAGS.steps, FLAGS.warmup) for name, c in
-          (('dropless', cfg), ('capacity', capacity), ('dense', dense))}
+          (('dropless', cfg), ('capacity', capacity), ('one-hot', one_hot), ('dense', dense))}
 
 
 def main(argv):
