@@ -258,8 +258,8 @@ def export(workdir: str, out: str, *, step: int | None = None, dtype: str = 'flo
   if not tokenizer:
     notes.append('the run\'s tokenizer was not found (see the warning above): weights only; pass '
                  '--tokenizer=PATH (a .model, a tokenizer.json or its directory) to ship one')
-  if m.tie_embeddings and arch == 'LlamaForCausalLM':
-    notes.append('tied embeddings written untied for Llama: lm_head = embedding / sqrt(d_model)')
+  if m.tie_embeddings and arch != 'CohereForCausalLM':
+    notes.append(f'tied embeddings written untied for {arch}: lm_head = embedding / sqrt(d_model)')
   return {'out': os.path.abspath(out), 'step': int(os.path.basename(path)), 'architecture': arch,
           'dtype': dtype, 'files': files, 'tokenizer': tokenizer, 'notes': notes}
 
