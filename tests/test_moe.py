@@ -423,8 +423,10 @@ _HF_FAMILIES = {
 
 
 @functools.cache
-def _hf_model(family: str):
-  """(config.json dict, fused in-memory state dict, per-expert saved state dict, inputs, transformers' logits)."""
+def _hf_model(family: str, layers: int = 2, **more):
+  """(config.json dict, fused in-memory state dict, per-expert saved state dict, inputs, transformers' logits).
+
+  more: config values over the family's (tuples for lists, so the call stays cacheable)."""
   import tempfile
   import safetensors.numpy
   import torch
@@ -432,9 +434,9 @@ def _hf_model(family: str):
   config_cls, model_cls, extra = _HF_FAMILIES[family]
   torch.manual_seed(0)
   config = getattr(transformers, config_cls)(
-      vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+      vocab_size=97, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
       rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-      pad_token_id=0, **extra)
+      pad_token_id=0, **{**extra, **{k: list(v) if isinstance(v, tuple) else v for k, v in more.items()}})
   config._attn_implementation = 'eager'
   model = getattr(transformers, model_cls)(config).eval()
   inputs = np.random.default_rng(0).integers(0, 97, (2, 13))
@@ -447,14 +449,15 @@ def _hf_model(family: str):
   return config.to_dict(), fused, saved, inputs, logits
 
 
-def _jaxlm_logits(hf_config: dict, tensors: dict, inputs, **flip):
+def _jaxlm_logits(hf_config: dict, tensors: dict, inputs, scan_layers: bool = True, **flip):
   from jaxlm import cli
   from jaxlm.hf import convert
   from tests.conftest import ROOT
   cfg = cli.load_file(ROOT / 'configs' / 'base.py')
-  cfg.model.update(convert.model_overrides(hf_config), dtype='float32', remat='none', **flip)
+  cfg.model.update(convert.model_overrides(hf_config), dtype='float32', remat='none', scan_layers=scan_layers,
+                   **flip)
   m = model_lib.ModelConfig.from_config(cfg.model)
-  params = convert.from_hf(tensors, m, scan_layers=True)
+  params = convert.from_hf(tensors, m, scan_layers=scan_layers)
   seg = np.ones_like(inputs)
   pos = np.tile(np.arange(inputs.shape[1]), (inputs.shape[0], 1))
   return np.asarray(jax.jit(model_lib.Decoder(m).apply)({'params': params}, inputs, seg, pos))
@@ -502,6 +505,42 @@ def test_hf_moe_export_loads_in_transformers_with_the_same_logits(family, tmp_pa
       lambda path, x: x + 0.5 if jax.tree_util.keystr(path).endswith("['bias']") else x, params)
   with pytest.raises(convert.ExportError, match='moe_bias_rate=0'):
     convert.to_hf(biased, m)
+
+
+def test_hf_qwen3_moe_mlp_only_layers_import_and_export_as_first_dense(tmp_path):
+  import dataclasses
+  import json
+  import safetensors.numpy
+  import torch
+  import transformers
+  from jaxlm import cli
+  from tests.conftest import ROOT
+  # Layers 0, 1 dense by mlp_only_layers, 2 dense by decoder_sparse_step=2, 3 MoE: moe_first_dense=2, moe_every=2.
+  hf_config, _, saved, inputs, want = _hf_model('qwen3_moe', layers=4, mlp_only_layers=(0, 1))
+  overrides = convert.model_overrides(hf_config)
+  assert (overrides['moe_first_dense'], overrides['moe_every']) == (2, 2)
+  for scan_layers in (True, False):
+    got = _jaxlm_logits(hf_config, saved, inputs, scan_layers=scan_layers)
+    assert np.abs(got - want).max() <= 1e-4, np.abs(got - want).max()
+  cfg = cli.load_file(ROOT / 'configs' / 'base.py')
+  cfg.model.update(overrides, dtype='float32')
+  m = model_lib.ModelConfig.from_config(cfg.model)
+  params = convert.from_hf(saved, m, scan_layers=True)
+  assert set(params) >= {'dense_layers', 'layers'}
+  safetensors.numpy.save_file(convert.to_hf(params, m), str(tmp_path / 'model.safetensors'))
+  config = convert.hf_config(m, max_positions=64, dtype='float32', bos_id=1, eos_id=2)
+  assert (config['mlp_only_layers'], config['decoder_sparse_step']) == ([0, 1], 2)
+  (tmp_path / 'config.json').write_text(json.dumps(config))
+  model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation='eager').eval()
+  with torch.no_grad():
+    assert np.abs(model(torch.tensor(inputs)).logits.numpy() - want).max() <= 1e-4
+  # What first-k-dense cannot say is refused with one line, both ways.
+  for dense, step in (([1], 1), ([0], 2), ([0, 2], 1)):
+    with pytest.raises(convert.HFImportError, match='mlp_only_layers'):
+      convert.model_overrides({**hf_config, 'mlp_only_layers': dense, 'decoder_sparse_step': step})
+  for changed in (dict(moe_first_dense=1, num_layers=3), dict(moe_router='mixtral', qk_norm='none')):
+    with pytest.raises(convert.ExportError, match='moe_first_dense'):
+      convert.architecture(dataclasses.replace(m, **changed))
 
 
 @pytest.mark.e2e  # whole training runs in process, with a checkpoint written and read back

@@ -74,7 +74,7 @@ def architecture(m: model_lib.ModelConfig) -> str:
   if m.moe_experts:
     return _moe_architecture(m)
   if m.qk_norm == 'full' or (m.qk_norm == 'head' and m.parallel_block):
-    raise ExportError(f'model.qk_norm={m.qk_norm} on a dense {"parallel-block" if m.parallel_block else ""} model '
+    raise ExportError(f'model.qk_norm={m.qk_norm} on a dense{" parallel-block" if m.parallel_block else ""} model '
                       f'has no Hugging Face equivalent (Qwen3 is the sequential block with qk_norm=head); export it '
                       f'with qk_norm=none or head.')
   if m.d_model % m.num_heads:
