@@ -394,6 +394,28 @@ def test_microbatches_give_the_same_update_bias_included():
     np.testing.assert_allclose(m4[0][key], m1[0][key], rtol=1e-6, err_msg=key)
 
 
+@pytest.mark.e2e  # two compiled training programs
+def test_first_dense_model_trains_on_a_mesh_microbatches_giving_the_same_update():
+  from jaxlm import sharding, train
+  from tests.helpers import plain_program
+
+  def step(microbatches):
+    cfg = _moe_config(moe_first_dense=1, moe_every=2, num_layers=3)
+    cfg.optim.eps = 1.0
+    cfg.mesh.update(data=1, fsdp=2, tensor=1)
+    program = plain_program(cfg, sharding.make_mesh(cfg.mesh, jax.devices()[:2]), microbatches=microbatches)
+    state, metrics = program.train_step(program.init(), train.global_batch(
+        random_batch(8, 16, cfg.model.vocab_size, docs=2), program.batch_sharding))
+    return {k: float(v) for k, v in metrics.items()}, jax.tree.map(np.asarray, state.params)
+
+  (m1, p1), (m2, p2) = step(1), step(2)
+  assert {k for k in m1 if k.endswith('/max_load')} == {'moe/2/max_load', 'moe/max_load'}  # layer 2: the one MoE
+  for key in ('loss', 'moe/2/aux_loss', 'moe/2/max_load', 'moe/2/bias_norm'):
+    np.testing.assert_allclose(m2[key], m1[key], rtol=1e-6, err_msg=key)
+  assert m1['moe/2/bias_norm'] > 0 and _max_diff(p1, p2) <= 1e-6
+  np.testing.assert_array_equal(p1['layers']['block_1']['moe']['bias'], p2['layers']['block_1']['moe']['bias'])
+
+
 @pytest.mark.parametrize('shape, skewed', grid([(s, k) for s in [(1, 8, 1), (2, 2, 2), (1, 4, 2)] for k in (False, True)],
                                                fast=[], ids=lambda c: f'{"x".join(map(str, c[0]))}'
                                                f'{"-skewed" if c[1] else ""}', unpack=True))
