@@ -190,18 +190,24 @@ def test_param_counts_match_pytree(overrides):
   assert flops == 6 * model_lib.param_count(m, active=True) + 12 * m.num_layers * m.num_heads * m.head_dim * 16
 
 
-@pytest.mark.parametrize('variant', grid(['unrolled', 'remat'], fast=['unrolled']))
+# variant -> (moe_every, num_layers, which layers are MoE) with moe_first_dense=1.
+_FIRST_DENSE = {'unrolled': (1, 3, [False, True, True]), 'remat': (2, 5, [False, False, True, False, True])}
+
+
+@pytest.mark.parametrize('variant', grid(list(_FIRST_DENSE), fast=['unrolled']))
 def test_first_dense_layers_scanned_unrolled_and_remat_agree(variant):
   import dataclasses
-  m = _model(moe_first_dense=1, moe_every=2, num_layers=5, remat='none')
+  every, num_layers, pattern = _FIRST_DENSE[variant]
+  m = _model(moe_first_dense=1, moe_every=every, num_layers=num_layers, remat='none')
   b = random_batch(2, 12, m.vocab_size, docs=2)
   b['segment_ids'][:, -3:] = 0
   args = (b['inputs'], b['segment_ids'], b['positions'])
   params = jax.jit(model_lib.Decoder(m).init)(jax.random.PRNGKey(1), *args)['params']
   params = jax.tree.map(lambda p: getattr(p, 'value', p), params, is_leaf=lambda p: hasattr(p, 'names'))
   layers = convert.layer_params(params, m)
-  assert ['moe' in p for p in layers] == [False, False, True, False, True]  # k = 1 dense, then (dense, MoE) × 2
-  assert params['dense_layers']['mlp']['gate'].shape[0] == 1 and params['layers']['block_1']['moe']['router'].shape[0] == 2
+  assert ['moe' in p for p in layers] == pattern  # k = 1 dense, then moe_every's pattern
+  moe_stack = params['layers']['block_1']['moe'] if every > 1 else params['layers']['moe']
+  assert params['dense_layers']['mlp']['gate'].shape[0] == 1 and moe_stack['router'].shape[0] == 2  # two units
   unrolled = {**{k: v for k, v in params.items() if 'layers' not in k}, **{f'layers_{i}': p for i, p in enumerate(layers)}}
 
   def run(m, p):  # the loss, per-layer gradients (the remat case) and the routing metrics
@@ -215,8 +221,10 @@ def test_first_dense_layers_scanned_unrolled_and_remat_agree(variant):
     return float(value), convert.layer_params(jax.device_get(grads), m), moe.metrics(stats, m, p)
 
   ref_loss, ref_grads, ref_metrics = run(m, params)
-  assert sorted(k for k in ref_metrics if k.endswith('max_load')) == ['moe/2/max_load', 'moe/4/max_load', 'moe/max_load']
-  assert 'moe/4/bias_norm' in ref_metrics
+  numbers = [i for i, is_moe in enumerate(pattern) if is_moe]  # metrics named by the layer's own number
+  assert sorted(k for k in ref_metrics if k.endswith('max_load')) == [f'moe/{i}/max_load' for i in numbers] + [
+      'moe/max_load']
+  assert f'moe/{numbers[-1]}/bias_norm' in ref_metrics
   other, p = (dataclasses.replace(m, scan_layers=False), unrolled) if variant == 'unrolled' else (
       dataclasses.replace(m, remat='full'), params)
   loss, grads, metrics = run(other, p)
