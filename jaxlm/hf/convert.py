@@ -262,6 +262,8 @@ def model_overrides(hf: dict) -> dict:
   if hf.get('model_type') not in IMPORTABLE:
     raise HFImportError(f'model_type={hf.get("model_type")!r}: only {", ".join(IMPORTABLE)} checkpoints '
                         f'can be imported.')
+  if hf.get('use_sliding_window') is False:  # Qwen families: transformers then ignores sliding_window (sets None)
+    hf = {**hf, 'sliding_window': None}
   if hf.get('hidden_act', 'silu') != 'silu':
     raise HFImportError(f'hidden_act={hf["hidden_act"]!r}: jaxlm\'s MLP is SwiGLU (silu) only.')
   for key, allowed in _UNSUPPORTED.items():

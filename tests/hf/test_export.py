@@ -228,6 +228,9 @@ def test_import_refuses_pickles_and_unsupported_configs(tmp_path):
   base = dict(model_type='llama', hidden_size=48, num_attention_heads=4, num_key_value_heads=2,
               num_hidden_layers=2, intermediate_size=100, vocab_size=397)
   assert import_hf.model_overrides(base)['head_dim'] == 12
+  # Qwen3's files may carry a sliding_window that use_sliding_window=False switches off (transformers nulls it).
+  assert import_hf.model_overrides({**base, 'model_type': 'qwen3', 'use_sliding_window': False,
+                                    'sliding_window': 4096})['qk_norm'] == 'head'
   for bad, match in [(dict(rope_scaling={'rope_type': 'dynamic', 'factor': 8.0}), 'rope'),
                      (dict(rope_parameters={'rope_type': 'longrope', 'factor': 4.0}), 'rope'),
                      (dict(rope_parameters={'rope_type': 'linear', 'factor': 2.0, 'partial_rotary_factor': 0.5}),
@@ -235,7 +238,8 @@ def test_import_refuses_pickles_and_unsupported_configs(tmp_path):
                      (dict(attention_bias=True), 'attention_bias'), (dict(mlp_bias=True), 'mlp_bias'),
                      (dict(hidden_act='gelu'), 'silu'), (dict(sliding_window=4096), 'sliding_window'),
                      (dict(model_type='qwen2'), 'llama'),
-                     (dict(model_type='qwen3', layer_types=['full_attention', 'sliding_attention']), 'layer_types')]:
+                     (dict(model_type='qwen3', layer_types=['full_attention', 'sliding_attention']), 'layer_types'),
+                     (dict(model_type='qwen3', use_sliding_window=True, sliding_window=4096), 'sliding_window')]:
     with pytest.raises(import_hf.HFImportError, match=match):
       import_hf.model_overrides({**base, **bad})
 
