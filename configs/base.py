@@ -49,8 +49,11 @@ def get_config() -> ml_collections.ConfigDict:
   m.moe_top_k = 2  # k, experts each token is sent to
   m.moe_mlp_dim = 0  # one expert's SwiGLU width; 0 = mlp_dim's resolved width
   m.moe_shared_experts = 0  # experts every token goes through besides its k (DeepSeek), as one SwiGLU that wide
-  m.moe_every = 1  # every n-th layer is MoE (layers n-1, 2n-1, ...), the rest dense; num_layers % n == 0
+  m.moe_every = 1  # every n-th layer is MoE (layers n-1, 2n-1, ... after moe_first_dense), the rest dense; divides the rest
+  m.moe_first_dense = 0  # k: the first k layers dense MLPs (DeepSeek's first_k_dense_replace), then moe_every's pattern
   m.moe_router = 'mixtral'  # mixtral | qwen3_moe | olmoe (softmax, top-k) | deepseek_v3 (sigmoid, biased choice)
+  m.moe_groups = 1  # deepseek_v3's n_group: experts in this many equal groups for group-limited routing; 1 = none
+  m.moe_top_groups = 1  # deepseek_v3's topk_group: top-k chosen inside this many best groups (ranked by top-2 sum)
   m.moe_norm_topk_prob = True  # qwen3_moe/olmoe/deepseek_v3: renormalise the k weights to sum to 1 (mixtral always)
   m.moe_routed_scale = 1.0  # deepseek_v3's routed_scaling_factor: the routed experts' weights times this
   m.moe_capacity_factor = 0.0  # 0 = dropless; else each expert takes ceil(factor·N·k/X) tokens, the rest dropped

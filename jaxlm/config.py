@@ -109,11 +109,26 @@ def _moe_errors(c, num_devices: int) -> list[str]:
   for key in ('moe_mlp_dim', 'moe_shared_experts'):
     if m[key] < 0:
       e.append(f'model.{key}={m[key]} must be >= 0.')
-  if m.moe_every < 1 or (m.num_layers > 0 and m.num_layers % m.moe_every):
-    e.append(f'model.moe_every={m.moe_every} must be a positive divisor of model.num_layers={m.num_layers} (every '
-             f'n-th layer is MoE, the scanned unit is a group of n layers).')
+  first = m.get('moe_first_dense', 0)
+  if not 0 <= first < m.num_layers:
+    e.append(f'model.moe_first_dense={first} must be between 0 and model.num_layers - 1 = {m.num_layers - 1} '
+             f'(the first k layers dense, DeepSeek\'s first_k_dense_replace).')
+  elif m.moe_every < 1 or (m.num_layers - first) % m.moe_every:
+    e.append(f'model.moe_every={m.moe_every} must be a positive divisor of model.num_layers - model.moe_first_dense'
+             f' = {m.num_layers - first} (every n-th layer is MoE, the scanned unit is a group of n layers).')
   if m.moe_router not in MOE_ROUTERS:
     e.append(f'model.moe_router={m.moe_router!r} is unknown; use one of {", ".join(MOE_ROUTERS)}.')
+  groups, top_groups = m.get('moe_groups', 1), m.get('moe_top_groups', 1)
+  if groups < 1 or X % groups or not 1 <= top_groups <= groups:
+    e.append(f'model.moe_groups={groups} must divide model.moe_experts={X}, and model.moe_top_groups={top_groups} '
+             f'be between 1 and it (1/1: no group-limited routing).')
+  elif groups > 1 and m.moe_router != 'deepseek_v3':
+    e.append(f'model.moe_groups={groups} is DeepSeek-V3\'s group-limited routing; use model.moe_router=deepseek_v3 '
+             f'or model.moe_groups=1.')
+  elif top_groups < groups and (X // groups < 2 or m.moe_top_k > top_groups * (X // groups)):
+    e.append(f'model.moe_top_groups={top_groups} of model.moe_groups={groups} leaves {top_groups * (X // groups)} '
+             f'experts in groups of {X // groups} for model.moe_top_k={m.moe_top_k}: groups score by their best two '
+             f'experts and must hold k; choose fewer groups or more top groups.')
   if m.moe_impl not in MOE_IMPLS:
     e.append(f'model.moe_impl={m.moe_impl!r} is unknown; use one of {", ".join(MOE_IMPLS)}.')
   for key in ('moe_capacity_factor', 'moe_aux_loss', 'moe_router_z_loss', 'moe_bias_rate'):

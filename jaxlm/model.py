@@ -81,7 +81,10 @@ class ModelConfig:
   moe_mlp_dim: int = 0
   moe_shared_experts: int = 0
   moe_every: int = 1
+  moe_first_dense: int = 0
   moe_router: str = 'mixtral'
+  moe_groups: int = 1
+  moe_top_groups: int = 1
   moe_norm_topk_prob: bool = True
   moe_routed_scale: float = 1.0
   moe_capacity_factor: float = 0.0
@@ -101,8 +104,15 @@ class ModelConfig:
 
 
 def is_moe(m: ModelConfig, layer: int) -> bool:
-  """Whether layer `layer` (from 0) is a mixture of experts: every moe_every-th layer, the last of each group."""
-  return m.moe_experts > 0 and (layer + 1) % m.moe_every == 0
+  """Whether layer `layer` (from 0) is a mixture of experts: after the moe_first_dense dense layers (DeepSeek's
+  first_k_dense_replace), every moe_every-th layer, the last of each group."""
+  first = layer - m.moe_first_dense
+  return m.moe_experts > 0 and first >= 0 and (first + 1) % m.moe_every == 0
+
+
+def dense_prefix(m: ModelConfig) -> int:
+  """Layers before the first group of a mixture of experts that are plain dense layers (model.moe_first_dense)."""
+  return m.moe_first_dense if m.moe_experts else 0
 
 
 def qk_norm_params(m: ModelConfig) -> int:
@@ -489,7 +499,7 @@ class Group(nn.Module):
   def __call__(self, x, segment_ids, positions):
     m = self.config
     for j in range(m.moe_every):
-      x, _ = Block(m, self.deterministic, moe=is_moe(m, j), name=f'block_{j}')(x, segment_ids, positions)
+      x, _ = Block(m, self.deterministic, moe=j == m.moe_every - 1, name=f'block_{j}')(x, segment_ids, positions)
     return x, None
 
 
@@ -528,7 +538,13 @@ class Decoder(nn.Module):
 
     # The scanned unit: one layer, or with MoE every n-th layer a group of n (jaxlm/moe.py); the stack's
     # variables (parameters, fp8 scales, routing statistics) get a leading axis, one entry per unit.
-    unit, units = (Group, m.num_layers // m.moe_every) if m.moe_experts and m.moe_every > 1 else (Block, m.num_layers)
+    # With moe_first_dense = k (DeepSeek's first-k-dense), the first k layers are plain Blocks: their own
+    # scanned stack, `dense_layers`, before the units of `layers`.
+    first = dense_prefix(m)
+    if m.moe_experts and m.moe_every > 1:
+      unit, units = Group, (m.num_layers - first) // m.moe_every
+    else:
+      unit, units = Block, m.num_layers - first
     fields = {'moe': True} if unit is Block and m.moe_experts else {}
     block = Block
     if m.remat != 'none':
@@ -545,11 +561,13 @@ class Decoder(nn.Module):
       x = nn.with_logical_constraint(x, RESIDUAL)
     elif m.scan_layers:
       # One compiled layer body applied L times; parameters get a leading `layers` axis.
-      stack = nn.scan(unit, variable_axes={'params': 0, FP8: 0, moe_lib.STATS: 0, 'cache': 0},
-                      split_rngs={'params': True, 'dropout': True},
-                      in_axes=(nn.broadcast, nn.broadcast), length=units,
-                      metadata_params={nn.PARTITION_NAME: 'layers'})
-      x, _ = stack(m, deterministic, name='layers', **fields)(x, segment_ids, positions)
+      scan = functools.partial(nn.scan, variable_axes={'params': 0, FP8: 0, moe_lib.STATS: 0, 'cache': 0},
+                               split_rngs={'params': True, 'dropout': True},
+                               in_axes=(nn.broadcast, nn.broadcast),
+                               metadata_params={nn.PARTITION_NAME: 'layers'})
+      if first:
+        x, _ = scan(block, length=first)(m, deterministic, name='dense_layers')(x, segment_ids, positions)
+      x, _ = scan(unit, length=units)(m, deterministic, name='layers', **fields)(x, segment_ids, positions)
     else:
       for i in range(m.num_layers):
         x, _ = block(m, deterministic, moe=is_moe(m, i), name=f'layers_{i}')(x, segment_ids, positions)

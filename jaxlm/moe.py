@@ -25,7 +25,8 @@ IMPLS = ('ragged', 'dense')  # model.moe_impl: sorted grouped GEMMs, or every ex
 STATS = 'moe_stats'  # the Flax collection each MoE layer writes its routing statistics into, when mutable
 
 
-def route(logits, preset: str, top_k: int, norm_topk_prob: bool, routed_scale: float, bias=None):
+def route(logits, preset: str, top_k: int, norm_topk_prob: bool, routed_scale: float, bias=None, groups: int = 1,
+          top_groups: int = 1):
   """The router's choice for each token: (weights (N, k), experts (N, k) int32, scores (N, X)), in float32.
 
   mixtral      softmax over all X, top-k, renormalised over the k (= a softmax over the top-k logits).
@@ -34,17 +35,32 @@ def route(logits, preset: str, top_k: int, norm_topk_prob: bool, routed_scale: f
   deepseek_v3  sigmoid scores; the top-k chosen on scores + bias (the checkpoint's e_score_correction_bias),
                weighted by the unbiased scores, renormalised with norm_topk_prob, times routed_scale.
   `bias` (X,) shifts the choice only, never the weights (auxiliary-loss-free balancing, DeepSeek-V3 §2.1.2).
+  groups > 1: DeepSeek-V3's group-limited routing (n_group, topk_group): the X experts in `groups` equal groups,
+  each group scored by the sum of its two best (biased) scores, and the top-k chosen only inside the
+  `top_groups` best groups, which bounds the devices a token is sent to when groups map to devices.
   The same operations in the same order as transformers' routers (tests/test_moe.py compares them).
   """
   logits = logits.astype(jnp.float32)
   scores = jax.nn.sigmoid(logits) if preset == 'deepseek_v3' else jax.nn.softmax(logits, axis=-1)
-  _, experts = jax.lax.top_k(scores if bias is None else scores + bias, top_k)
+  choice = scores if bias is None else scores + bias
+  if top_groups < groups:
+    choice = limit_groups(choice, groups, top_groups)
+  _, experts = jax.lax.top_k(choice, top_k)
   weights = jnp.take_along_axis(scores, experts, axis=-1)
   if preset == 'mixtral' or norm_topk_prob:
     weights = weights / (weights.sum(-1, keepdims=True) + (1e-20 if preset == 'deepseek_v3' else 0.0))
   if routed_scale != 1.0:
     weights = weights * routed_scale
   return weights, experts.astype(jnp.int32), scores
+
+
+def limit_groups(choice, groups: int, top_groups: int):
+  """choice (N, X) with every expert outside each token's `top_groups` best groups set to -inf (DeepSeek-V3)."""
+  N, X = choice.shape
+  best_two = jax.lax.top_k(choice.reshape(N, groups, X // groups), 2)[0].sum(-1)  # (N, groups)
+  _, chosen = jax.lax.top_k(best_two, top_groups)  # (N, top_groups)
+  mask = jax.nn.one_hot(chosen, groups, dtype=jnp.bool_).any(axis=1)  # (N, groups)
+  return jnp.where(jnp.repeat(mask, X // groups, axis=-1), choice, -jnp.inf)
 
 
 def capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
@@ -152,7 +168,8 @@ class MoE(nn.Module):
     # The router in float32 whatever the compute dtype: near-ties between experts decide the choice.
     logits = jnp.dot(xt.astype(jnp.float32), w_router.astype(jnp.float32))  # (N, X)
     weights, experts, scores = route(logits, m.moe_router, k, m.moe_norm_topk_prob, m.moe_routed_scale,
-                                     bias=jax.lax.stop_gradient(bias.astype(jnp.float32)))
+                                     bias=jax.lax.stop_gradient(bias.astype(jnp.float32)), groups=m.moe_groups,
+                                     top_groups=m.moe_top_groups)
     keep, load = assign(experts, valid, X, capacity(B * T, k, X, m.moe_capacity_factor))
     # Expert GEMMs stay in model.dtype: fp8's per-tensor scales do not cover X experts' grouped rows.
     run = ragged_experts if m.moe_impl == 'ragged' else dense_experts
@@ -197,18 +214,18 @@ def _nodes(tree, marker: str, path=()):
       yield from _nodes(tree[key], marker, (*path, key))
 
 
-def per_layer(stats, every: int, marker: str = 'load') -> list[tuple[int, dict]]:
+def per_layer(stats, every: int, marker: str = 'load', first: int = 0) -> list[tuple[int, dict]]:
   """[(layer number, that layer's statistics)], in layer order, from the STATS collection of a model's apply.
 
   Scanned stacks hold one entry per unit on a leading axis (`layers/moe` or `layers/block_j/moe`, units of
-  `every` layers); unrolled ones are `layers_i/moe`.
+  `every` layers, after the `first` dense layers of model.moe_first_dense); unrolled ones are `layers_i/moe`.
   """
   out = []
   for path, node in _nodes(stats, marker):
     if path[0] == 'layers':  # scanned: split the leading unit axis
       j = int(path[1].split('_')[1]) if path[1].startswith('block_') else every - 1
       units = node[marker].shape[0]
-      out += [(u * every + j, {k: v[u] for k, v in node.items()}) for u in range(units)]
+      out += [(first + u * every + j, {k: v[u] for k, v in node.items()}) for u in range(units)]
     else:
       out.append((int(path[0].split('_')[1]), dict(node)))
   return sorted(out, key=lambda item: item[0])
@@ -245,8 +262,9 @@ def metrics(stats, m, bias_params=None) -> dict:
   """Per MoE layer: max/mean load, dropped fraction, aux and z losses (unscaled), router entropy, bias norm;
   and `moe/max_load`, the largest over layers (the progress line's summary)."""
   out = {}
-  biases = dict(per_layer(bias_params, m.moe_every, 'router')) if bias_params is not None else {}
-  for i, s in per_layer(stats, m.moe_every):
+  first = m.moe_first_dense
+  biases = dict(per_layer(bias_params, m.moe_every, 'router', first)) if bias_params is not None else {}
+  for i, s in per_layer(stats, m.moe_every, first=first):
     tokens = jnp.maximum(s['tokens'], 1.0)
     load = s['load']
     out[f'moe/{i}/max_load'] = load.max() / jnp.maximum(load.mean(), 1e-9)

@@ -31,16 +31,16 @@ def _args(data_cache, *extra):
   return (*COMMON, f'--config.data.cache_dir={data_cache}', *extra)
 
 
-def _run(workdir, data_cache, *extra, check=True):
-  out = subprocess.run(train_command(workdir, *_args(data_cache, *extra)), cwd=ROOT, env=train_env(),
+def _run(workdir, data_cache, *extra, check=True, config='palm_tiny'):
+  out = subprocess.run(train_command(workdir, *_args(data_cache, *extra), config=config), cwd=ROOT, env=train_env(),
                        capture_output=True, text=True, timeout=600)
   if check:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   return out
 
 
-def _start(workdir, data_cache, *extra):
-  return subprocess.Popen(train_command(workdir, *_args(data_cache, *extra)), cwd=ROOT, env=train_env(),
+def _start(workdir, data_cache, *extra, config='palm_tiny'):
+  return subprocess.Popen(train_command(workdir, *_args(data_cache, *extra), config=config), cwd=ROOT, env=train_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -94,6 +94,33 @@ def test_sigkill_at_several_steps_resumes_bit_for_bit(reference, tmp_path, data_
   a, b = _final_params(reference), _final_params(tmp_path)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(x, y)
+
+
+# A mixture of experts with every piece of routing state on: the balancing biases move each step.
+MOE = ('--config.model.moe_bias_rate=0.01', '--config.model.moe_aux_loss=0.01', '--config.model.moe_router_z_loss=0.001')
+
+
+def test_sigkill_of_a_moe_run_resumes_bit_for_bit_router_biases_included(tmp_path, data_cache):
+  reference = tmp_path / 'reference'
+  _run(reference, data_cache, *MOE, config='moe_tiny')
+  killed = tmp_path / 'killed'
+  proc = _start(killed, data_cache, *MOE, config='moe_tiny')
+  _wait_for_step(proc, killed, 10)  # past the checkpoint at step 8: steps 9 and 10 are redone
+  trainer = _trainer_of(proc)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  trainer.wait(timeout=10)
+  out = _run(killed, data_cache, *MOE, config='moe_tiny')
+  assert 'resumed from checkpoint step' in out.stdout
+  want = {r['step']: (r['loss'], r['moe/max_load']) for r in read_records(reference)}
+  got = [(r['step'], (r['loss'], r['moe/max_load'])) for r in read_records(killed)]
+  assert sorted({step for step, _ in got}) == list(range(1, STEPS + 1))
+  for step, values in got:  # every logged loss and max load, redone steps included, is the uninterrupted one
+    assert values == want[step], step
+  a, b = _final_params(reference), _final_params(killed)
+  biases = [x for path, x in jax.tree_util.tree_flatten_with_path(b)[0] if jax.tree_util.keystr(path).endswith("['bias']")]
+  assert biases and np.abs(biases[0]).max() > 0  # the balancing moved the router biases
+  jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
 def _trainer_of(proc) -> psutil.Process:

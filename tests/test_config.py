@@ -69,6 +69,16 @@ BAD = [
     ('model.moe_experts (pipeline)', dict(model=dict(moe_experts=4), mesh=dict(fsdp=-1, stage=2)),
      'mixture-of-experts layers do not run inside a pipeline'),
     ('model.qk_norm', dict(model=dict(qk_norm='yes')), "model.qk_norm='yes' is unknown"),
+    ('model.moe_first_dense', dict(model=dict(moe_experts=4, num_layers=2, moe_first_dense=2)),
+     'model.moe_first_dense=2 must be between 0 and model.num_layers - 1 = 1'),
+    ('model.moe_every (first dense)', dict(model=dict(moe_experts=4, num_layers=4, moe_first_dense=1, moe_every=2)),
+     'model.moe_every=2 must be a positive divisor of model.num_layers - model.moe_first_dense = 3'),
+    ('model.moe_groups', dict(model=dict(moe_experts=4, moe_router='deepseek_v3', moe_groups=3)),
+     'model.moe_groups=3 must divide model.moe_experts=4'),
+    ('model.moe_groups (router)', dict(model=dict(moe_experts=4, moe_groups=2)),
+     "model.moe_groups=2 is DeepSeek-V3's group-limited routing"),
+    ('model.moe_top_groups', dict(model=dict(moe_experts=8, moe_top_k=3, moe_router='deepseek_v3', moe_groups=4,
+                                             moe_top_groups=1)), 'model.moe_top_groups=1 of model.moe_groups=4 leaves 2'),
 ]
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from jaxlm import model as model_lib
 from jaxlm import moe
+from jaxlm.hf import convert
 from tests.helpers import grid, odd_config, random_batch
 
 # Small, distinct sizes (X experts of width F on D): a wrong transpose or expert index fails loudly.
@@ -111,6 +112,57 @@ def test_route_presets_normalise_as_their_families():
   np.testing.assert_allclose(w, 2.0 * sel / sel.sum(-1, keepdims=True), rtol=1e-6)
 
 
+def test_deepseek_v3_group_limited_routing_equals_transformers():
+  import torch
+  import transformers
+  from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+  n, hidden, experts, k = 64, 16, 8, 3
+  rng = np.random.default_rng(4)
+  x = rng.normal(size=(n, hidden)).astype(np.float32)
+  weight = rng.normal(size=(experts, hidden)).astype(np.float32) * 0.5
+  bias = rng.normal(size=(experts,)).astype(np.float32) * 0.3  # e_score_correction_bias
+
+  def hf_route(groups, top_groups):
+    config = transformers.DeepseekV3Config(hidden_size=hidden, n_routed_experts=experts, num_experts_per_tok=k,
+                                           n_group=groups, topk_group=top_groups, routed_scaling_factor=2.5,
+                                           norm_topk_prob=True)
+    router = ds.DeepseekV3TopkRouter(config)
+    with torch.no_grad():
+      router.weight.copy_(torch.tensor(weight))
+      router.e_score_correction_bias.copy_(torch.tensor(bias))
+      logits, w, e = router(torch.tensor(x))
+    order = np.argsort(e.numpy(), -1)  # HF's top-k is unsorted: compare (expert, weight) sets
+    return logits.numpy(), np.take_along_axis(e.numpy(), order, -1), np.take_along_axis(w.numpy(), order, -1)
+
+  chosen = {}
+  for groups, top_groups in ((1, 1), (4, 2), (4, 4), (2, 1)):
+    logits, want_e, want_w = hf_route(groups, top_groups)
+    np.testing.assert_allclose(x @ weight.T, logits, atol=1e-5)
+    w, e, _ = moe.route(jnp.asarray(logits), 'deepseek_v3', k, True, 2.5, bias=jnp.asarray(bias), groups=groups,
+                        top_groups=top_groups)
+    order = np.argsort(np.asarray(e), -1)
+    got_e, got_w = np.take_along_axis(np.asarray(e), order, -1), np.take_along_axis(np.asarray(w), order, -1)
+    np.testing.assert_array_equal(got_e, want_e)
+    np.testing.assert_allclose(got_w, want_w, rtol=1e-6)
+    chosen[groups, top_groups] = got_e
+  np.testing.assert_array_equal(chosen[4, 4], chosen[1, 1])  # every group allowed: no limit
+  for limited in ((4, 2), (2, 1)):  # the limit changes the choice of some tokens
+    assert (chosen[limited] != chosen[1, 1]).any(axis=1).sum() >= 5, limited
+  assert (chosen[2, 1] // 4 == chosen[2, 1][:, :1] // 4).all()  # one group of 4 experts per token
+  # The MoE layer routes with the config's groups: its output is the dense reference under route(groups=...).
+  m = _cfg(moe_experts=8, moe_top_k=2, moe_router='deepseek_v3', moe_groups=4, moe_top_groups=1, moe_impl='dense')
+  xs, seg = _inputs(pad=0)
+  params = jax.jit(moe.MoE(m).init)(jax.random.PRNGKey(1), xs, seg)['params']
+  params = jax.tree.map(lambda p: getattr(p, 'value', p), params, is_leaf=lambda p: hasattr(p, 'names'))
+  y = moe.MoE(m).apply({'params': params}, xs, seg).reshape(-1, D)
+  xt = xs.reshape(-1, D)
+  w, e, _ = moe.route(xt @ params['router'], 'deepseek_v3', 2, True, 1.0, groups=4, top_groups=1)
+  assert (e // 2 == e[:, :1] // 2).all()
+  keep = jnp.ones(e.shape, bool)
+  want = moe.dense_experts(xt, w, e, keep, params['gate'], params['up'], params['down'], model_lib.swiglu)
+  np.testing.assert_allclose(y, want, atol=1e-5)
+
+
 def _model(**overrides):
   cfg = odd_config(parallel_block=False)
   cfg.model.update(moe_experts=5, moe_top_k=2, moe_mlp_dim=18, **overrides)
@@ -119,7 +171,9 @@ def _model(**overrides):
 
 @pytest.mark.parametrize('overrides', [{}, {'moe_every': 2, 'num_layers': 4, 'moe_shared_experts': 2},
                                        {'scan_layers': False, 'moe_every': 2, 'qk_norm': 'full'},
-                                       {'parallel_block': True, 'qk_norm': 'head'}])
+                                       {'parallel_block': True, 'qk_norm': 'head'},
+                                       {'moe_first_dense': 1, 'moe_every': 2, 'num_layers': 5},
+                                       {'scan_layers': False, 'moe_first_dense': 2, 'num_layers': 3}])
 def test_param_counts_match_pytree(overrides):
   m = _model(**overrides)
   b = random_batch(1, 8, m.vocab_size)
@@ -128,10 +182,58 @@ def test_param_counts_match_pytree(overrides):
   params = variables['params']
   assert model_lib.param_count(m) == sum(x.size for x in jax.tree.leaves(params))
   routed = 3 * m.d_model * m.moe_mlp_dim * (m.moe_experts - m.moe_top_k)
-  moe_layers = m.num_layers // m.moe_every
+  moe_layers = (m.num_layers - m.moe_first_dense) // m.moe_every
+  routers = [x.shape for path, x in jax.tree_util.tree_flatten_with_path(params)[0] if 'router' in str(path)]
+  assert moe_layers == sum(r[0] if len(r) == 3 else 1 for r in routers)  # the first k layers are dense
   assert model_lib.param_count(m) - model_lib.param_count(m, active=True) == moe_layers * routed
   flops = model_lib.flops_per_token(m, 16)
   assert flops == 6 * model_lib.param_count(m, active=True) + 12 * m.num_layers * m.num_heads * m.head_dim * 16
+
+
+# variant -> (moe_every, num_layers, which layers are MoE) with moe_first_dense=1.
+_FIRST_DENSE = {'unrolled': (1, 3, [False, True, True]), 'remat': (2, 5, [False, False, True, False, True])}
+
+
+@pytest.mark.parametrize('variant', grid(list(_FIRST_DENSE), fast=['unrolled']))
+def test_first_dense_layers_scanned_unrolled_and_remat_agree(variant):
+  import dataclasses
+  every, num_layers, pattern = _FIRST_DENSE[variant]
+  m = _model(moe_first_dense=1, moe_every=every, num_layers=num_layers, remat='none')
+  b = random_batch(2, 12, m.vocab_size, docs=2)
+  b['segment_ids'][:, -3:] = 0
+  args = (b['inputs'], b['segment_ids'], b['positions'])
+  params = jax.jit(model_lib.Decoder(m).init)(jax.random.PRNGKey(1), *args)['params']
+  params = jax.tree.map(lambda p: getattr(p, 'value', p), params, is_leaf=lambda p: hasattr(p, 'names'))
+  layers = convert.layer_params(params, m)
+  assert ['moe' in p for p in layers] == pattern  # k = 1 dense, then moe_every's pattern
+  moe_stack = params['layers']['block_1']['moe'] if every > 1 else params['layers']['moe']
+  assert params['dense_layers']['mlp']['gate'].shape[0] == 1 and moe_stack['router'].shape[0] == 2  # two units
+  unrolled = {**{k: v for k, v in params.items() if 'layers' not in k}, **{f'layers_{i}': p for i, p in enumerate(layers)}}
+
+  def run(m, p):  # the loss, per-layer gradients (the remat case) and the routing metrics
+    def loss(p):
+      logits, stats = model_lib.Decoder(m).apply({'params': p}, *args, mutable=[moe.STATS])
+      return model_lib.loss_fn(logits, b['targets'], b['weights'], m.z_loss)[0], stats[moe.STATS]
+    if variant == 'unrolled':  # forward only: the fast loop's share
+      value, stats = jax.jit(loss)(p)
+      return float(value), None, moe.metrics(stats, m, p)
+    (value, stats), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(p)
+    return float(value), convert.layer_params(jax.device_get(grads), m), moe.metrics(stats, m, p)
+
+  ref_loss, ref_grads, ref_metrics = run(m, params)
+  numbers = [i for i, is_moe in enumerate(pattern) if is_moe]  # metrics named by the layer's own number
+  assert sorted(k for k in ref_metrics if k.endswith('max_load')) == [f'moe/{i}/max_load' for i in numbers] + [
+      'moe/max_load']
+  assert f'moe/{numbers[-1]}/bias_norm' in ref_metrics
+  other, p = (dataclasses.replace(m, scan_layers=False), unrolled) if variant == 'unrolled' else (
+      dataclasses.replace(m, remat='full'), params)
+  loss, grads, metrics = run(other, p)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  assert metrics.keys() == ref_metrics.keys()
+  for key in metrics:
+    np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=1e-5, err_msg=key)
+  if grads is not None:
+    assert _max_diff(grads, ref_grads) <= 1e-5
 
 
 @functools.cache
@@ -300,6 +402,28 @@ def test_microbatches_give_the_same_update_bias_included():
     np.testing.assert_allclose(m4[0][key], m1[0][key], rtol=1e-6, err_msg=key)
 
 
+@pytest.mark.e2e  # two compiled training programs
+def test_first_dense_model_trains_on_a_mesh_microbatches_giving_the_same_update():
+  from jaxlm import sharding, train
+  from tests.helpers import plain_program
+
+  def step(microbatches):
+    cfg = _moe_config(moe_first_dense=1, moe_every=2, num_layers=3)
+    cfg.optim.eps = 1.0
+    cfg.mesh.update(data=1, fsdp=2, tensor=1)
+    program = plain_program(cfg, sharding.make_mesh(cfg.mesh, jax.devices()[:2]), microbatches=microbatches)
+    state, metrics = program.train_step(program.init(), train.global_batch(
+        random_batch(8, 16, cfg.model.vocab_size, docs=2), program.batch_sharding))
+    return {k: float(v) for k, v in metrics.items()}, jax.tree.map(np.asarray, state.params)
+
+  (m1, p1), (m2, p2) = step(1), step(2)
+  assert {k for k in m1 if k.endswith('/max_load')} == {'moe/2/max_load', 'moe/max_load'}  # layer 2: the one MoE
+  for key in ('loss', 'moe/2/aux_loss', 'moe/2/max_load', 'moe/2/bias_norm'):
+    np.testing.assert_allclose(m2[key], m1[key], rtol=1e-6, err_msg=key)
+  assert m1['moe/2/bias_norm'] > 0 and _max_diff(p1, p2) <= 1e-6
+  np.testing.assert_array_equal(p1['layers']['block_1']['moe']['bias'], p2['layers']['block_1']['moe']['bias'])
+
+
 @pytest.mark.parametrize('shape, skewed', grid([(s, k) for s in [(1, 8, 1), (2, 2, 2), (1, 4, 2)] for k in (False, True)],
                                                fast=[], ids=lambda c: f'{"x".join(map(str, c[0]))}'
                                                f'{"-skewed" if c[1] else ""}', unpack=True))
@@ -329,8 +453,10 @@ _HF_FAMILIES = {
 
 
 @functools.cache
-def _hf_model(family: str):
-  """(config.json dict, fused in-memory state dict, per-expert saved state dict, inputs, transformers' logits)."""
+def _hf_model(family: str, layers: int = 2, **more):
+  """(config.json dict, fused in-memory state dict, per-expert saved state dict, inputs, transformers' logits).
+
+  more: config values over the family's (tuples for lists, so the call stays cacheable)."""
   import tempfile
   import safetensors.numpy
   import torch
@@ -338,9 +464,9 @@ def _hf_model(family: str):
   config_cls, model_cls, extra = _HF_FAMILIES[family]
   torch.manual_seed(0)
   config = getattr(transformers, config_cls)(
-      vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+      vocab_size=97, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
       rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-      pad_token_id=0, **extra)
+      pad_token_id=0, **{**extra, **{k: list(v) if isinstance(v, tuple) else v for k, v in more.items()}})
   config._attn_implementation = 'eager'
   model = getattr(transformers, model_cls)(config).eval()
   inputs = np.random.default_rng(0).integers(0, 97, (2, 13))
@@ -353,14 +479,15 @@ def _hf_model(family: str):
   return config.to_dict(), fused, saved, inputs, logits
 
 
-def _jaxlm_logits(hf_config: dict, tensors: dict, inputs, **flip):
+def _jaxlm_logits(hf_config: dict, tensors: dict, inputs, scan_layers: bool = True, **flip):
   from jaxlm import cli
   from jaxlm.hf import convert
   from tests.conftest import ROOT
   cfg = cli.load_file(ROOT / 'configs' / 'base.py')
-  cfg.model.update(convert.model_overrides(hf_config), dtype='float32', remat='none', **flip)
+  cfg.model.update(convert.model_overrides(hf_config), dtype='float32', remat='none', scan_layers=scan_layers,
+                   **flip)
   m = model_lib.ModelConfig.from_config(cfg.model)
-  params = convert.from_hf(tensors, m, scan_layers=True)
+  params = convert.from_hf(tensors, m, scan_layers=scan_layers)
   seg = np.ones_like(inputs)
   pos = np.tile(np.arange(inputs.shape[1]), (inputs.shape[0], 1))
   return np.asarray(jax.jit(model_lib.Decoder(m).apply)({'params': params}, inputs, seg, pos))
@@ -408,6 +535,42 @@ def test_hf_moe_export_loads_in_transformers_with_the_same_logits(family, tmp_pa
       lambda path, x: x + 0.5 if jax.tree_util.keystr(path).endswith("['bias']") else x, params)
   with pytest.raises(convert.ExportError, match='moe_bias_rate=0'):
     convert.to_hf(biased, m)
+
+
+def test_hf_qwen3_moe_mlp_only_layers_import_and_export_as_first_dense(tmp_path):
+  import dataclasses
+  import json
+  import safetensors.numpy
+  import torch
+  import transformers
+  from jaxlm import cli
+  from tests.conftest import ROOT
+  # Layers 0, 1 dense by mlp_only_layers, 2 dense by decoder_sparse_step=2, 3 MoE: moe_first_dense=2, moe_every=2.
+  hf_config, _, saved, inputs, want = _hf_model('qwen3_moe', layers=4, mlp_only_layers=(0, 1))
+  overrides = convert.model_overrides(hf_config)
+  assert (overrides['moe_first_dense'], overrides['moe_every']) == (2, 2)
+  for scan_layers in (True, False):
+    got = _jaxlm_logits(hf_config, saved, inputs, scan_layers=scan_layers)
+    assert np.abs(got - want).max() <= 1e-4, np.abs(got - want).max()
+  cfg = cli.load_file(ROOT / 'configs' / 'base.py')
+  cfg.model.update(overrides, dtype='float32')
+  m = model_lib.ModelConfig.from_config(cfg.model)
+  params = convert.from_hf(saved, m, scan_layers=True)
+  assert set(params) >= {'dense_layers', 'layers'}
+  safetensors.numpy.save_file(convert.to_hf(params, m), str(tmp_path / 'model.safetensors'))
+  config = convert.hf_config(m, max_positions=64, dtype='float32', bos_id=1, eos_id=2)
+  assert (config['mlp_only_layers'], config['decoder_sparse_step']) == ([0, 1], 2)
+  (tmp_path / 'config.json').write_text(json.dumps(config))
+  model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation='eager').eval()
+  with torch.no_grad():
+    assert np.abs(model(torch.tensor(inputs)).logits.numpy() - want).max() <= 1e-4
+  # What first-k-dense cannot say is refused with one line, both ways.
+  for dense, step in (([1], 1), ([0], 2), ([0, 2], 1)):
+    with pytest.raises(convert.HFImportError, match='mlp_only_layers'):
+      convert.model_overrides({**hf_config, 'mlp_only_layers': dense, 'decoder_sparse_step': step})
+  for changed in (dict(moe_first_dense=1, num_layers=3), dict(moe_router='mixtral', qk_norm='none')):
+    with pytest.raises(convert.ExportError, match='moe_first_dense'):
+      convert.architecture(dataclasses.replace(m, **changed))
 
 
 @pytest.mark.e2e  # whole training runs in process, with a checkpoint written and read back

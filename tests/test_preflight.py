@@ -73,6 +73,27 @@ def test_xla_kernel_arguments_are_the_sharded_state(v5e_2x2):
   assert report['param_bytes'] + report['opt_state_bytes'] < state  # + step, rng, lr_scale, batches
 
 
+@pytest.mark.e2e  # a third whole-program TPU compile
+def test_moe_tiny_compiles_for_a_tpu_target_with_ragged_dot_kernels(v5e_2x2):
+  cfg = load_config('moe_tiny')
+  cfg.model.dtype = 'bfloat16'
+  cfg.mesh.update(data=1, fsdp=4, tensor=1)
+  # conftest's 'highest' precision asks the ragged-dot Mosaic kernel for an fp32-precision bf16 matmul, which it
+  # rejects (as splash's does above); the trainer runs at the default precision.
+  with jax.default_matmul_precision('default'):
+    report = size.compile_step(cfg, v5e_2x2)
+  assert report['fits'] is True and report['memory']['total_bytes'] > report['memory']['argument_bytes'] > 0
+  a = size.analytic(cfg)
+  assert report['expert_bytes'] == a['expert_params'] * 4 // 4  # float32 master weights, split 4 ways over fsdp
+  # The experts' grouped GEMMs are XLA:TPU's ragged-dot kernels: gate, up and down forward, and their input
+  # gradients backward (six), plus the group metadata; the weight gradients are XLA fusions.
+  assert report['ragged_dot_kernels'] >= 6
+  assert report['tpu_custom_calls'] == 0  # xla attention: no other kernel
+  rows = dict(size.target_rows(report))
+  assert rows['expert GEMMs (ragged_dot)'].startswith(f'{report["ragged_dot_kernels"]} ragged-dot')
+  assert rows['verdict'].startswith('fits')
+
+
 def test_building_creates_no_array(v5e_2x2):
   # Any eager op on a compile-only mesh fails ("not available with compile-only client"): building must not.
   cfg = small_tpu_config('splash')

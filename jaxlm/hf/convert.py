@@ -20,14 +20,17 @@ class ExportError(errors.ConfigError):
 
 def layer_params(params: dict, m) -> list[dict]:
   """Per-layer parameter dicts, whether the layers were scanned (stacked on axis 0, in groups of moe_every
-  when MoE and dense layers alternate) or unrolled. `m`: a ModelConfig, or (older callers) the layer count."""
+  when MoE and dense layers alternate, after the `dense_layers` stack of model.moe_first_dense) or unrolled.
+  `m`: a ModelConfig, or (older callers) the layer count."""
   num_layers, every = (m, 1) if isinstance(m, int) else (m.num_layers, m.moe_every if m.moe_experts else 1)
-  if 'layers' in params and every > 1:
-    return [jax.tree.map(lambda x, i=i: x[i // every], params['layers'][f'block_{i % every}'])
-            for i in range(num_layers)]
-  if 'layers' in params:
-    return [jax.tree.map(lambda x, i=i: x[i], params['layers']) for i in range(num_layers)]
-  return [params[f'layers_{i}'] for i in range(num_layers)]
+  first = 0 if isinstance(m, int) else model_lib.dense_prefix(m)
+  if 'layers' not in params:
+    return [params[f'layers_{i}'] for i in range(num_layers)]
+  prefix = [jax.tree.map(lambda x, i=i: x[i], params['dense_layers']) for i in range(first)]
+  if every > 1:
+    return prefix + [jax.tree.map(lambda x, i=i: x[i // every], params['layers'][f'block_{i % every}'])
+                     for i in range(num_layers - first)]
+  return prefix + [jax.tree.map(lambda x, i=i: x[i], params['layers']) for i in range(num_layers - first)]
 
 
 def interleave_permutation(head_dim: int) -> np.ndarray:
@@ -35,6 +38,9 @@ def interleave_permutation(head_dim: int) -> np.ndarray:
   half = head_dim // 2
   return np.stack([np.arange(half), np.arange(half) + half], axis=-1).reshape(-1)
 
+
+# Dense export: architecture -> model_type.
+DENSE_MODEL_TYPES = {'CohereForCausalLM': 'cohere', 'LlamaForCausalLM': 'llama', 'Qwen3ForCausalLM': 'qwen3'}
 
 # Mixture-of-experts export: router preset -> (architecture, model_type, the QK-norm it computes).
 MOE_ARCHITECTURES = {'mixtral': ('MixtralForCausalLM', 'mixtral', 'none'),
@@ -50,6 +56,10 @@ def _moe_architecture(m: model_lib.ModelConfig) -> str:
   if m.moe_router not in MOE_ARCHITECTURES:
     raise ExportError(f'model.moe_router={m.moe_router} has no export; use mixtral, qwen3_moe or olmoe.')
   arch, _, qk_norm = MOE_ARCHITECTURES[m.moe_router]
+  if m.moe_first_dense and (m.moe_router != 'qwen3_moe' or m.moe_first_dense % m.moe_every):
+    raise ExportError(f'model.moe_first_dense={m.moe_first_dense}: {arch} has no dense first layers'
+                      f'{" but mlp_only_layers, whose pattern matches only when moe_every divides it" if m.moe_router == "qwen3_moe" else ""}'
+                      f', so this model has no faithful Hugging Face equivalent.')
   if m.qk_norm != qk_norm or m.moe_shared_experts or m.moe_routed_scale != 1.0 or (
       m.moe_every != 1 and m.moe_router != 'qwen3_moe'):
     raise ExportError(f'{arch} computes qk_norm={qk_norm}, no shared experts, routed scale 1'
@@ -63,8 +73,10 @@ def architecture(m: model_lib.ModelConfig) -> str:
   """The Hugging Face class that computes exactly this model, or an ExportError saying why there is none."""
   if m.moe_experts:
     return _moe_architecture(m)
-  if m.qk_norm != 'none':
-    raise ExportError(f'model.qk_norm={m.qk_norm} on a dense model has no export yet; export it with qk_norm=none.')
+  if m.qk_norm == 'full' or (m.qk_norm == 'head' and m.parallel_block):
+    raise ExportError(f'model.qk_norm={m.qk_norm} on a dense{" parallel-block" if m.parallel_block else ""} model '
+                      f'has no Hugging Face equivalent (Qwen3 is the sequential block with qk_norm=head); export it '
+                      f'with qk_norm=none or head.')
   if m.d_model % m.num_heads:
     # transformers validates hidden_size % num_attention_heads == 0 even when head_dim is given explicitly.
     raise ExportError(f'd_model={m.d_model} is not a multiple of num_heads={m.num_heads}: transformers refuses '
@@ -73,6 +85,8 @@ def architecture(m: model_lib.ModelConfig) -> str:
     raise ExportError(f'head_dim={m.head_dim} differs from d_model/num_heads={m.d_model // m.num_heads}: '
                       f'Cohere (the parallel block) derives head_dim from the widths, so this model has no '
                       f'faithful Hugging Face equivalent.')
+  if m.qk_norm == 'head':
+    return 'Qwen3ForCausalLM'  # Llama's block with a per-head RMSNorm on queries and keys
   return 'CohereForCausalLM' if m.parallel_block else 'LlamaForCausalLM'
 
 
@@ -115,9 +129,10 @@ def to_hf(params: dict, m: model_lib.ModelConfig) -> dict[str, np.ndarray]:
 
 def hf_config(m: model_lib.ModelConfig, *, max_positions: int, dtype: str, bos_id: int, eos_id: int) -> dict:
   """config.json for `m`, readable by transformers 4.4x (rope_theta) and 5.x (rope_parameters) alike."""
-  cohere = architecture(m) == 'CohereForCausalLM'
+  arch = architecture(m)
+  cohere = arch == 'CohereForCausalLM'
   c = {
-      'architectures': [architecture(m)], 'model_type': 'cohere' if cohere else 'llama',
+      'architectures': [arch], 'model_type': DENSE_MODEL_TYPES.get(arch, 'llama'),
       'vocab_size': m.vocab_size, 'hidden_size': m.d_model, 'intermediate_size': m.mlp_dim,
       'num_hidden_layers': m.num_layers, 'num_attention_heads': m.num_heads, 'num_key_value_heads': m.num_kv_heads,
       'hidden_act': 'silu', 'max_position_embeddings': max_positions,  # lm-eval truncates contexts to this
@@ -132,7 +147,8 @@ def hf_config(m: model_lib.ModelConfig, *, max_positions: int, dtype: str, bos_i
     c.update(model_type=model_type, num_local_experts=m.moe_experts, num_experts=m.moe_experts,
              num_experts_per_tok=m.moe_top_k, norm_topk_prob=m.moe_norm_topk_prob, output_router_logits=False,
              intermediate_size=m.moe_mlp_dim if model_type != 'qwen3_moe' else m.mlp_dim,
-             moe_intermediate_size=m.moe_mlp_dim, decoder_sparse_step=m.moe_every, mlp_only_layers=[],
+             moe_intermediate_size=m.moe_mlp_dim, decoder_sparse_step=m.moe_every,
+             mlp_only_layers=list(range(m.moe_first_dense)),
              sliding_window=None, use_sliding_window=False, clip_qkv=None)
   if cohere:
     c.update(layer_norm_eps=m.norm_eps, use_qk_norm=False, tie_word_embeddings=m.tie_embeddings,
@@ -212,7 +228,9 @@ def _rope(hf: dict) -> dict:
 
 # Mixture-of-experts families (jaxlm/moe.py): model_type -> (router preset, QK-norm).
 MOE_FAMILIES = {'mixtral': ('mixtral', 'none'), 'qwen3_moe': ('qwen3_moe', 'head'), 'olmoe': ('olmoe', 'full')}
-IMPORTABLE = ('llama', *MOE_FAMILIES)
+# Dense families: model_type -> QK-norm (Qwen3: Llama's block with a per-head RMSNorm on queries and keys).
+DENSE_FAMILIES = {'llama': 'none', 'qwen3': 'head'}
+IMPORTABLE = (*DENSE_FAMILIES, *MOE_FAMILIES)
 
 
 def _moe_overrides(hf: dict) -> dict:
@@ -221,16 +239,21 @@ def _moe_overrides(hf: dict) -> dict:
   if kind not in MOE_FAMILIES:
     return {}
   router, qk_norm = MOE_FAMILIES[kind]
-  if hf.get('mlp_only_layers'):
-    raise HFImportError(f'mlp_only_layers={hf["mlp_only_layers"]} is not supported: jaxlm places MoE layers '
-                        f'every decoder_sparse_step-th layer only.')
+  every = int(hf.get('decoder_sparse_step') or 1)
+  dense = sorted(hf.get('mlp_only_layers') or [])
+  # Qwen3-MoE: layer i is MoE when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers. jaxlm's
+  # first-k-dense (model.moe_first_dense) computes that exactly when the list is the first k layers, k a
+  # multiple of the step.
+  if dense and (dense != list(range(len(dense))) or len(dense) % every):
+    raise HFImportError(f'mlp_only_layers={dense} is not supported: jaxlm makes only the first k layers dense '
+                        f'(model.moe_first_dense), k a multiple of decoder_sparse_step={every}.')
   if hf.get('clip_qkv') is not None:
     raise HFImportError(f'clip_qkv={hf["clip_qkv"]} is not supported: jaxlm does not clip q, k and v.')
   # Mixtral always renormalises; transformers' OLMoE and Qwen3-MoE configs default norm_topk_prob to False.
   # The expert count is num_local_experts in Mixtral's and transformers 5's files, num_experts in older ones.
   return dict(moe_experts=int(hf.get('num_local_experts') or hf['num_experts']), moe_top_k=int(hf['num_experts_per_tok']),
               moe_mlp_dim=int(hf.get('moe_intermediate_size') or hf['intermediate_size']),
-              moe_every=int(hf.get('decoder_sparse_step') or 1), moe_router=router,
+              moe_every=every, moe_first_dense=len(dense), moe_router=router,
               moe_norm_topk_prob=bool(hf.get('norm_topk_prob', kind == 'mixtral')), qk_norm=qk_norm)
 
 
@@ -239,11 +262,16 @@ def model_overrides(hf: dict) -> dict:
   if hf.get('model_type') not in IMPORTABLE:
     raise HFImportError(f'model_type={hf.get("model_type")!r}: only {", ".join(IMPORTABLE)} checkpoints '
                         f'can be imported.')
+  if hf.get('use_sliding_window') is False:  # Qwen families: transformers then ignores sliding_window (sets None)
+    hf = {**hf, 'sliding_window': None}
   if hf.get('hidden_act', 'silu') != 'silu':
     raise HFImportError(f'hidden_act={hf["hidden_act"]!r}: jaxlm\'s MLP is SwiGLU (silu) only.')
   for key, allowed in _UNSUPPORTED.items():
     if key in hf and hf[key] not in allowed:
       raise HFImportError(f'{key}={hf[key]!r} is not supported by jaxlm (it needs {allowed[0]!r}).')
+  if any(kind != 'full_attention' for kind in hf.get('layer_types') or []):
+    raise HFImportError(f'layer_types={hf["layer_types"]} is not supported: jaxlm attends over the full context '
+                        f'in every layer (no sliding-window layers).')
   D, H = hf['hidden_size'], hf['num_attention_heads']
   K = hf.get('num_key_value_heads') or H
   E = hf.get('head_dim') or D // H
@@ -251,7 +279,9 @@ def model_overrides(hf: dict) -> dict:
     raise HFImportError(f'num_key_value_heads={K} must divide num_attention_heads={H}, and head_dim={E} be even.')
   return dict(vocab_size=hf['vocab_size'], d_model=D, num_layers=hf['num_hidden_layers'], num_heads=H,
               num_kv_heads=K, head_dim=E, mlp_dim=hf['intermediate_size'], parallel_block=False,
-              tie_embeddings=False, norm_eps=float(hf.get('rms_norm_eps', 1e-6)), **_rope(hf), **_moe_overrides(hf))
+              tie_embeddings=False, norm_eps=float(hf.get('rms_norm_eps', 1e-6)), **_rope(hf),
+              **({'qk_norm': DENSE_FAMILIES[hf['model_type']]} if hf['model_type'] in DENSE_FAMILIES else {}),
+              **_moe_overrides(hf))
 
 
 def from_hf(tensors: dict[str, np.ndarray], m: model_lib.ModelConfig, *, scan_layers: bool) -> dict:
@@ -292,12 +322,16 @@ def from_hf(tensors: dict[str, np.ndarray], m: model_lib.ModelConfig, *, scan_la
   lm_head = tensors.get('lm_head.weight', embedding)  # absent when tied: the head is the embedding
   params = {'embedding': embedding, 'final_norm': {'scale': get('norm.weight', (D,))},
             'unembed': np.ascontiguousarray(np.asarray(lm_head, np.float32).T)}
+  first = model_lib.dense_prefix(m)
+  stack = lambda units: jax.tree.map(lambda *xs: np.stack(xs), *units)  # noqa: E731
+  if scan_layers and first:  # the dense first layers: their own stack (model.Decoder)
+    params['dense_layers'] = stack(layers[:first])
   if scan_layers and m.moe_experts and m.moe_every > 1:  # scanned in groups of moe_every layers (model.Group)
     n = m.moe_every
-    groups = [{f'block_{j}': layers[g * n + j] for j in range(n)} for g in range(L // n)]
-    params['layers'] = jax.tree.map(lambda *xs: np.stack(xs), *groups)
+    params['layers'] = stack([{f'block_{j}': layers[first + g * n + j] for j in range(n)}
+                              for g in range((L - first) // n)])
   elif scan_layers:
-    params['layers'] = jax.tree.map(lambda *xs: np.stack(xs), *layers)
+    params['layers'] = stack(layers[first:])
   else:
     params.update({f'layers_{i}': p for i, p in enumerate(layers)})
   return jax.tree.map(np.ascontiguousarray, params)

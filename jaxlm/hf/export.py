@@ -3,7 +3,8 @@
   python -m jaxlm.hf.export --workdir=runs/palm_small [--step=N] --out=hf/palm_small [--dtype=bfloat16]
 
 The sequential block (`parallel_block=False`: RMSNorm, attention then SwiGLU) is Llama and is written as
-`LlamaForCausalLM`. PaLM's parallel block (one bias-free LayerNorm feeding attention and SwiGLU side by side) is
+`LlamaForCausalLM`; with a per-head QK-norm (`model.qk_norm=head`) it is Qwen3's and is written as
+`Qwen3ForCausalLM`. PaLM's parallel block (one bias-free LayerNorm feeding attention and SwiGLU side by side) is
 Cohere's block and is written as `CohereForCausalLM`. The output directory holds model.safetensors, config.json,
 generation_config.json and the run's tokenizer with its chat template: a SentencePiece run's tokenizer.model plus an
 equivalent tokenizer.json (so AutoTokenizer needs neither network nor the sentencepiece package); a Hugging Face
@@ -258,8 +259,8 @@ def export(workdir: str, out: str, *, step: int | None = None, dtype: str = 'flo
   if not tokenizer:
     notes.append('the run\'s tokenizer was not found (see the warning above): weights only; pass '
                  '--tokenizer=PATH (a .model, a tokenizer.json or its directory) to ship one')
-  if m.tie_embeddings and arch == 'LlamaForCausalLM':
-    notes.append('tied embeddings written untied for Llama: lm_head = embedding / sqrt(d_model)')
+  if m.tie_embeddings and arch != 'CohereForCausalLM':
+    notes.append(f'tied embeddings written untied for {arch}: lm_head = embedding / sqrt(d_model)')
   return {'out': os.path.abspath(out), 'step': int(os.path.basename(path)), 'architecture': arch,
           'dtype': dtype, 'files': files, 'tokenizer': tokenizer, 'notes': notes}
 

@@ -1,4 +1,7 @@
-"""Import a local Hugging Face Llama checkpoint as a jaxlm warm start, for continued pre-training or fine-tuning.
+"""Import a local Hugging Face checkpoint as a jaxlm warm start, for continued pre-training or fine-tuning.
+
+One command for every family jaxlm computes exactly (convert.IMPORTABLE): Llama, Qwen3 (dense, QK-norm), Mixtral,
+Qwen3-MoE and OLMoE; config.json's model_type picks the mapping.
 
   python -m jaxlm.hf.import_llama --hf_dir=path/to/llama --out=runs/llama_import [--config=configs/base.py]
 

@@ -72,7 +72,12 @@ def analytic(cfg) -> dict:
   m = model_lib.ModelConfig.from_config(cfg.model)
   n = model_lib.param_count(m)
   t = cfg.train
+  moe_layers = sum(model_lib.is_moe(m, i) for i in range(m.num_layers))
   return {'params': n,
+          # A mixture of experts: what one token's forward multiplies by (the FLOPs below count these), and the
+          # routed experts' stacked (X, D, F) weights.
+          'active_params': model_lib.param_count(m, active=True),
+          'expert_params': moe_layers * 3 * m.d_model * m.moe_mlp_dim * m.moe_experts,
           'embedding_params': m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2),
           'flops_per_token': model_lib.flops_per_token(m, cfg.data.seq_len),
           'flops_per_token_causal': model_lib.flops_per_token(m, cfg.data.seq_len, causal=True),
@@ -117,12 +122,24 @@ def memory(cfg, devices=None) -> dict:
     state, shardings = program.abstract_state, program.state_shardings
     out = {'param_bytes': sharding.bytes_per_device(state.params, shardings.params),
            'opt_state_bytes': sharding.bytes_per_device(state.opt_state, shardings.opt_state)}
+    if cfg.model.moe_experts:
+      out['expert_bytes'] = expert_bytes(state.params, shardings.params)
     if devices is not None:
       with jax.sharding.set_mesh(mesh):
         batch = step_lib.abstract_batch(t.batch_size, cfg.data.seq_len, program.batch_sharding)
         compiled = program.train_step.lower(state, batch).compile()
       out.update(perf.compiled_memory(compiled))
   return out
+
+
+def expert_bytes(params, shardings) -> int:
+  """Bytes one device holds of the routed experts' stacked weights (every MoE layer's gate, up and down)."""
+  is_sharding = lambda x: isinstance(x, jax.sharding.NamedSharding)  # noqa: E731
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  flat_s = jax.tree.leaves(shardings, is_leaf=is_sharding)
+  experts = [(x, s) for (path, x), s in zip(leaves, flat_s)
+             if re.search(r"\['moe'\]\['(gate|up|down)'\]$", jax.tree_util.keystr(path))]
+  return sharding.bytes_per_device([x for x, _ in experts], [s for _, s in experts])
 
 
 def _count(x: float) -> str:
@@ -136,10 +153,14 @@ def _count(x: float) -> str:
 def model_rows(a: dict, cfg) -> list[tuple[str, str]]:
   """Rows of the analytic numbers."""
   tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+  moe = [('  of which routed experts', f'{a["expert_params"]:,} ({_count(a["expert_params"])})'),
+         ('active per token (shared + k/X routed + router)', f'{a["active_params"]:,} ({_count(a["active_params"])})')]
   return [
       ('parameters', f'{a["params"]:,} ({_count(a["params"])})'),
       ('  of which embeddings', f'{a["embedding_params"]:,} ({_count(a["embedding_params"])})'),
-      ('FLOPs/token, PaLM (6N + 12·L·H·Q·T)', f'{a["flops_per_token"]:,.0f}'),
+      *(moe if cfg.model.moe_experts else []),
+      ('FLOPs/token, PaLM (6N + 12·L·H·Q·T)' + (', N active' if cfg.model.moe_experts else ''),
+       f'{a["flops_per_token"]:,.0f}'),
       ('FLOPs/token, causal attention', f'{a["flops_per_token_causal"]:,.0f}'),
       ('Chinchilla-optimal tokens (20/param)', f'{_count(a["chinchilla_tokens"])} = '
        f'{a["chinchilla_tokens"] / tokens_per_step:,.0f} steps of {cfg.train.batch_size} × {cfg.data.seq_len}'),
@@ -151,6 +172,8 @@ def memory_rows(mem: dict) -> list[tuple[str, str]]:
   """Rows of `memory`'s per-device bytes."""
   b = perf.format_bytes
   rows = [('parameters', b(mem['param_bytes'])), ('optimizer state', b(mem['opt_state_bytes']))]
+  if 'expert_bytes' in mem:
+    rows.insert(1, ('  of which routed experts', b(mem['expert_bytes'])))
   # XLA's peak_memory_in_bytes is left out: on the CPU backend it comes out below the arguments alone.
   for key, label in (('argument_bytes', 'step arguments (state + batch)'), ('temp_bytes', 'step temporaries'),
                      ('total_bytes', 'step total')):
@@ -281,7 +304,10 @@ def compile_step(cfg, devices) -> dict:
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
     kernel, why = attention_lib.select(m.attention, dtype=m.dtype, head_dim=model_lib.head_dim(m),
                                        seq_len=cfg.data.seq_len)
-  custom = hlo.count('tpu_custom_call')
+  # XLA:TPU lowers jax.lax.ragged_dot (the experts' grouped GEMMs) to its own Mosaic kernels, named ragged-dot-*:
+  # counted apart, so that they do not pass for the attention kernel.
+  ragged = len(re.findall(r'%ragged-dot-\S* = .*custom_call_target="tpu_custom_call"', hlo))
+  custom = hlo.count('tpu_custom_call') - len(re.findall(r'%ragged-dot-\S* = .*tpu_custom_call', hlo))
   if kernel == 'splash' and not custom:
     kernel, why = 'xla', 'splash was selected but the step has no tpu_custom_call: it fell back while tracing'
   limit, source = preflight.device_memory(devices)
@@ -295,7 +321,8 @@ def compile_step(cfg, devices) -> dict:
     memory = preflight.step_memory(compiled)
   return {'param_bytes': sharding.bytes_per_device(state.params, shardings.params),
           'opt_state_bytes': sharding.bytes_per_device(state.opt_state, shardings.opt_state),
-          'memory': memory, 'limit_bytes': limit, 'limit_source': source,
+          'expert_bytes': expert_bytes(state.params, shardings.params) if m.moe_experts else None,
+          'ragged_dot_kernels': ragged, 'memory': memory, 'limit_bytes': limit, 'limit_source': source,
           'fits': preflight.fits(memory, limit), 'kernel': kernel, 'kernel_why': why,
           'tpu_custom_calls': custom, 'collectives': collectives(hlo), 'compile_s': seconds,
           'device_kind': devices[0].device_kind, 'devices': len(devices), 'hlo': hlo}
@@ -325,6 +352,8 @@ def target_rows(report: dict) -> list[tuple[str, str]]:
   """Rows of a compile_step report."""
   b, mem = perf.format_bytes, report['memory']
   rows = [('parameters', b(report['param_bytes'])), ('optimizer state', b(report['opt_state_bytes']))]
+  if report.get('expert_bytes') is not None:
+    rows.insert(1, ('  of which routed experts', b(report['expert_bytes'])))
   if mem.get('refused'):
     rows += [('step arguments (state + batch)', b(mem['argument_bytes'])),
              ('compile', f'refused: {mem["refused"]}')]
@@ -339,6 +368,9 @@ def target_rows(report: dict) -> list[tuple[str, str]]:
                  f'does NOT fit: {b(-headroom)} too much'))
   rows.append(('attention kernel', f'{report["kernel"]} ({report["kernel_why"]}; '
                                    f'{report["tpu_custom_calls"]} tpu_custom_call in the HLO)'))
+  if report.get('expert_bytes') is not None:
+    rows.append(('expert GEMMs (ragged_dot)', f'{report["ragged_dot_kernels"]} ragged-dot tpu_custom_call (XLA:TPU\'s '
+                                              f'grouped-matmul kernel) in the HLO'))
   for kind, (ops, nbytes) in sorted(report['collectives'].items()):
     rows.append((f'  {kind}', f'{ops} ops, {b(nbytes)} per device per pass'))
   rows.append(('compile time', f'{report["compile_s"]:.1f} s'))

@@ -228,15 +228,71 @@ def test_import_refuses_pickles_and_unsupported_configs(tmp_path):
   base = dict(model_type='llama', hidden_size=48, num_attention_heads=4, num_key_value_heads=2,
               num_hidden_layers=2, intermediate_size=100, vocab_size=397)
   assert import_hf.model_overrides(base)['head_dim'] == 12
+  # Qwen3's files may carry a sliding_window that use_sliding_window=False switches off (transformers nulls it).
+  assert import_hf.model_overrides({**base, 'model_type': 'qwen3', 'use_sliding_window': False,
+                                    'sliding_window': 4096})['qk_norm'] == 'head'
   for bad, match in [(dict(rope_scaling={'rope_type': 'dynamic', 'factor': 8.0}), 'rope'),
                      (dict(rope_parameters={'rope_type': 'longrope', 'factor': 4.0}), 'rope'),
                      (dict(rope_parameters={'rope_type': 'linear', 'factor': 2.0, 'partial_rotary_factor': 0.5}),
                       'partial_rotary_factor'),
                      (dict(attention_bias=True), 'attention_bias'), (dict(mlp_bias=True), 'mlp_bias'),
                      (dict(hidden_act='gelu'), 'silu'), (dict(sliding_window=4096), 'sliding_window'),
-                     (dict(model_type='qwen2'), 'llama')]:
+                     (dict(model_type='qwen2'), 'llama'),
+                     (dict(model_type='qwen3', layer_types=['full_attention', 'sliding_attention']), 'layer_types'),
+                     (dict(model_type='qwen3', use_sliding_window=True, sliding_window=4096), 'sliding_window')]:
     with pytest.raises(import_hf.HFImportError, match=match):
       import_hf.model_overrides({**base, **bad})
+
+
+def test_imported_qwen3_matches_transformers_and_exports_back(hf, tmp_path, spm_model):
+  """A dense Qwen3 (Llama's block with a per-head RMSNorm on q and k, head_dim ≠ D/H, tied) imports exactly."""
+  torch, transformers = hf
+  from safetensors.numpy import load_file
+  config = transformers.Qwen3Config(vocab_size=397, hidden_size=48, intermediate_size=100, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                                    tie_word_embeddings=True, max_position_embeddings=64, bos_token_id=1,
+                                    eos_token_id=2, rope_parameters={'rope_type': 'default', 'rope_theta': 1000.0})
+  original = transformers.Qwen3ForCausalLM(config).float().eval()
+  with torch.no_grad():
+    for name, p in original.named_parameters():
+      if name.endswith('norm.weight'):  # q_norm and k_norm included: a dropped or swapped one shows
+        p.mul_(torch.rand_like(p) + 0.5)
+  original.save_pretrained(str(tmp_path / 'hf'), safe_serialization=True)
+  shutil.copyfile(spm_model, str(tmp_path / 'hf' / 'tokenizer.model'))
+  result = import_hf.import_hf(str(tmp_path / 'hf'), str(tmp_path / 'run'))
+  assert result['overrides']['qk_norm'] == 'head' and '--config.model.qk_norm=head' in result['flags']
+  assert result['tokenizer_files'] == ['tokenizer.model']
+
+  cfg = export.read_config(result['checkpoint'])
+  cfg.model.dtype = 'float32'
+  m = model_lib.ModelConfig.from_config(cfg.model)
+  params = import_hf.from_hf(import_hf.read_safetensors(str(tmp_path / 'hf')), m, scan_layers=cfg.model.scan_layers)
+  tokens = np.random.default_rng(4).integers(0, 397, (2, 20)).astype(np.int32)
+  with torch.no_grad():
+    theirs = original(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+  MAX_ABS['import-qwen3'] = float(np.abs(_jax_logits(model_lib.Decoder(m), params, tokens) - theirs).max())
+  assert MAX_ABS['import-qwen3'] <= 1e-4
+  no_norm = {**params, 'layers': {**params['layers'], 'attention': {
+      k: v for k, v in params['layers']['attention'].items() if not k.endswith('_norm')}}}
+  plain = dataclasses.replace(m, qk_norm='none')  # the QK-norm is what made the logits agree
+  assert np.abs(_jax_logits(model_lib.Decoder(plain), no_norm, tokens) - theirs).max() > 1e-3
+
+  summary = export.export(str(tmp_path / 'run'), str(tmp_path / 'back'))
+  assert summary['architecture'] == 'Qwen3ForCausalLM' and 'tokenizer.json' in summary['files']
+  written = json.loads((tmp_path / 'back' / 'config.json').read_text())
+  assert (written['model_type'], written['head_dim']) == ('qwen3', 16)
+  before = load_file(str(tmp_path / 'hf' / 'model.safetensors'))
+  before.setdefault('lm_head.weight', before['model.embed_tokens.weight'])  # tied there, held untied here
+  after = load_file(str(tmp_path / 'back' / 'model.safetensors'))
+  assert sorted(before) == sorted(after)
+  for name in before:
+    np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+  back = _load_hf(hf, str(tmp_path / 'back'))
+  assert type(back).__name__ == 'Qwen3ForCausalLM'
+  with torch.no_grad():
+    again = back(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+  MAX_ABS['export-qwen3'] = float(np.abs(again - theirs).max())
+  assert MAX_ABS['export-qwen3'] <= 1e-4
 
 
 def test_export_refuses_models_without_a_faithful_equivalent():
@@ -246,6 +302,10 @@ def test_export_refuses_models_without_a_faithful_equivalent():
   cfg = _config(parallel_block=True, head_dim=16)  # Cohere always derives head_dim = D / H
   with pytest.raises(export.ExportError, match='Cohere'):
     export.architecture(model_lib.ModelConfig.from_config(cfg.model))
+  for qk_norm, block in (('full', False), ('head', True)):  # Qwen3 is the sequential block with per-head norms
+    cfg = _config(parallel_block=block, qk_norm=qk_norm)
+    with pytest.raises(export.ExportError, match=f'qk_norm={qk_norm}'):
+      export.architecture(model_lib.ModelConfig.from_config(cfg.model))
 
 
 # RoPE scaling (model.rope_scaling): transformers' rope_parameters for each kind jaxlm computes exactly. The original

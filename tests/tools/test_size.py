@@ -8,6 +8,7 @@ import jax
 import pytest
 
 from jaxlm import model as model_lib
+from jaxlm import perf
 from jaxlm.tools import size
 from tests.conftest import ROOT
 from tests.helpers import load_config, train_env
@@ -26,6 +27,24 @@ def test_palm_tiny_numbers_are_the_model_formulas():
   assert a['flops_per_token'] == model_lib.flops_per_token(m, 64)
   assert a['flops_per_token_causal'] == model_lib.flops_per_token(m, 64, causal=True)
   assert a['run_tokens'] == 30 * 8 * 64 and a['chinchilla_tokens'] == 20 * a['params']
+
+
+def test_moe_tiny_counts_active_parameters_and_the_experts_memory():
+  cfg = load_config('moe_tiny')
+  m = model_lib.ModelConfig.from_config(cfg.model)
+  a = size.analytic(cfg)
+  X, k, D, F, L = m.moe_experts, m.moe_top_k, m.d_model, m.moe_mlp_dim, m.num_layers
+  assert a['expert_params'] == L * X * 3 * D * F  # every layer MoE: (X, D, F) gate and up, (X, F, D) down
+  assert a['params'] - a['active_params'] == L * (X - k) * 3 * D * F  # k of X routed experts are active
+  attention = 12 * L * m.num_heads * m.head_dim * cfg.data.seq_len
+  assert a['flops_per_token'] == 6 * a['active_params'] + attention  # MFU's FLOPs count active parameters
+  rows = dict(size.model_rows(a, cfg))
+  assert rows['active per token (shared + k/X routed + router)'].startswith(f'{a["active_params"]:,}')
+  # The stacked experts' bytes per device on an abstract 8-way fsdp mesh: float32, split 8 ways (D = 64).
+  cfg.mesh.update(data=1, fsdp=8, tensor=1)
+  mem = size.memory(cfg)
+  assert mem['expert_bytes'] == a['expert_params'] * 4 // 8 and mem['expert_bytes'] < mem['param_bytes']
+  assert dict(size.memory_rows(mem))['  of which routed experts'] == perf.format_bytes(mem['expert_bytes'])
 
 
 def test_palm_8b_by_hand():
