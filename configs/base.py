@@ -61,6 +61,8 @@ def get_config() -> ml_collections.ConfigDict:
   m.moe_router_z_loss = 0.0  # router z-loss coefficient (ST-MoE): mean log(Σ exp(router logits))²; 0 = off
   m.moe_bias_rate = 1e-3  # auxiliary-loss-free balancing (the default): selection-bias step per update; 0 = off
   m.moe_impl = 'ragged'  # ragged (tokens sorted by expert, grouped GEMMs) | dense (every expert on every token: tests)
+  m.moe_transport = 'auto'  # mesh.expert > 1: all_to_all (ragged, GPU/TPU) | gather (all-gather + reduce-scatter, any) | auto
+  m.moe_buffer_factor = 0.0  # all_to_all receive buffer, × the balanced rows (N·k/expert); 0 = the worst case (never overflows)
 
   c.data = d = ml_collections.ConfigDict()
   d.source = 'stdlib'  # stdlib: this interpreter's standard-library sources (no download); prepared: `paths`
@@ -122,6 +124,8 @@ def get_config() -> ml_collections.ConfigDict:
   s.dcn_context = 1  # context-parallel ways across hosts (the K/V all-gathers of every layer cross the network)
   s.stage = 1  # pipeline stages (consecutive layers per stage, see `pipeline`); 1 = no pipeline
   s.dcn_stage = 1  # pipeline stages across hosts: only stage-to-stage activations cross the network
+  s.expert = 1  # expert-parallel ways (MoE): experts split over it, the rest uses it as fsdp; moe_experts % it == 0
+  s.dcn_expert = 1  # expert-parallel ways across hosts (every MoE layer's token exchange crosses the network)
 
   c.pipeline = p = ml_collections.ConfigDict()  # used when mesh.stage × mesh.dcn_stage > 1 (jaxlm/pipeline.py)
   p.schedule = 'gpipe'  # gpipe | circular (each stage holds `repeats` non-adjacent chunks: a smaller bubble)

@@ -33,6 +33,7 @@ PIPELINE_SCHEDULES = pipeline_lib.SCHEDULES
 QK_NORMS = model.QK_NORMS
 MOE_ROUTERS = moe.ROUTERS
 MOE_IMPLS = moe.IMPLS
+MOE_TRANSPORTS = moe.TRANSPORTS
 
 def _model_errors(m) -> list[str]:
   e = []
@@ -102,6 +103,11 @@ def _moe_errors(c, num_devices: int) -> list[str]:
   X = m.get('moe_experts', 0)
   if X < 0:
     e.append(f'model.moe_experts={X} must be >= 0 (0 = dense MLPs).')
+  layout_ok = not sharding.MeshShape.errors(c.mesh, num_devices)
+  shape = sharding.MeshShape.resolve(c.mesh, num_devices) if layout_ok else None
+  if X == 0 and shape and shape.experts > 1:
+    e.append(f'mesh.expert×mesh.dcn_expert = {shape.experts} on a dense model (model.moe_experts=0): there are no '
+             f'experts to split; give those devices to mesh.fsdp or mesh.data, or set model.moe_experts.')
   if X <= 0:
     return e
   if not 1 <= m.moe_top_k <= X:
@@ -136,8 +142,14 @@ def _moe_errors(c, num_devices: int) -> list[str]:
       e.append(f'model.{key}={m[key]} must be >= 0 (0 = off{", dropless" if key == "moe_capacity_factor" else ""}).')
   if m.moe_routed_scale <= 0:
     e.append(f'model.moe_routed_scale={m.moe_routed_scale} must be positive.')
-  if not sharding.MeshShape.errors(c.mesh, num_devices):
-    shape = sharding.MeshShape.resolve(c.mesh, num_devices)
+  if m.get('moe_transport', 'auto') not in MOE_TRANSPORTS:
+    e.append(f'model.moe_transport={m.moe_transport!r} is unknown; use one of {", ".join(MOE_TRANSPORTS)}.')
+  if m.get('moe_buffer_factor', 0.0) < 0:
+    e.append(f'model.moe_buffer_factor={m.moe_buffer_factor} must be >= 0 (0 = the worst case: never overflows).')
+  if shape:
+    if X % shape.experts:
+      e.append(f'model.moe_experts={X} is not divisible by mesh.expert×mesh.dcn_expert = {shape.experts}; each '
+               f'device of the expert axis holds moe_experts / that many experts, so pick sizes that divide.')
     if shape.stages > 1:
       e.append(f'model.moe_experts={X} with mesh.stage={shape.stages}: mixture-of-experts layers do not run '
                f'inside a pipeline yet; set mesh.stage=1 (shard with fsdp or tensor instead).')
@@ -295,17 +307,20 @@ def _mesh_errors(c, num_devices: int, num_processes: int, num_slices: int) -> li
     sizes = [size for size, _ in batch_stages(c.train, 1)]
   except ValueError:
     sizes = [c.train.batch_size]
+  # The expert axis splits the batch (and `embed`) as one more fsdp axis (sharding.EXPERT_RULES).
+  expert = shape.experts
+  fsdp_names, fsdp_text = ('fsdp×expert', f'{fsdp}×{expert}') if expert > 1 else ('fsdp', f'{fsdp}')
   for size in sizes:
-    if size % (data * fsdp * micro):
+    if size % (data * fsdp * expert * micro):
       field = 'train.batch_size' if size == c.train.batch_size else 'train.batch_ramp size'
-      e.append(f'{field}={size} is not divisible by mesh data×fsdp × train.microbatches = '
-               f'{data}×{fsdp}×{micro}; use a multiple of {data * fsdp * micro}.')
+      e.append(f'{field}={size} is not divisible by mesh data×{fsdp_names} × train.microbatches = '
+               f'{data}×{fsdp_text}×{micro}; use a multiple of {data * fsdp * expert * micro}.')
   if m.num_heads > 0 and m.num_heads % tensor:
     e.append(f'model.num_heads={m.num_heads} is not divisible by mesh.tensor={tensor}; heads are split over '
              f'the tensor axis, so pick a tensor size that divides the head count.')
-  if m.d_model > 0 and m.d_model % fsdp:
-    e.append(f'model.d_model={m.d_model} is not divisible by mesh.fsdp={fsdp}; parameters are sharded over '
-             f'fsdp along d_model, so pick an fsdp size that divides it.')
+  if m.d_model > 0 and m.d_model % (fsdp * expert):
+    e.append(f'model.d_model={m.d_model} is not divisible by mesh.{fsdp_names}={fsdp_text}; parameters are sharded '
+             f'over {fsdp_names} along d_model, so pick an fsdp size that divides it.')
   if m.vocab_size > 0 and m.vocab_size % tensor:
     e.append(f'model.vocab_size={m.vocab_size} is not divisible by mesh.tensor={tensor}; round the vocabulary '
              f'up to a multiple of {tensor} (extra entries are never produced by the tokenizer).')

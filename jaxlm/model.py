@@ -92,6 +92,8 @@ class ModelConfig:
   moe_router_z_loss: float = 0.0
   moe_bias_rate: float = 0.0
   moe_impl: str = 'ragged'
+  moe_transport: str = 'auto'
+  moe_buffer_factor: float = 0.0
 
   @classmethod
   def from_config(cls, model_cfg) -> 'ModelConfig':

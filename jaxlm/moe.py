@@ -14,14 +14,19 @@ they count in no statistic.
 """
 
 import dataclasses
+import functools
 import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxlm import sharding
 
 ROUTERS = ('mixtral', 'qwen3_moe', 'olmoe', 'deepseek_v3')  # model.moe_router
 IMPLS = ('ragged', 'dense')  # model.moe_impl: sorted grouped GEMMs, or every expert on every token (reference)
+TRANSPORTS = ('auto', 'gather', 'all_to_all')  # model.moe_transport: how tokens reach their experts' devices
 STATS = 'moe_stats'  # the Flax collection each MoE layer writes its routing statistics into, when mutable
 
 
@@ -138,6 +143,153 @@ def dense_experts(x, weights, experts, keep, w_gate, w_up, w_down, swiglu):
   return jnp.einsum('nx,nxd->nd', combine.astype(y.dtype), y)
 
 
+# Expert parallelism: the stacked experts split over the mesh's `expert` axis (sharding.EXPERT_RULES), each device
+# holding X/E of them, while the tokens stay split over the batch axes (expert among them). Routing runs before,
+# on the whole (sharded) batch, so its statistics stay whole-batch sums; only the experts' rows travel.
+
+
+def expert_ways() -> int:
+  """Ways the experts are split on the mesh being traced under (1: no expert axis)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return 1 if mesh.empty else dict(mesh.shape).get(sharding.EXPERT, 1)
+
+
+def transport(name: str) -> str:
+  """model.moe_transport resolved for the mesh being traced under: 'auto' is all_to_all on GPU and TPU, gather
+  elsewhere (XLA:CPU has no ragged-all-to-all)."""
+  from jaxlm import attention  # the mesh's platform, as the attention kernel is chosen
+  platform = attention.mesh_platform() or jax.default_backend()
+  if name == 'auto':
+    return 'all_to_all' if platform in ('gpu', 'tpu', 'cuda', 'rocm') else 'gather'
+  if name == 'all_to_all' and platform == 'cpu':
+    from jaxlm import errors
+    raise errors.ConfigError('model.moe_transport=all_to_all on a CPU mesh: XLA:CPU has no ragged-all-to-all; '
+                             'use model.moe_transport=gather (or auto)')
+  return name
+
+
+def buffer_rows(tokens: int, top_k: int, local_experts: int, ways: int, factor: float) -> int:
+  """Rows of one device's all_to_all receive buffer for `tokens` local tokens.
+
+  The worst case (factor 0, the default): every token of all `ways` devices sends min(k, X/E) assignments here,
+  so nothing can overflow. factor > 0: that many times the balanced share (tokens·k rows), capped at the worst case.
+  """
+  worst = ways * tokens * min(top_k, local_experts)
+  return worst if factor <= 0 else min(worst, max(1, math.ceil(factor * tokens * top_k)))
+
+
+def fit_buffer(counts, buffer: int):
+  """What the all_to_all transport sends when receive buffers hold `buffer` rows: (sent (E, X), overflow).
+
+  counts (E, X): assignments each of the E devices of the expert axis has for each of the X experts (device d
+  owns experts d·X/E … (d+1)·X/E − 1). Each receiver fills its buffer from the senders in order; a sender's rows
+  for one receiver are sorted by expert, so when they do not all fit the last ones are cut. sent (E, X) are the
+  rows that arrive, overflow the number that do not (counted, never silently lost: they add nothing to the
+  layer's output and are reported as moe/<layer>/overflow). Plain arithmetic, identical on every device.
+  """
+  E, X = counts.shape
+  per = counts.reshape(E, E, X // E)  # [sender, receiver, local expert]
+  chunk = per.sum(-1)  # (E, E) rows each sender has for each receiver
+  before = jnp.cumsum(chunk, axis=0) - chunk  # rows earlier senders put in each receiver's buffer
+  room = jnp.clip(buffer - before, 0, chunk)  # how many of its rows each sender gets in
+  earlier = jnp.cumsum(per, axis=-1) - per  # inside one chunk: rows of the receiver's lower experts
+  sent = jnp.clip(room[..., None] - earlier, 0, per).reshape(E, X)
+  return sent, (counts - sent).sum()
+
+
+def _exclusive_cumsum(x, axis=-1):
+  return jnp.cumsum(x, axis=axis) - x
+
+
+# The exchange primitive, a module attribute so that tests on the CPU mesh (where XLA has no ragged-all-to-all)
+# can put an emulation built from all_gather in its place and run the all_to_all transport's own arithmetic.
+ragged_all_to_all = jax.lax.ragged_all_to_all
+
+
+def _local_choices(experts, keep, local_experts: int):
+  """experts (.., k) as indices into this device's X/E experts, and which assignments this device runs."""
+  local = experts - jax.lax.axis_index(sharding.EXPERT) * local_experts
+  return local, keep & (local >= 0) & (local < local_experts)
+
+
+def _gather_body(x, weights, experts, keep, w_gate, w_up, w_down, *, run, swiglu, mlp_axis):
+  """All-gather the tokens (and their routing) over the expert axis, run this device's experts on the
+  assignments that chose them (the rest sort past its groups), reduce-scatter the partial outputs back."""
+  gather = lambda a: jax.lax.all_gather(a, sharding.EXPERT, axis=0, tiled=True)  # noqa: E731
+  x, weights, experts, keep = gather(x), gather(weights), gather(experts), gather(keep)  # (E·n, ...)
+  local, mine = _local_choices(experts, keep, w_gate.shape[0])
+  y = run(x, weights, local, mine, w_gate, w_up, w_down, swiglu)  # (E·n, D): this device's experts' share
+  if mlp_axis:  # the experts' hidden width split over tensor: the down projection's partial sums
+    y = jax.lax.psum(y, mlp_axis)
+  return jax.lax.psum_scatter(y, sharding.EXPERT, scatter_dimension=0, tiled=True), jnp.zeros((), jnp.float32)
+
+
+def _all_to_all_body(x, weights, experts, keep, w_gate, w_up, w_down, *, run, swiglu, mlp_axis, buffer_factor,
+                     other_axes):
+  """MaxText-style dropless dispatch: sort this device's assignments by expert, exchange the counts, send each
+  row to the device owning its expert (ragged all-to-all), group the received rows by local expert, grouped
+  GEMMs, send them back the same way, unsort, and sum over k with the router's weights."""
+  n, k = experts.shape
+  Xl = w_gate.shape[0]
+  E = jax.lax.axis_size(sharding.EXPERT)
+  r = jax.lax.axis_index(sharding.EXPERT)
+  X = Xl * E
+  flat = jnp.where(keep, experts, X).reshape(-1)  # (A,): dropped and padding sort past the last expert
+  order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=jnp.int32))
+  rows = permute(jnp.broadcast_to(x[:, None], (n, k, x.shape[-1])).reshape(n * k, -1), order, inverse)
+  counts = jnp.bincount(flat, length=X + 1)[:X].astype(jnp.int32)  # (X,)
+  all_counts = jax.lax.all_gather(counts, sharding.EXPERT)  # (E, X): every sender's counts, on every device
+  buffer = buffer_rows(n, k, Xl, E, buffer_factor)
+  sent, overflow = fit_buffer(all_counts, buffer)
+  chunk = all_counts.reshape(E, E, Xl).sum(-1)  # [sender, receiver] rows asked
+  sent_chunk = sent.reshape(E, E, Xl).sum(-1)  # [sender, receiver] rows that fit
+  in_offsets = _exclusive_cumsum(chunk, axis=1)  # where each receiver's rows start in each sender's sorted rows
+  out_offsets = _exclusive_cumsum(sent_chunk, axis=0)  # where each sender's rows start in each receiver's buffer
+  received = ragged_all_to_all(rows, jnp.zeros((buffer, rows.shape[-1]), rows.dtype), in_offsets[r],
+                               sent_chunk[r], out_offsets[:, r], sent_chunk[:, r], axis_name=sharding.EXPERT)
+  # The buffer holds sender 0's rows for this device's experts in expert order, then sender 1's, ...: the local
+  # expert of each row follows from the counts; rows past the last are empty.
+  segments = sent.reshape(E, E, Xl)[:, r].reshape(-1)  # (E·Xl,) [sender, local expert] in buffer order
+  segment = jnp.searchsorted(jnp.cumsum(segments), jnp.arange(buffer, dtype=jnp.int32), side='right')
+  local = jnp.where(segment < E * Xl, segment % Xl, Xl)  # (buffer,)
+  y = run(received, jnp.ones((buffer, 1), jnp.float32), local[:, None], (local < Xl)[:, None], w_gate, w_up,
+          w_down, swiglu)  # (buffer, D): each row through its expert, unweighted
+  if mlp_axis:
+    y = jax.lax.psum(y, mlp_axis)
+  back = ragged_all_to_all(y, jnp.zeros_like(rows), out_offsets[:, r], sent_chunk[:, r], in_offsets[:, r],
+                           sent_chunk[r], axis_name=sharding.EXPERT)  # (A, D) in this device's sorted order
+  out = permute(back, inverse, order).reshape(n, k, -1)  # rows that did not fit come back as zeros
+  y = (out * jnp.where(keep, weights, 0.0).astype(out.dtype)[..., None]).sum(axis=1)
+  overflow = overflow.astype(jnp.float32) / E  # every device of the expert axis counted the same overflow
+  overflow = jax.lax.psum(overflow, (sharding.EXPERT, *other_axes))
+  return y, overflow
+
+
+def expert_parallel(x, weights, experts, keep, w_gate, w_up, w_down, *, run, swiglu, transport: str,
+                    buffer_factor: float):
+  """`run` (ragged_experts / dense_experts) with the experts split over the mesh's expert axis, in shard_map:
+  (y (N, D), overflow) for tokens x (N, D) split over the batch and context axes.
+
+  Weights enter as (X/E, D, F) blocks on each device: their `embed` is all-gathered over fsdp as any fsdp
+  layer's is, never over the expert axis. The experts' hidden width F stays split over tensor inside, and the
+  down projection's partial sums are added over it.
+  """
+  batch_axes, seq_axes, mlp_axis = nn.logical_to_mesh_axes(('act_batch', 'act_seq', 'mlp'))
+  as_tuple = lambda a: () if a is None else ((a,) if isinstance(a, str) else tuple(a))  # noqa: E731
+  token_axes = as_tuple(batch_axes) + as_tuple(seq_axes)  # N = B·T flattened: split over both
+  other_axes = tuple(a for a in token_axes if a != sharding.EXPERT)
+  tok = P(token_axes)
+  w_in, w_out = P(sharding.EXPERT, None, mlp_axis), P(sharding.EXPERT, mlp_axis, None)
+  if transport == 'gather':
+    body = functools.partial(_gather_body, run=run, swiglu=swiglu, mlp_axis=mlp_axis)
+  else:
+    body = functools.partial(_all_to_all_body, run=run, swiglu=swiglu, mlp_axis=mlp_axis,
+                             buffer_factor=buffer_factor, other_axes=other_axes)
+  return jax.shard_map(body, in_specs=(tok, tok, tok, tok, w_in, w_in, w_out), out_specs=(tok, P()))(
+      x, weights, experts, keep, w_gate, w_up, w_down)
+
+
 class MoE(nn.Module):
   """A routed SwiGLU MLP: a float32 router picks k of X experts per token, plus optional shared experts.
 
@@ -173,22 +325,28 @@ class MoE(nn.Module):
     keep, load = assign(experts, valid, X, capacity(B * T, k, X, m.moe_capacity_factor))
     # Expert GEMMs stay in model.dtype: fp8's per-tensor scales do not cover X experts' grouped rows.
     run = ragged_experts if m.moe_impl == 'ragged' else dense_experts
-    y = run(xt, weights, experts, keep, w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt), model_lib.swiglu)
+    w = (w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt))
+    if expert_ways() > 1:  # experts split over the mesh's expert axis: tokens travel to them and back
+      y, overflow = expert_parallel(xt, weights, experts, keep, *w, run=run, swiglu=model_lib.swiglu,
+                                    transport=transport(m.moe_transport), buffer_factor=m.moe_buffer_factor)
+    else:
+      y, overflow = run(xt, weights, experts, keep, *w, model_lib.swiglu), jnp.zeros((), jnp.float32)
     if m.moe_shared_experts:  # DeepSeek's shared experts: one dense SwiGLU as wide as all of them, on every token
       shared = dataclasses.replace(m, mlp_dim=m.moe_shared_experts * F)
       y = y + model_lib.tokens(model_lib.SwiGLU(shared, name='shared')(x))
     if self.is_mutable_collection(STATS):
-      for name, value in statistics(logits, scores, keep, load, valid).items():
+      for name, value in statistics(logits, scores, keep, load, valid, overflow).items():
         self.variable(STATS, name, lambda v=value: jnp.zeros_like(v)).value = value
     return y.reshape(B, T, D)
 
 
-def statistics(logits, scores, keep, load, valid) -> dict:
+def statistics(logits, scores, keep, load, valid, overflow=0.0) -> dict:
   """One layer's routing statistics over its tokens, as sums (so they add up over microbatches and shards).
 
   tokens: real tokens; load (X,): assignments asked of each expert; kept: assignments taken; prob (X,): router
   probabilities summed over tokens (the P of the Switch auxiliary loss); z: Σ log(Σ exp(logits))² (router
-  z-loss, ST-MoE); entropy: Σ of each token's router entropy.
+  z-loss, ST-MoE); entropy: Σ of each token's router entropy; overflow: kept assignments the all_to_all
+  transport lost to a full receive buffer (model.moe_buffer_factor; 0 with the default worst-case buffer).
   """
   w = valid.astype(jnp.float32)
   log_z = jax.nn.logsumexp(logits, axis=-1)  # (N,)
@@ -196,7 +354,7 @@ def statistics(logits, scores, keep, load, valid) -> dict:
   entropy = -(p * jax.nn.log_softmax(logits, axis=-1)).sum(-1)
   return {'tokens': w.sum(), 'load': load.astype(jnp.float32), 'kept': (keep & valid[:, None]).sum().astype(
       jnp.float32), 'prob': (scores * w[:, None]).sum(0), 'z': (jnp.square(log_z) * w).sum(),
-          'entropy': (entropy * w).sum()}
+          'entropy': (entropy * w).sum(), 'overflow': jnp.asarray(overflow, jnp.float32)}
 
 
 def moe_mlp_dim(model_cfg) -> int:
@@ -272,6 +430,8 @@ def metrics(stats, m, bias_params=None) -> dict:
     out[f'moe/{i}/aux_loss'] = aux_loss(s, tokens, m.moe_top_k)
     out[f'moe/{i}/z_loss'] = s['z'] / tokens
     out[f'moe/{i}/entropy'] = s['entropy'] / tokens
+    if 'overflow' in s:  # assignments lost to a full all_to_all receive buffer: a count, 0 unless undersized
+      out[f'moe/{i}/overflow'] = s['overflow']
     if i in biases:
       out[f'moe/{i}/bias_norm'] = jnp.linalg.norm(biases[i]['bias'])
   out['moe/max_load'] = jnp.max(jnp.stack([v for k, v in out.items() if k.endswith('/max_load')]))

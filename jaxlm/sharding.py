@@ -14,6 +14,11 @@ Mesh axes:
           (and every PartitionSpec on it) is exactly (data, fsdp, tensor).
   context context parallelism: every sequence split along its length (`act_seq`), in the load-balanced
           zig-zag order of `zigzag_order`; attention gathers keys and values along it (attention.py).
+  expert  expert parallelism (jaxlm/moe.py): a mixture of experts' stacked weights split along their experts
+          axis; everything else uses it as one more fully-sharded data axis (the batch split over it, the
+          other parameters along `embed` over fsdp × expert, as MaxText does), so no device idles. Tokens
+          travel to their experts' devices and back inside the MoE layer (moe.py's transports). Between
+          fsdp and tensor, and present only when mesh.expert × mesh.dcn_expert > 1, like `stage`.
 With mesh.dcn_* > 1 each axis also spans hosts (or TPU slices); see make_mesh.
 Storage names (parameters) and activation names (`act_*`) are kept apart, as in Levanter: they are sharded
 differently (parameters over fsdp, activations over the batch).
@@ -35,6 +40,7 @@ from jaxlm.metrics import format_table
 
 AXES = ('data', 'fsdp', 'tensor', 'context')
 STAGE = 'stage'  # the pipeline axis, placed before AXES when a mesh has one
+EXPERT = 'expert'  # the expert-parallel axis, placed after fsdp when a mesh has one
 
 RULES = (
     # Storage: parameters and optimizer state.
@@ -73,9 +79,22 @@ STAGE_RULES = (
 )
 
 
+# On a mesh with an `expert` axis these rows come first: the stacked experts split over it, and every other
+# parameter's `embed` and the batch over it too (fully-sharded data parallelism over fsdp × expert). An expert
+# weight (experts, embed, mlp) takes `expert` on its experts axis first, so its `embed` falls through to the
+# plain ('embed', 'fsdp') row (flax assigns each mesh axis at most once per array).
+EXPERT_RULES = (
+    ('experts', EXPERT),
+    ('embed', ('fsdp', EXPERT)),
+    ('act_batch', ('data', 'fsdp', EXPERT)),
+)
+
+
 def rules(mesh) -> tuple:
-  """The logical → mesh rules for `mesh`: RULES, preceded by STAGE_RULES when the mesh has a stage axis."""
-  return STAGE_RULES + RULES if STAGE in mesh.axis_names else RULES
+  """The logical → mesh rules for `mesh`: RULES, preceded by STAGE_RULES / EXPERT_RULES when the mesh has a
+  stage / an expert axis."""
+  names = mesh.axis_names
+  return ((STAGE_RULES if STAGE in names else ()) + (EXPERT_RULES if EXPERT in names else ()) + RULES)
 
 
 @contextlib.contextmanager
@@ -103,12 +122,15 @@ class MeshShape:
   The dcn_* factors split an axis across hosts or TPU slices (the slow data-centre network); the plain sizes
   split it inside one host or slice (ICI / NVLink). Config validation, the trainer, eval and size all use this.
   Both tuples follow AXES; an axis a config lacks (one saved before the axis existed) has size 1. The pipeline's
-  stage axis is kept apart (`stage`, `dcn_stage`): it exists on a mesh only when there is more than one stage.
+  stage axis is kept apart (`stage`, `dcn_stage`): it exists on a mesh only when there is more than one stage;
+  so is the expert axis (`expert`, `dcn_expert`), on a mesh only when it splits the experts more than one way.
   """
   ici: tuple[int, ...]  # per AXES, inside one host or slice, a -1 filled in (0: cannot be)
   dcn: tuple[int, ...]  # per AXES: dcn_data, dcn_fsdp, ...
   stage_ici: int = 1  # mesh.stage: pipeline stages inside one host or slice
   stage_dcn: int = 1  # mesh.dcn_stage: pipeline stages across hosts or slices
+  expert_ici: int = 1  # mesh.expert: expert-parallel ways inside one host or slice
+  expert_dcn: int = 1  # mesh.dcn_expert: expert-parallel ways across hosts or slices
 
   @classmethod
   def resolve(cls, mesh_cfg, num_devices: int) -> 'MeshShape':
@@ -117,13 +139,14 @@ class MeshShape:
     # size 1, no pipeline.
     dcn = tuple(mesh_cfg.get(f'dcn_{axis}', 1) for axis in AXES)
     stage_ici, stage_dcn = mesh_cfg.get('stage', 1), mesh_cfg.get('dcn_stage', 1)
-    hosts = math.prod(dcn) * stage_dcn
+    expert_ici, expert_dcn = mesh_cfg.get('expert', 1), mesh_cfg.get('dcn_expert', 1)
+    hosts = math.prod(dcn) * stage_dcn * expert_dcn
     per_host = num_devices // hosts if hosts > 0 and num_devices % hosts == 0 else 0
     sizes = [mesh_cfg.get(axis, 1) for axis in AXES]
     if sizes.count(-1) == 1:
-      rest = math.prod(s for s in sizes if s != -1) * stage_ici
+      rest = math.prod(s for s in sizes if s != -1) * stage_ici * expert_ici
       sizes[sizes.index(-1)] = per_host // rest if rest > 0 and per_host % rest == 0 else 0
-    return cls(tuple(sizes), dcn, stage_ici, stage_dcn)
+    return cls(tuple(sizes), dcn, stage_ici, stage_dcn, expert_ici, expert_dcn)
 
   @property
   def sizes(self) -> tuple[int, ...]:
@@ -131,13 +154,18 @@ class MeshShape:
     return tuple(i * d for i, d in zip(self.ici, self.dcn))
 
   def size(self, axis: str) -> int:
-    """The whole mesh's size along `axis`."""
-    return self.sizes[AXES.index(axis)]
+    """The whole mesh's size along `axis` (one of AXES, or 'expert')."""
+    return self.experts if axis == EXPERT else self.sizes[AXES.index(axis)]
 
   @property
   def stages(self) -> int:
     """Pipeline stages in the whole mesh: dcn_stage × stage (1: no pipeline)."""
     return self.stage_ici * self.stage_dcn
+
+  @property
+  def experts(self) -> int:
+    """Expert-parallel ways in the whole mesh: dcn_expert × expert (1: no expert axis)."""
+    return self.expert_ici * self.expert_dcn
 
   @staticmethod
   def errors(mesh_cfg, num_devices: int, num_processes: int = 1, num_slices: int = 1) -> list[str]:
@@ -152,6 +180,9 @@ class MeshShape:
     if any(not isinstance(x, int) or x < 1 for x in (shape.stage_ici, shape.stage_dcn)):
       return [f'mesh.stage={shape.stage_ici} and mesh.dcn_stage={shape.stage_dcn} must be positive integers '
               f'(1 = no pipeline).']
+    if any(not isinstance(x, int) or x < 1 for x in (shape.expert_ici, shape.expert_dcn)):
+      return [f'mesh.expert={shape.expert_ici} and mesh.dcn_expert={shape.expert_dcn} must be positive integers '
+              f'(1 = no expert parallelism).']
     if shape.stages > num_devices:
       return [f'mesh stage×dcn_stage = {shape.stage_ici}×{shape.stage_dcn} = {shape.stages} pipeline stages '
               f'exceed the {num_devices} devices available; each stage needs at least one device, so use at most '
@@ -161,18 +192,22 @@ class MeshShape:
     if any(not isinstance(x, int) or x < 1 for x in dcn):
       return [f'mesh ({dcn_names.replace("×", ", ")}) = {dcn}: each must be a positive integer (1 = not split '
               f'across hosts).']
-    hosts = math.prod(dcn) * shape.stage_dcn
+    hosts = math.prod(dcn) * shape.stage_dcn * shape.expert_dcn
     dcn_text = '×'.join(map(str, dcn))
     if shape.stage_dcn > 1:
       dcn_text = f'{shape.stage_dcn}×{dcn_text}'
     dcn_names = ('dcn_stage×' if shape.stage_dcn > 1 else '') + dcn_names
+    if shape.expert_dcn > 1:
+      dcn_text, dcn_names = f'{dcn_text}×{shape.expert_dcn}', f'{dcn_names}×dcn_expert'
     if hosts > 1 and hosts not in (num_processes, num_slices):
       return [f'mesh {dcn_names} = {dcn_text} = {hosts} must equal the number of processes '
               f'({num_processes}) or of TPU slices ({num_slices}): the dcn_* axes run across hosts, each host '
               f'holding a {names} block. Set them so, or all to 1 for a single host.']
-    if math.prod(shape.sizes) * shape.stages != num_devices:
+    if math.prod(shape.sizes) * shape.stages * shape.experts != num_devices:
       if shape.stage_ici > 1:
         names, text = f'stage×{names}', f'{shape.stage_ici}×{text}'
+      if shape.expert_ici > 1:
+        names, text = f'{names}×expert', f'{text}×{shape.expert_ici}'
       if hosts == 1:
         return [f'mesh {names} = {text} does not match the {num_devices} devices '
                 f'available; make the product {num_devices}, or set one axis to -1 (e.g. --config.mesh.fsdp=-1).']
@@ -186,13 +221,15 @@ class MeshShape:
 def single_host_mesh_cfg(mesh_cfg, num_devices: int, num_processes: int):
   """`mesh_cfg` if it fits here, else all `num_devices` as FSDP on one host (eval of a multi-host run's checkpoint)."""
   shape = MeshShape.resolve(mesh_cfg, num_devices)
-  multi_host = math.prod(shape.dcn) * shape.stage_dcn > 1
-  if (multi_host and num_processes == 1) or math.prod(shape.sizes) * shape.stages != num_devices:
+  multi_host = math.prod(shape.dcn) * shape.stage_dcn * shape.expert_dcn > 1
+  if (multi_host and num_processes == 1) or math.prod(shape.sizes) * shape.stages * shape.experts != num_devices:
     mesh_cfg = mesh_cfg.copy_and_resolve_references()
     mesh_cfg.update({axis: 1 for axis in AXES}, **{f'dcn_{axis}': 1 for axis in AXES})
     mesh_cfg.fsdp = -1
     if 'stage' in mesh_cfg:
       mesh_cfg.update(stage=1, dcn_stage=1)
+    if 'expert' in mesh_cfg:
+      mesh_cfg.update(expert=1, dcn_expert=1)
   return mesh_cfg
 
 
@@ -203,7 +240,9 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
   one host's (or TPU slice's) devices form a contiguous block and only the dcn axes cross the slow network.
   HSDP, for example, is fsdp=-1 with dcn_data=<hosts>: parameters sharded inside a host, replicated across.
   With pipeline stages the mesh is (stage, data, fsdp, tensor), stage outermost: with dcn_stage = hosts, each
-  host holds whole stages, and only the stage-to-stage activations cross the slow network.
+  host holds whole stages, and only the stage-to-stage activations cross the slow network. With an expert axis
+  it is (data, fsdp, expert, tensor, context): tensor stays innermost (the fastest links), and the experts'
+  token exchange runs over the axis next to it.
   """
   devices = jax.devices() if devices is None else devices
   processes, slices = num_processes(devices), num_slices(devices)
@@ -211,8 +250,12 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
     raise errors.ConfigError('invalid config:\n  - ' + '\n  - '.join(problems))
   shape = MeshShape.resolve(mesh_cfg, len(devices))
   ici, dcn, axes = shape.ici, shape.dcn, AXES
+  if shape.experts > 1:  # after fsdp
+    at = AXES.index('fsdp') + 1
+    ici, dcn = (*ici[:at], shape.expert_ici, *ici[at:]), (*dcn[:at], shape.expert_dcn, *dcn[at:])
+    axes = (*axes[:at], EXPERT, *axes[at:])
   if shape.stages > 1:
-    ici, dcn, axes = (shape.stage_ici, *ici), (shape.stage_dcn, *dcn), (STAGE, *AXES)
+    ici, dcn, axes = (shape.stage_ici, *ici), (shape.stage_dcn, *dcn), (STAGE, *axes)
   # Auto axis types: shardings come from jit in/out shardings and with_sharding_constraint (JAX >= 0.7 would
   # otherwise default to explicit-sharding mode).
   axis_types = (jax.sharding.AxisType.Auto,) * len(axes)
@@ -247,9 +290,11 @@ def logical_to_mesh(logical_tree, mesh: Mesh):
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Batches are (B, T): split along B over data and fsdp (and the pipeline's stages, when there are any), along T
-  over context (in `zigzag_order`)."""
+  """Batches are (B, T): split along B over data and fsdp (and the pipeline's stages, the expert axis, when there
+  are any: `act_batch`), along T over context (in `zigzag_order`)."""
   rows = (STAGE, 'data', 'fsdp') if STAGE in mesh.axis_names else ('data', 'fsdp')
+  if EXPERT in mesh.axis_names:
+    rows = (*rows, EXPERT)
   return NamedSharding(mesh, P(rows, 'context'))
 
 
@@ -327,8 +372,8 @@ def check_sharded(params, shardings, mesh: Mesh, tolerance: float = 0.5) -> None
   little more, so anything within `tolerance` of ideal passes.
   """
   total = sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
-  ways = mesh.shape['fsdp'] * mesh.shape['tensor']
+  ways = mesh.shape['fsdp'] * mesh.shape['tensor'] * dict(mesh.shape).get(EXPERT, 1)
   held = bytes_per_device(params, shardings)
   if held > total / ways * (1 + tolerance):
     raise AssertionError(f'parameters are not sharded as asked: a device holds {held:,} of {total:,} bytes, '
-                         f'expected about {total // ways:,} on fsdp×tensor = {ways}.')
+                         f'expected about {total // ways:,} on fsdp×tensor(×expert) = {ways}.')

@@ -344,8 +344,8 @@ def test_bias_balancing_evens_out_a_synthetic_skew():
 def _moe_config(**overrides):
   """odd_config as a Llama-style MoE (5 experts, 2 per token), every routing loss and the bias balancing on."""
   cfg = odd_config(parallel_block=False)
-  cfg.model.update(moe_experts=5, moe_top_k=2, moe_mlp_dim=18, moe_aux_loss=1e-2, moe_router_z_loss=1e-3,
-                   moe_bias_rate=1e-2, qk_norm='head', **overrides)
+  cfg.model.update(**{**dict(moe_experts=5, moe_top_k=2, moe_mlp_dim=18, moe_aux_loss=1e-2, moe_router_z_loss=1e-3,
+                              moe_bias_rate=1e-2, qk_norm='head'), **overrides})
   return cfg
 
 
@@ -359,14 +359,16 @@ def _skew(state, program):
 
 
 @functools.cache
-def _moe_steps(mesh_shape, skewed: bool = False, microbatches: int = 1, steps: int = 3):
-  """`steps` training steps of _moe_config on `mesh_shape` (data, fsdp, tensor): losses, metrics, final params."""
+def _moe_steps(mesh_shape, skewed: bool = False, microbatches: int = 1, steps: int = 3, experts: int = 5,
+               transport: str = 'auto', state_out: bool = False):
+  """`steps` training steps of _moe_config on `mesh_shape` (data, fsdp, tensor[, expert[, context]]): losses,
+  metrics, final params (and with `state_out` the final state and the compiled step's HLO text)."""
   from jaxlm import sharding
   from tests.helpers import plain_program
-  cfg = _moe_config()
+  cfg = _moe_config(moe_experts=experts, moe_transport=transport)
   # A first Adam step is g / (|g| + eps): with eps = 1 it is ~linear in g, so parameters compare gradients.
   cfg.optim.eps = 1.0
-  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh_shape
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, cfg.mesh.expert, cfg.mesh.context = (*mesh_shape, 1, 1)[:5]
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:int(np.prod(mesh_shape))])
   batch = random_batch(8, 16, cfg.model.vocab_size, docs=2)
   batch['segment_ids'][:, -3:] = 0  # padded tails: routed nowhere, counted nowhere
@@ -382,6 +384,8 @@ def _moe_steps(mesh_shape, skewed: bool = False, microbatches: int = 1, steps: i
     state, m = program.train_step(state, b)
     losses.append(float(m['loss']))
     metrics.append({k: np.asarray(v) for k, v in m.items()})
+  if state_out:
+    return state, b, program.train_step.lower(state, b).compile().as_text()
   return losses, metrics, jax.tree.map(np.asarray, state.params)
 
 
@@ -424,16 +428,22 @@ def test_first_dense_model_trains_on_a_mesh_microbatches_giving_the_same_update(
   np.testing.assert_array_equal(p1['layers']['block_1']['moe']['bias'], p2['layers']['block_1']['moe']['bias'])
 
 
-@pytest.mark.parametrize('shape, skewed', grid([(s, k) for s in [(1, 8, 1), (2, 2, 2), (1, 4, 2)] for k in (False, True)],
-                                               fast=[], ids=lambda c: f'{"x".join(map(str, c[0]))}'
+# (data, fsdp, tensor[, expert[, context]]); with an expert axis the model has 8 experts (divisible by it).
+_EP_SHAPES = [(1, 1, 1, 8), (1, 2, 1, 4), (1, 1, 2, 4), (1, 1, 1, 4, 2)]
+
+
+@pytest.mark.parametrize('shape, skewed', grid([(s, k) for s in [(1, 8, 1), (2, 2, 2), (1, 4, 2), *_EP_SHAPES]
+                                                for k in (False, True)],
+                                               fast=[((1, 2, 1, 4), True)], ids=lambda c: f'{"x".join(map(str, c[0]))}'
                                                f'{"-skewed" if c[1] else ""}', unpack=True))
 def test_sharded_moe_steps_match_single_device(shape, skewed):
-  ref_losses, ref_metrics, ref_params = _moe_steps((1, 1, 1), skewed)
+  experts = 8 if len(shape) > 3 else 5  # expert-sharded shapes: x1x1... (data, fsdp, tensor, expert, context)
+  ref_losses, ref_metrics, ref_params = _moe_steps((1, 1, 1), skewed, experts=experts)
   assert ref_losses[-1] < ref_losses[0]
-  losses, metrics, params = _moe_steps(shape, skewed)
+  losses, metrics, params = _moe_steps(shape, skewed, experts=experts)
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   if skewed:  # every real token on experts 0 and 1: max/mean load = X/k
-    np.testing.assert_allclose(ref_metrics[0]['moe/max_load'], 5 / 2, rtol=1e-6)
+    np.testing.assert_allclose(ref_metrics[0]['moe/max_load'], experts / 2, rtol=1e-6)
   for key in ('moe/0/max_load', 'moe/1/dropped', 'moe/1/bias_norm'):
     np.testing.assert_allclose(metrics[-1][key], ref_metrics[-1][key], rtol=1e-5, err_msg=key)
   assert _max_diff(params, ref_params) <= 1e-4
