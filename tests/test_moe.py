@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxlm import model as model_lib
 from jaxlm import moe
@@ -627,3 +628,101 @@ def test_progress_line_shows_the_max_load():
   line = metrics.progress_line(5, 20, {'loss': 2.5, 'tokens_per_s': 100.0, 'moe/max_load': 1.3906}, None)
   assert '| max load 1.39 |' in line
   assert 'max load' not in metrics.progress_line(5, 20, {'loss': 2.5, 'tokens_per_s': 100.0}, None)
+
+
+# Expert parallelism at the layer: the MoE layer on a mesh with an `expert` axis (8 experts, k=2) against the same
+# layer on one device. Whole training steps on these meshes are in test_sharded_moe_steps_match_single_device.
+_EP = dict(moe_experts=8, moe_top_k=2)
+
+
+def _ep_mesh(shape):
+  """A (data, fsdp, tensor, expert, context) mesh, as make_mesh builds it from a config."""
+  import ml_collections
+  from jaxlm import sharding
+  sizes = dict(zip(('data', 'fsdp', 'tensor', 'expert', 'context'), (*shape, 1, 1)[:5]))
+  return sharding.make_mesh(ml_collections.ConfigDict(sizes), jax.devices()[:int(np.prod(shape))])
+
+
+def _ep_inputs():
+  """8 rows of 4 tokens (the batch splits 8 ways), the last token of each row padding."""
+  return _inputs(n_rows=8, seq=4, pad=1)
+
+
+def _ep_out_grads_stats(mesh_shape, skewed: bool, impl: str = 'ragged', **overrides):
+  """(y, gradients of y·cot, routing statistics) of the 8-expert layer, on `mesh_shape` (None: no mesh)."""
+  from jaxlm import sharding
+  x, seg = _ep_inputs()
+  m = _cfg(moe_impl=impl, **_EP, **overrides)
+  params = _params(**_EP)
+  if skewed:  # every token to experts 0 and 1, both on the first device of the expert axis
+    params = _with_bias(params, np.array([10.0, 5.0] + [0.0] * 6))
+  cot = jax.random.normal(jax.random.PRNGKey(7), x.shape)
+
+  def f(p, x):
+    apply = lambda p, x: moe.MoE(m).apply({'params': p}, x, seg, mutable=[moe.STATS])  # noqa: E731
+    (y, stats), vjp = jax.vjp(apply, p, x)
+    return y, vjp((cot, jax.tree.map(jnp.zeros_like, stats)))[0], stats[moe.STATS]
+  if mesh_shape is None:
+    return jax.jit(f)(params, x)
+  with sharding.activate(mesh := _ep_mesh(mesh_shape)):
+    out = jax.jit(f)(params, x)
+    hlo = jax.jit(f).lower(params, x).compile().as_text()
+  return (*out, mesh, hlo)
+
+
+def _assert_same_layer(got, want):
+  y, g, s = got[:3]
+  y_ref, g_ref, s_ref = want
+  assert float(jnp.abs(y_ref).max()) > 0.1
+  np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=0)
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g)[0], jax.tree.leaves(g_ref)):
+    np.testing.assert_allclose(a, b, atol=1e-4, rtol=0, err_msg=jax.tree_util.keystr(path))
+  for key in s_ref:  # routing statistics stay whole-batch sums
+    np.testing.assert_allclose(s[key], s_ref[key], rtol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize('shape, skewed', grid([((1, 2, 1, 4), False), ((1, 2, 1, 4), True), ((1, 1, 1, 8), True),
+                                                ((1, 1, 2, 4), True), ((1, 1, 1, 4, 2), True)],
+                                               fast=[((1, 2, 1, 4), True)], unpack=True,
+                                               ids=lambda c: 'x'.join(map(str, c[0])) + ('-skewed' if c[1] else '')))
+def test_expert_parallel_layer_equals_unsharded(shape, skewed):
+  got = _ep_out_grads_stats(shape, skewed)
+  _assert_same_layer(got, _ep_out_grads_stats(None, skewed))
+  if skewed:
+    np.testing.assert_array_equal(got[2]['load'][2:], 0)  # the skew is real: experts 2..7 got nothing
+
+
+def test_gather_transport_moves_tokens_not_expert_weights():
+  """The gather transport's compiled step all-gathers token rows and reduce-scatters the outputs over the expert
+  axis; no expert weight (X, D, F) is ever gathered whole over it."""
+  import re
+  *_, mesh, hlo = _ep_out_grads_stats((1, 1, 1, 8), False)
+  gathers = re.findall(r'= (\S+) all-gather\(', hlo)
+  scatters = re.findall(r'= (\S+) reduce-scatter\(', hlo)
+  # Tokens x (N=32, D) on 8 devices: 4 rows each, gathered to 32 rows (forward, and the backward's reduce-scatter
+  # of their gradient): shapes with 32 rows of D.
+  assert any(re.match(rf'f32\[32,{D}\]', s) for s in gathers), gathers
+  assert any(re.match(rf'f32\[4,{D}\]', s) for s in scatters), scatters
+  # An expert weight whole over the experts: a leading X=8 with D and F behind it; each device holds 1 expert.
+  whole = [s for s in gathers if re.match(rf'f32\[8,({D},{F}|{F},{D})\]', s)]
+  assert not whole, whole
+
+
+def test_expert_weights_and_batch_are_split_over_the_expert_axis():
+  from jaxlm import sharding
+  cfg = _moe_config(moe_experts=8)
+  cfg.mesh.update(data=1, fsdp=2, tensor=1, expert=4)
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices())
+  assert mesh.axis_names == ('data', 'fsdp', 'expert', 'tensor', 'context')
+  from tests.helpers import plain_program
+  program = plain_program(cfg, mesh)
+  p = program.state_shardings.params
+  # The scanned layer axis first, then (experts, embed, mlp): experts over `expert`, embed over fsdp.
+  assert p['layers']['moe']['gate'].spec == P(None, 'expert', 'fsdp', 'tensor')
+  assert p['layers']['moe']['down'].spec == P(None, 'expert', 'tensor', 'fsdp')
+  assert p['layers']['moe']['bias'].spec == P(None, 'expert')
+  # Every other parameter's embed over fsdp × expert (fully sharded over the expert axis too).
+  assert p['layers']['attention']['query'].spec[1] == ('fsdp', 'expert')
+  assert program.batch_sharding.spec == P(('data', 'fsdp', 'expert'), 'context')
+  gate = program.abstract_state.params['layers']['moe']['gate']
+  assert p['layers']['moe']['gate'].shard_shape(gate.shape)[1] == 2  # 8 experts over 4 devices
