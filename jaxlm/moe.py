@@ -247,7 +247,7 @@ def _all_to_all_body(x, weights, experts, keep, w_gate, w_up, w_down, *, run, sw
   in_offsets = _exclusive_cumsum(chunk, axis=1)  # where each receiver's rows start in each sender's sorted rows
   out_offsets = _exclusive_cumsum(sent_chunk, axis=0)  # where each sender's rows start in each receiver's buffer
   received = ragged_all_to_all(rows, jnp.zeros((buffer, rows.shape[-1]), rows.dtype), in_offsets[r],
-                               sent_chunk[r], out_offsets[:, r], sent_chunk[:, r], axis_name=sharding.EXPERT)
+                               sent_chunk[r], out_offsets[r], sent_chunk[:, r], axis_name=sharding.EXPERT)
   # The buffer holds sender 0's rows for this device's experts in expert order, then sender 1's, ...: the local
   # expert of each row follows from the counts; rows past the last are empty.
   segments = sent.reshape(E, E, Xl)[:, r].reshape(-1)  # (E·Xl,) [sender, local expert] in buffer order

@@ -726,3 +726,75 @@ def test_expert_weights_and_batch_are_split_over_the_expert_axis():
   assert program.batch_sharding.spec == P(('data', 'fsdp', 'expert'), 'context')
   gate = program.abstract_state.params['layers']['moe']['gate']
   assert p['layers']['moe']['gate'].shard_shape(gate.shape)[1] == 2  # 8 experts over 4 devices
+
+
+def test_fit_buffer_counts_what_does_not_fit():
+  # 2 devices of the expert axis, 4 experts (device 0 owns 0-1, device 1 owns 2-3); rows asked [sender, expert].
+  counts = jnp.array([[3, 2, 1, 0],
+                      [4, 1, 0, 2]])
+  sent, overflow = moe.fit_buffer(counts, 100)  # room for everything: all sent, nothing lost
+  np.testing.assert_array_equal(sent, counts)
+  assert int(overflow) == 0
+  # 6 rows per receiver: receiver 0 takes sender 0's 5 (3 + 2) and 1 of sender 1's 5 (its lowest expert's
+  # first); receiver 1 takes sender 0's 1 and sender 1's 2.
+  sent, overflow = moe.fit_buffer(counts, 6)
+  np.testing.assert_array_equal(sent, [[3, 2, 1, 0], [1, 0, 0, 2]])
+  assert int(overflow) == 4
+  assert moe.buffer_rows(tokens=5, top_k=2, local_experts=2, ways=2, factor=0) == 2 * 5 * 2  # the worst case
+  assert moe.buffer_rows(tokens=5, top_k=2, local_experts=1, ways=2, factor=0) == 2 * 5  # k=2 but 1 local
+  assert moe.buffer_rows(tokens=5, top_k=2, local_experts=2, ways=2, factor=1.0) == 10
+  assert moe.buffer_rows(tokens=5, top_k=2, local_experts=2, ways=2, factor=9.0) == 20  # capped at the worst
+
+
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                                axis_name):
+  """jax.lax.ragged_all_to_all's semantics from all_gather (XLA:CPU lacks the op): each receiver copies every
+  sender's slice operand[input_offsets[r]:+send_sizes[r]] to output[output_offsets[r]:...] as that sender
+  asked. Differentiable, so the all_to_all transport's gradients run through it too."""
+  E = jax.lax.axis_size(axis_name)
+  r = jax.lax.axis_index(axis_name)
+  ops, ins, sends, outs = (jax.lax.all_gather(a, axis_name) for a in (operand, input_offsets, send_sizes,
+                                                                      output_offsets))
+  recv = jax.lax.all_gather(recv_sizes, axis_name)
+  i = jnp.arange(output.shape[0])
+  for s in range(E):
+    start, size = outs[s, r], sends[s, r]
+    inside = (i >= start) & (i < start + size) & (size == recv[r, s])  # what the receiver expects to get
+    rows = jnp.take(ops[s], jnp.clip(ins[s, r] + i - start, 0, operand.shape[0] - 1), axis=0)
+    output = jnp.where(inside[:, None], rows, output)
+  return output
+
+
+@pytest.mark.parametrize('shape, skewed', grid([((1, 2, 1, 4), True), ((1, 1, 1, 8), False), ((1, 1, 2, 4), True),
+                                                ((1, 1, 1, 4, 2), False)],
+                                               fast=[((1, 2, 1, 4), True)], unpack=True,
+                                               ids=lambda c: 'x'.join(map(str, c[0])) + ('-skewed' if c[1] else '')))
+def test_all_to_all_transport_equals_unsharded(shape, skewed, monkeypatch):
+  """The all_to_all transport's own sort / counts / offsets / regrouping, with the exchange emulated on CPU."""
+  monkeypatch.setattr(moe, 'ragged_all_to_all', _emulated_ragged_all_to_all)
+  monkeypatch.setattr(moe, 'transport', lambda name: 'all_to_all')
+  got = _ep_out_grads_stats(shape, skewed)
+  _assert_same_layer(got, _ep_out_grads_stats(None, skewed))
+  assert float(got[2]['overflow']) == 0  # the default buffer is the worst case
+
+
+def test_all_to_all_overflow_is_counted_and_zeroed(monkeypatch):
+  """An undersized receive buffer (factor 1: the balanced share) under full skew: the rows that do not fit are
+  counted exactly, and only their tokens lose the experts' output."""
+  monkeypatch.setattr(moe, 'ragged_all_to_all', _emulated_ragged_all_to_all)
+  monkeypatch.setattr(moe, 'transport', lambda name: 'all_to_all')
+  x, seg = _ep_inputs()
+  seg = jnp.ones_like(seg)  # no padding: every device sends all its n·k rows to device 0
+  m = _cfg(moe_buffer_factor=1.0, **_EP)
+  params = _with_bias(_params(**_EP), np.array([10.0, 5.0] + [0.0] * 6))
+  from jaxlm import sharding
+  want, _ = _apply_stats(_cfg(**_EP), params, x, seg)
+  with sharding.activate(_ep_mesh((1, 1, 1, 4))):
+    y, stats = _apply_stats(m, params, x, seg)
+  n = x.shape[0] * x.shape[1] // 4  # tokens per device; each sends 2n rows, device 0's buffer holds 2n
+  assert float(stats[moe.STATS]['overflow']) == 3 * 2 * n
+  y, want = np.asarray(y).reshape(4, n, D), np.asarray(want).reshape(4, n, D)
+  np.testing.assert_allclose(y[0], want[0], atol=1e-5)  # sender 0's rows filled the buffer
+  np.testing.assert_array_equal(y[1:], 0.0)  # the others' overflowed
+  metrics = moe.metrics({'layers_0': {'moe': stats[moe.STATS]}}, m)
+  assert float(metrics['moe/0/overflow']) == 3 * 2 * n
