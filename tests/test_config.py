@@ -79,6 +79,15 @@ BAD = [
      "model.moe_groups=2 is DeepSeek-V3's group-limited routing"),
     ('model.moe_top_groups', dict(model=dict(moe_experts=8, moe_top_k=3, moe_router='deepseek_v3', moe_groups=4,
                                              moe_top_groups=1)), 'model.moe_top_groups=1 of model.moe_groups=4 leaves 2'),
+    ('mesh.expert (experts)', dict(model=dict(moe_experts=6), mesh=dict(fsdp=2, expert=4)),
+     'model.moe_experts=6 is not divisible by mesh.expert×mesh.dcn_expert = 4'),
+    ('mesh.expert (dense)', dict(mesh=dict(fsdp=2, expert=4)), '= 4 on a dense model'),
+    ('mesh.expert (devices)', dict(mesh=dict(data=1, fsdp=1, tensor=1, expert=3)),
+     'mesh data×fsdp×tensor×context×expert = 1×1×1×1×3 does not match the 8 devices'),
+    ('mesh.expert (batch)', dict(model=dict(moe_experts=4), mesh=dict(fsdp=2, expert=4), train=dict(batch_size=4)),
+     'not divisible by mesh data×fsdp×expert × train.microbatches = 1×2×4×1'),
+    ('model.moe_transport', dict(model=dict(moe_experts=4, moe_transport='nccl')),
+     "model.moe_transport='nccl' is unknown"),
 ]
 
 

@@ -137,3 +137,20 @@ def test_a_length_tensor_does_not_divide_still_gives_the_same_logits():
     split = forward(params, tokens, segments, positions)
   whole = program.model.apply({'params': jax.device_get(params)}, tokens, segments, positions)
   np.testing.assert_allclose(np.asarray(split), np.asarray(whole), rtol=1e-5, atol=1e-5)
+
+
+def test_expert_axis_exists_only_when_split():
+  import ml_collections
+  cfg = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, context=1, expert=4, dcn_expert=1))
+  shape = sharding.MeshShape.resolve(cfg, 8)
+  assert shape.size('fsdp') == 2 and shape.size('expert') == 4  # -1 takes what the expert axis leaves
+  mesh = sharding.make_mesh(cfg)
+  assert dict(mesh.shape) == {'data': 1, 'fsdp': 2, 'expert': 4, 'tensor': 1, 'context': 1}
+  assert sharding.batch_sharding(mesh).spec == P(('data', 'fsdp', 'expert'), 'context')
+  cfg.expert = 1  # no expert axis: the mesh, the rules and the batch spec exactly as before it existed
+  mesh = sharding.make_mesh(cfg)
+  assert mesh.axis_names == sharding.AXES and sharding.rules(mesh) == sharding.RULES
+  assert sharding.batch_sharding(mesh).spec == P(('data', 'fsdp'), 'context')
+  cfg.update(fsdp=1, dcn_expert=2)  # across hosts, but this is one process
+  (problem,) = sharding.MeshShape.errors(cfg, 8)
+  assert 'dcn_expert = 1×1×1×1×2 = 2 must equal the number of processes (1)' in problem
