@@ -11,6 +11,13 @@ the rows are put back by the inverse permutation and summed over k with the rout
 reshape-sum, no scatter-add, so the result does not depend on the order atomics land in. Padding tokens
 (segment id 0) are assigned to no expert: they sort past the last group, which ragged_dot leaves at zero, and
 they count in no statistic.
+
+Expert parallelism (mesh.expert > 1, `expert_parallel`): each device of the expert axis holds X/E experts (E ways)
+and the routed assignments travel to them inside `jax.shard_map`, by `model.moe_transport`: `all_to_all` (GPU,
+TPU: ragged all-to-all there and back, receive buffers the worst case unless model.moe_buffer_factor says less,
+any overflow counted) or `gather` (any platform, the CPU tests': all-gather the expert group's tokens, run the
+local experts, reduce-scatter the outputs). Routing runs before, on the whole sharded batch, so the statistics
+are the same sums as without the axis.
 """
 
 import dataclasses

@@ -703,6 +703,11 @@ def test_expert_parallel_layer_equals_unsharded(shape, skewed):
     np.testing.assert_array_equal(got[2]['load'][2:], 0)  # the skew is real: experts 2..7 got nothing
 
 
+@pytest.mark.e2e  # the dense reference path through the same exchange
+def test_expert_parallel_dense_impl_equals_unsharded():
+  _assert_same_layer(_ep_out_grads_stats((1, 2, 1, 4), True, impl='dense'), _ep_reference(True))
+
+
 def test_gather_transport_moves_tokens_not_expert_weights():
   """The gather transport's compiled step all-gathers token rows and reduce-scatters the outputs over the expert
   axis; no expert weight (X, D, F) is ever gathered whole over it."""
