@@ -161,6 +161,18 @@ def expert_ways() -> int:
   return 1 if mesh.empty else dict(mesh.shape).get(sharding.EXPERT, 1)
 
 
+def _token_axes() -> tuple:
+  """The mesh axes the flattened tokens (N = B·T) are split over: the batch's, then the sequence's."""
+  as_tuple = lambda a: () if a is None else ((a,) if isinstance(a, str) else tuple(a))  # noqa: E731
+  batch_axes, seq_axes = nn.logical_to_mesh_axes(('act_batch', 'act_seq'))
+  return as_tuple(batch_axes) + as_tuple(seq_axes)
+
+
+def token_ways() -> int:
+  """Ways the flattened tokens are split on the mesh being traced under."""
+  return sharding.ways(jax.sharding.get_abstract_mesh(), _token_axes())
+
+
 def transport(name: str) -> str:
   """model.moe_transport resolved for the mesh being traced under: 'auto' is all_to_all on GPU and TPU, gather
   elsewhere (XLA:CPU has no ragged-all-to-all)."""
@@ -282,9 +294,8 @@ def expert_parallel(x, weights, experts, keep, w_gate, w_up, w_down, *, run, swi
   layer's is, never over the expert axis. The experts' hidden width F stays split over tensor inside, and the
   down projection's partial sums are added over it.
   """
-  batch_axes, seq_axes, mlp_axis = nn.logical_to_mesh_axes(('act_batch', 'act_seq', 'mlp'))
-  as_tuple = lambda a: () if a is None else ((a,) if isinstance(a, str) else tuple(a))  # noqa: E731
-  token_axes = as_tuple(batch_axes) + as_tuple(seq_axes)  # N = B·T flattened: split over both
+  (mlp_axis,) = nn.logical_to_mesh_axes(('mlp',))
+  token_axes = _token_axes()
   other_axes = tuple(a for a in token_axes if a != sharding.EXPERT)
   tok = P(token_axes)
   w_in, w_out = P(sharding.EXPERT, None, mlp_axis), P(sharding.EXPERT, mlp_axis, None)
@@ -333,7 +344,9 @@ class MoE(nn.Module):
     # Expert GEMMs stay in model.dtype: fp8's per-tensor scales do not cover X experts' grouped rows.
     run = ragged_experts if m.moe_impl == 'ragged' else dense_experts
     w = (w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt))
-    if expert_ways() > 1:  # experts split over the mesh's expert axis: tokens travel to them and back
+    if expert_ways() > 1 and xt.shape[0] % token_ways() == 0:  # experts split over the expert axis: tokens
+      # travel to them and back. A token count the mesh does not divide (init's dummy trace, a small sampling
+      # batch) runs in the global view below instead: the same result, XLA gathering what it needs.
       y, overflow = expert_parallel(xt, weights, experts, keep, *w, run=run, swiglu=model_lib.swiglu,
                                     transport=transport(m.moe_transport), buffer_factor=m.moe_buffer_factor)
     else:

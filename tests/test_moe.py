@@ -839,3 +839,23 @@ def test_all_to_all_transport_compiles_for_tpu():
   # Forward and backward each send the rows there and back: at least four exchanges per MoE layer's step.
   assert hlo.count('ragged-all-to-all(') >= 4, hlo.count('ragged-all-to-all(')
   assert program.state_shardings.params['layers']['moe']['gate'].spec[1] == 'expert'
+
+
+@pytest.mark.e2e  # prefill and decode programs compiled twice
+def test_generate_on_an_expert_mesh_equals_one_device():
+  """Sampling a MoE model on an expert=4 mesh (the batch rounded up to its 8 ways, one token per decode step)
+  gives one device's tokens and logits."""
+  from jaxlm import generate, sharding
+  from tests.helpers import load_config, plain_program
+  cfg = load_config('moe_tiny')
+  cfg.model.dtype = 'float32'
+  cfg.mesh.update(data=1, fsdp=2, tensor=1, expert=4)
+  mesh = sharding.make_mesh(cfg.mesh)
+  program = plain_program(cfg, mesh)
+  params = program.init().params
+  m = program.model.config
+  prompts = [[5, 17, 3], [9, 2, 44, 8, 1]]
+  one = generate.generate(m, jax.device_get(params), prompts, 6, return_logits=True)
+  ep = generate.generate(m, params, prompts, 6, mesh=mesh, return_logits=True)
+  np.testing.assert_array_equal(ep.tokens, one.tokens)
+  np.testing.assert_allclose(ep.logits, one.logits, atol=1e-4)
