@@ -361,12 +361,12 @@ def _skew(state, program):
 
 @functools.cache
 def _moe_steps(mesh_shape, skewed: bool = False, microbatches: int = 1, steps: int = 3, experts: int = 5,
-               transport: str = 'auto', state_out: bool = False):
+               remat: str = 'none'):
   """`steps` training steps of _moe_config on `mesh_shape` (data, fsdp, tensor[, expert[, context]]): losses,
-  metrics, final params (and with `state_out` the final state and the compiled step's HLO text)."""
+  metrics, final params."""
   from jaxlm import sharding
   from tests.helpers import plain_program
-  cfg = _moe_config(moe_experts=experts, moe_transport=transport)
+  cfg = _moe_config(moe_experts=experts, remat=remat)
   # A first Adam step is g / (|g| + eps): with eps = 1 it is ~linear in g, so parameters compare gradients.
   cfg.optim.eps = 1.0
   cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, cfg.mesh.expert, cfg.mesh.context = (*mesh_shape, 1, 1)[:5]
@@ -385,8 +385,6 @@ def _moe_steps(mesh_shape, skewed: bool = False, microbatches: int = 1, steps: i
     state, m = program.train_step(state, b)
     losses.append(float(m['loss']))
     metrics.append({k: np.asarray(v) for k, v in m.items()})
-  if state_out:
-    return state, b, program.train_step.lower(state, b).compile().as_text()
   return losses, metrics, jax.tree.map(np.asarray, state.params)
 
 
@@ -447,6 +445,15 @@ def test_sharded_moe_steps_match_single_device(shape, skewed):
     np.testing.assert_allclose(ref_metrics[0]['moe/max_load'], experts / 2, rtol=1e-6)
   for key in ('moe/0/max_load', 'moe/1/dropped', 'moe/1/bias_norm'):
     np.testing.assert_allclose(metrics[-1][key], ref_metrics[-1][key], rtol=1e-5, err_msg=key)
+  assert _max_diff(params, ref_params) <= 1e-4
+
+
+@pytest.mark.e2e  # one more whole-step compile
+def test_expert_parallel_steps_under_full_remat():
+  """The exchange recomputed in the backward (moe_1b's remat='full') gives the unsharded steps."""
+  ref_losses, _, ref_params = _moe_steps((1, 1, 1), True, experts=8)
+  losses, _, params = _moe_steps((1, 2, 1, 4), True, experts=8, remat='full')
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   assert _max_diff(params, ref_params) <= 1e-4
 
 
@@ -794,9 +801,11 @@ def test_all_to_all_transport_equals_unsharded(shape, skewed, monkeypatch):
   assert float(got[2]['overflow']) == 0  # the default buffer is the worst case
 
 
-def test_all_to_all_overflow_is_counted_and_zeroed(monkeypatch):
+@pytest.mark.parametrize('fsdp', grid([1, 2], fast=[2]))
+def test_all_to_all_overflow_is_counted_and_zeroed(fsdp, monkeypatch):
   """An undersized receive buffer (factor 1: the balanced share) under full skew: the rows that do not fit are
-  counted exactly, and only their tokens lose the experts' output."""
+  counted exactly, summed over the fsdp groups that exchange separately, and only their tokens lose the experts'
+  output."""
   monkeypatch.setattr(moe, 'ragged_all_to_all', _emulated_ragged_all_to_all)
   monkeypatch.setattr(moe, 'transport', lambda name: 'all_to_all')
   x, seg = _ep_inputs()
@@ -805,15 +814,15 @@ def test_all_to_all_overflow_is_counted_and_zeroed(monkeypatch):
   params = _with_bias(_params(**_EP), np.array([10.0, 5.0] + [0.0] * 6))
   from jaxlm import sharding
   want, _ = _apply_stats(_cfg(**_EP), params, x, seg)
-  with sharding.activate(_ep_mesh((1, 1, 1, 4))):
+  with sharding.activate(_ep_mesh((1, fsdp, 1, 4))):
     y, stats = _apply_stats(m, params, x, seg)
-  n = x.shape[0] * x.shape[1] // 4  # tokens per device; each sends 2n rows, device 0's buffer holds 2n
-  assert float(stats[moe.STATS]['overflow']) == 3 * 2 * n
-  y, want = np.asarray(y).reshape(4, n, D), np.asarray(want).reshape(4, n, D)
-  np.testing.assert_allclose(y[0], want[0], atol=1e-5)  # sender 0's rows filled the buffer
-  np.testing.assert_array_equal(y[1:], 0.0)  # the others' overflowed
+  n = x.shape[0] * x.shape[1] // (4 * fsdp)  # tokens per device; each sends 2n rows, expert 0's buffer holds 2n
+  assert float(stats[moe.STATS]['overflow']) == fsdp * 3 * 2 * n
+  y, want = np.asarray(y).reshape(fsdp, 4, n, D), np.asarray(want).reshape(fsdp, 4, n, D)
+  np.testing.assert_allclose(y[:, 0], want[:, 0], atol=1e-5)  # each group's sender 0 filled the buffer
+  np.testing.assert_array_equal(y[:, 1:], 0.0)  # the others' overflowed
   metrics = moe.metrics({'layers_0': {'moe': stats[moe.STATS]}}, m)
-  assert float(metrics['moe/0/overflow']) == 3 * 2 * n
+  assert float(metrics['moe/0/overflow']) == fsdp * 3 * 2 * n
 
 
 @pytest.mark.e2e  # a whole train step compiled for TPU
