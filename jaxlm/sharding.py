@@ -248,14 +248,7 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
   processes, slices = num_processes(devices), num_slices(devices)
   if problems := MeshShape.errors(mesh_cfg, len(devices), processes, slices):
     raise errors.ConfigError('invalid config:\n  - ' + '\n  - '.join(problems))
-  shape = MeshShape.resolve(mesh_cfg, len(devices))
-  ici, dcn, axes = shape.ici, shape.dcn, AXES
-  if shape.experts > 1:  # after fsdp
-    at = AXES.index('fsdp') + 1
-    ici, dcn = (*ici[:at], shape.expert_ici, *ici[at:]), (*dcn[:at], shape.expert_dcn, *dcn[at:])
-    axes = (*axes[:at], EXPERT, *axes[at:])
-  if shape.stages > 1:
-    ici, dcn, axes = (shape.stage_ici, *ici), (shape.stage_dcn, *dcn), (STAGE, *axes)
+  axes, ici, dcn = layout(MeshShape.resolve(mesh_cfg, len(devices)))
   # Auto axis types: shardings come from jit in/out shardings and with_sharding_constraint (JAX >= 0.7 would
   # otherwise default to explicit-sharding mode).
   axis_types = (jax.sharding.AxisType.Auto,) * len(axes)
@@ -266,6 +259,20 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
   by_slice = slices == math.prod(dcn) and slices > 1
   grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=not by_slice)
   return Mesh(grid, axes, axis_types=axis_types)
+
+
+def layout(shape: MeshShape) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
+  """(axis names, per-host sizes, dcn factors) of the mesh `shape` describes, in make_mesh's order: the stage
+  axis outermost and the expert axis after fsdp, each only when it splits more than one way. An AbstractMesh of
+  the same shape (shapes only, no devices) is AbstractMesh(tuple(i·d for i, d in zip(ici, dcn)), axes)."""
+  ici, dcn, axes = shape.ici, shape.dcn, AXES
+  if shape.experts > 1:
+    at = AXES.index('fsdp') + 1
+    ici, dcn = (*ici[:at], shape.expert_ici, *ici[at:]), (*dcn[:at], shape.expert_dcn, *dcn[at:])
+    axes = (*axes[:at], EXPERT, *axes[at:])
+  if shape.stages > 1:
+    ici, dcn, axes = (shape.stage_ici, *ici), (shape.stage_dcn, *dcn), (STAGE, *axes)
+  return axes, ici, dcn
 
 
 def num_processes(devices=None) -> int:

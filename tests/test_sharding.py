@@ -147,6 +147,8 @@ def test_expert_axis_exists_only_when_split():
   mesh = sharding.make_mesh(cfg)
   assert dict(mesh.shape) == {'data': 1, 'fsdp': 2, 'expert': 4, 'tensor': 1, 'context': 1}
   assert sharding.batch_sharding(mesh).spec == P(('data', 'fsdp', 'expert'), 'context')
+  axes, ici, dcn = sharding.layout(shape)  # what an AbstractMesh of this config needs (jaxlm.tools.size)
+  assert axes == mesh.axis_names and tuple(i * d for i, d in zip(ici, dcn)) == tuple(mesh.shape.values())
   cfg.expert = 1  # no expert axis: the mesh, the rules and the batch spec exactly as before it existed
   mesh = sharding.make_mesh(cfg)
   assert mesh.axis_names == sharding.AXES and sharding.rules(mesh) == sharding.RULES
