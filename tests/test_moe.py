@@ -847,6 +847,9 @@ def test_all_to_all_transport_compiles_for_tpu():
     hlo = program.train_step.lower(program.abstract_state, batch).compile().as_text()
   # Forward and backward each send the rows there and back: at least four exchanges per MoE layer's step.
   assert hlo.count('ragged-all-to-all(') >= 4, hlo.count('ragged-all-to-all(')
+  import re  # and no expert weight (4 experts of 64 × 32) gathered whole: each chip keeps its own expert
+  gathers = re.findall(r'= (\S+) all-gather\(', hlo)
+  assert not [g for g in gathers if re.match(r'\w+\[(2,)?4,(64,32|32,64)\]', g)], gathers
   assert program.state_shardings.params['layers']['moe']['gate'].spec[1] == 'expert'
 
 
