@@ -732,23 +732,26 @@ def test_gather_transport_moves_tokens_not_expert_weights():
 
 
 def test_expert_weights_and_batch_are_split_over_the_expert_axis():
-  from jaxlm import sharding
+  from jaxlm import sharding, train
   cfg = _moe_config(moe_experts=8)
   cfg.mesh.update(data=1, fsdp=2, tensor=1, expert=4)
   mesh = sharding.make_mesh(cfg.mesh, jax.devices())
   assert mesh.axis_names == ('data', 'fsdp', 'expert', 'tensor', 'context')
   from tests.helpers import plain_program
   program = plain_program(cfg, mesh)
-  p = program.state_shardings.params
+  state = program.init()
+  p = jax.tree.map(lambda x: x.sharding, state.params)  # the arrays as they lie
   # The scanned layer axis first, then (experts, embed, mlp): experts over `expert`, embed over fsdp.
   assert p['layers']['moe']['gate'].spec == P(None, 'expert', 'fsdp', 'tensor')
   assert p['layers']['moe']['down'].spec == P(None, 'expert', 'tensor', 'fsdp')
   assert p['layers']['moe']['bias'].spec == P(None, 'expert')
   # Every other parameter's embed over fsdp × expert (fully sharded over the expert axis too).
   assert p['layers']['attention']['query'].spec[1] == ('fsdp', 'expert')
-  assert program.batch_sharding.spec == P(('data', 'fsdp', 'expert'), 'context')
-  gate = program.abstract_state.params['layers']['moe']['gate']
-  assert p['layers']['moe']['gate'].shard_shape(gate.shape)[1] == 2  # 8 experts over 4 devices
+  batch = train.global_batch(random_batch(8, 16, cfg.model.vocab_size), program.batch_sharding)
+  assert batch['inputs'].sharding.spec == P(('data', 'fsdp', 'expert'), 'context')
+  gate = state.params['layers']['moe']['gate']
+  assert {s.data.shape for s in gate.addressable_shards} == {(2, 2, 28, 18)}  # 8 experts over 4: 2 each
+  assert {s.data.shape for s in batch['inputs'].addressable_shards} == {(1, 16)}  # 8 rows over 2 × 4
 
 
 def test_fit_buffer_counts_what_does_not_fit():
