@@ -108,12 +108,9 @@ def memory(cfg, devices=None) -> dict:
   compiled. With them, the step is compiled ahead of time as train.run compiles it; nothing is allocated.
   """
   if devices is None:  # cfg.mesh must then be fully given (no -1): there are no devices to fill it from
-    sizes = tuple(cfg.mesh.get(a, 1) for a in sharding.AXES)
-    stages = cfg.mesh.get('stage', 1) * cfg.mesh.get('dcn_stage', 1)
-    if stages > 1:  # the pipeline's stage axis, outermost as make_mesh places it
-      mesh = jax.sharding.AbstractMesh((stages, *sizes), (sharding.STAGE, *sharding.AXES))
-    else:
-      mesh = jax.sharding.AbstractMesh(sizes, sharding.AXES)
+    # The axes make_mesh would build (a stage axis outermost, an expert axis after fsdp, each only when > 1).
+    axes, ici, dcn = sharding.layout(sharding.MeshShape.resolve(cfg.mesh, 0))
+    mesh = jax.sharding.AbstractMesh(tuple(i * d for i, d in zip(ici, dcn)), axes)
   else:
     mesh = sharding.make_mesh(cfg.mesh, devices)
   t = cfg.train
@@ -330,7 +327,7 @@ def compile_step(cfg, devices) -> dict:
 
 def target_config(cfg, devices, slices: int) -> None:
   """Resolves cfg.mesh (a -1) for `devices`; multi-slice without dcn_* set spans slices with dcn_data."""
-  dcn = [cfg.mesh.get(f'dcn_{a}', 1) for a in sharding.AXES] + [cfg.mesh.get('dcn_stage', 1)]
+  dcn = [cfg.mesh.get(f'dcn_{a}', 1) for a in (*sharding.AXES, 'stage', 'expert')]
   if slices > 1 and math.prod(dcn) == 1:
     cfg.mesh.dcn_data = slices
   config_lib.validate(cfg, len(devices), sharding.num_processes(devices), sharding.num_slices(devices))
@@ -391,7 +388,8 @@ def main_target(cfg) -> int:
   report = compile_step(cfg, devices)
   where = f'{FLAGS.target}' + (f' × {FLAGS.slices} slices' if FLAGS.slices > 1 else '')
   axes = ' × '.join([f'stage={shape.stages}'] * (shape.stages > 1) + [
-      f'{a}={n}' for a, n in zip(sharding.AXES, shape.sizes) if a != 'context' or n > 1])
+      f'{a}={n}' for a, n in zip(sharding.AXES, shape.sizes) if a != 'context' or n > 1]
+      + [f'expert={shape.experts}'] * (shape.experts > 1))
   title = (f'per chip on {where} ({len(devices)} × {report["device_kind"]}), mesh {axes}, remat={cfg.model.remat}, '
            f'microbatches={cfg.train.microbatches}')
   sections = [(f'{cfg.name}: model', model_rows(a, cfg)), (title, target_rows(report))]
@@ -435,7 +433,7 @@ def main(argv):
     available = jax.device_count()
     shape = sharding.MeshShape.resolve(cfg.mesh, FLAGS.chips or available)
     sizes = shape.sizes
-    needed = math.prod(sizes) * shape.stages
+    needed = math.prod(sizes) * shape.stages * shape.experts
     # One mesh of the whole size, a -1 resolved: what a device holds depends on each axis's total ways, not on
     # which network (dcn_* across hosts, or inside one) carries them.
     for axis, n in zip(sharding.AXES, sizes):
@@ -445,6 +443,8 @@ def main(argv):
         cfg.mesh[f'dcn_{axis}'] = 1
     if 'stage' in cfg.mesh:
       cfg.mesh.stage, cfg.mesh.dcn_stage = shape.stages, 1
+    if 'expert' in cfg.mesh:
+      cfg.mesh.expert, cfg.mesh.dcn_expert = shape.experts, 1
     config_lib.validate(cfg, needed)
   except ValueError as e:
     raise config_lib.ConfigError(str(e)) from e
@@ -460,7 +460,8 @@ def main(argv):
     note = (f'needs {needed} devices, this host has {available}: state only (--fake_devices={needed} compiles '
             f'on fake CPU devices)')
   mesh_title = ('memory per device on mesh ' + (f'stage={shape.stages} × ' if shape.stages > 1 else '')
-                + f'data={sizes[0]} × fsdp={sizes[1]} × tensor={sizes[2]}')
+                + f'data={sizes[0]} × fsdp={sizes[1]}' + (f' × expert={shape.experts}' if shape.experts > 1 else '')
+                + f' × tensor={sizes[2]}')
 
   chips = FLAGS.chips or needed
   device_kind = FLAGS.device_kind or kind

@@ -45,6 +45,11 @@ def test_moe_tiny_counts_active_parameters_and_the_experts_memory():
   mem = size.memory(cfg)
   assert mem['expert_bytes'] == a['expert_params'] * 4 // 8 and mem['expert_bytes'] < mem['param_bytes']
   assert dict(size.memory_rows(mem))['  of which routed experts'] == perf.format_bytes(mem['expert_bytes'])
+  # An expert axis on 16 devices that do not exist (fsdp=4 × expert=4): the experts split over it too.
+  cfg.mesh.update(fsdp=4, expert=4)
+  cfg.train.batch_size = 16
+  mem = size.memory(cfg)
+  assert mem['expert_bytes'] == a['expert_params'] * 4 // 16
 
 
 def test_palm_8b_by_hand():
