@@ -187,6 +187,23 @@ def transport(name: str) -> str:
   return name
 
 
+def describe(m, mesh) -> str | None:
+  """The start-up report's line on expert parallelism for model config `m` on `mesh` (None without an expert
+  axis): the experts per device and the transport that will run. Refuses all_to_all on a CPU mesh here, before
+  anything compiles."""
+  ways = dict(mesh.shape).get(sharding.EXPERT, 1)
+  if not m.moe_experts or ways == 1:
+    return None
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    chosen = transport(m.moe_transport)
+  how = {'all_to_all': 'ragged all-to-all there and back, receive buffers ' + (
+      f'{m.moe_buffer_factor:g}× the balanced share (overflow counted)' if m.moe_buffer_factor else
+      'the worst case (nothing can overflow)'), 'gather': 'all-gather of the expert group\'s tokens, '
+         'reduce-scatter of the outputs'}[chosen]
+  return (f'experts: {m.moe_experts} over expert={ways}, {m.moe_experts // ways} per device; tokens travel by '
+          f'{chosen} ({how}), model.moe_transport={m.moe_transport}')
+
+
 def buffer_rows(tokens: int, top_k: int, local_experts: int, ways: int, factor: float) -> int:
   """Rows of one device's all_to_all receive buffer for `tokens` local tokens.
 

@@ -32,6 +32,7 @@ from jaxlm import pipeline as pipeline_lib
 from jaxlm import preflight
 from jaxlm import metrics as metrics_lib
 from jaxlm import model as model_lib
+from jaxlm import moe as moe_lib
 from jaxlm import optimizer as optimizer_lib
 from jaxlm import rundir
 from jaxlm import sharding
@@ -104,6 +105,8 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
   m = cfg.model  # which attention kernel runs, and why (deterministic mode rules cuDNN's out on a GPU)
   say('attention: ' + attention_lib.select(m.attention, dtype=m.dtype, head_dim=model_lib.head_dim(m),
                                            seq_len=cfg.data.seq_len, context=mesh.shape.get('context', 1))[1])
+  if experts := moe_lib.describe(m, mesh):  # expert parallelism: the transport that runs, and its buffers
+    say(experts)
   with acct.phase('program'):
     program = step_lib.build_program(cfg, mesh)
   active = model_lib.param_count(program.model.config, active=True)  # a mixture of experts: what MFU counts

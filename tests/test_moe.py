@@ -874,3 +874,25 @@ def test_generate_on_an_expert_mesh_equals_one_device():
   ep = generate.generate(m, params, prompts, 6, mesh=mesh, return_logits=True)
   np.testing.assert_array_equal(ep.tokens, one.tokens)
   np.testing.assert_allclose(ep.logits, one.logits, atol=1e-4)
+
+
+def test_transport_is_chosen_for_the_mesh_platform_and_reported():
+  from jaxlm import errors
+  from jaxlm.tools import size
+  m = _cfg(**_EP)
+  cpu = _ep_mesh((1, 2, 1, 4))
+  assert moe.describe(m, _ep_mesh((1, 8, 1))) is None  # no expert axis: nothing travels
+  line = moe.describe(m, cpu)
+  assert line.startswith('experts: 8 over expert=4, 2 per device; tokens travel by gather (')
+  with pytest.raises(errors.ConfigError, match='XLA:CPU has no ragged-all-to-all'):  # refused before compiling
+    moe.describe(_cfg(moe_transport='all_to_all', **_EP), cpu)
+  try:
+    tpus = size.tpu_devices('v5e:2x2')
+  except size.PreflightError as e:
+    pytest.skip(f'no libtpu here: {e}')
+  import ml_collections
+  from jaxlm import sharding
+  tpu = sharding.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1, expert=4)), tpus)
+  assert 'tokens travel by all_to_all (ragged all-to-all there and back, receive buffers the worst case' in \
+      moe.describe(m, tpu)
+  assert '1.5× the balanced share (overflow counted)' in moe.describe(_cfg(moe_buffer_factor=1.5, **_EP), tpu)
