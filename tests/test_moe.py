@@ -896,3 +896,12 @@ def test_transport_is_chosen_for_the_mesh_platform_and_reported():
   assert 'tokens travel by all_to_all (ragged all-to-all there and back, receive buffers the worst case' in \
       moe.describe(m, tpu)
   assert '1.5× the balanced share (overflow counted)' in moe.describe(_cfg(moe_buffer_factor=1.5, **_EP), tpu)
+
+
+def test_all_to_all_on_a_cpu_mesh_is_refused_by_the_command(tmp_path):
+  """What a user typing the command sees: one `jaxlm:` line and exit 2, before any step is compiled."""
+  from tests.helpers import assert_fails_with, run_cli
+  out = run_cli('jaxlm.train', '--config=configs/moe_tiny.py', f'--workdir={tmp_path}', '--config.mesh.fsdp=2',
+                '--config.mesh.expert=4', '--config.model.moe_transport=all_to_all', timeout=300)
+  assert_fails_with(out, 2, 'model.moe_transport=all_to_all on a CPU mesh', 'use model.moe_transport=gather')
+  assert 'tokens travel by' not in out.stdout
