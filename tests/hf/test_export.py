@@ -105,6 +105,14 @@ def _jax_logits(model, params, tokens):
   return np.asarray(jax.jit(model.apply)({'params': params}, tokens, np.ones_like(tokens), positions))
 
 
+def _imported(result, hf_dir):
+  """(float32 ModelConfig, parameters) of an import: its run's config, the HF directory's tensors converted."""
+  cfg = export.read_config(result['checkpoint'])
+  cfg.model.dtype = 'float32'
+  m = model_lib.ModelConfig.from_config(cfg.model)
+  return m, import_hf.from_hf(import_hf.read_safetensors(str(hf_dir)), m, scan_layers=cfg.model.scan_layers)
+
+
 def _load_hf(hf, path):
   torch, transformers = hf
   model = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
@@ -263,10 +271,7 @@ def test_imported_qwen3_matches_transformers_and_exports_back(hf, tmp_path, spm_
   assert result['overrides']['qk_norm'] == 'head' and '--config.model.qk_norm=head' in result['flags']
   assert result['tokenizer_files'] == ['tokenizer.model']
 
-  cfg = export.read_config(result['checkpoint'])
-  cfg.model.dtype = 'float32'
-  m = model_lib.ModelConfig.from_config(cfg.model)
-  params = import_hf.from_hf(import_hf.read_safetensors(str(tmp_path / 'hf')), m, scan_layers=cfg.model.scan_layers)
+  m, params = _imported(result, tmp_path / 'hf')
   tokens = np.random.default_rng(4).integers(0, 397, (2, 20)).astype(np.int32)
   with torch.no_grad():
     theirs = original(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
@@ -332,10 +337,7 @@ def test_imported_scaled_llama_matches_transformers_and_exports_back(hf, tmp_pat
   result = import_hf.import_hf(str(tmp_path / 'hf'), str(tmp_path / 'run'))
   assert result['overrides']['rope_scaling'] == kind and f'--config.model.rope_scaling={kind}' in result['flags']
 
-  cfg = export.read_config(result['checkpoint'])
-  cfg.model.dtype = 'float32'
-  m = model_lib.ModelConfig.from_config(cfg.model)
-  params = import_hf.from_hf(import_hf.read_safetensors(str(tmp_path / 'hf')), m, scan_layers=cfg.model.scan_layers)
+  m, params = _imported(result, tmp_path / 'hf')
   tokens = np.random.default_rng(3).integers(0, 397, (2, 40)).astype(np.int32)
   with torch.no_grad():
     theirs = original(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
