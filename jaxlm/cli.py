@@ -7,12 +7,14 @@ traceback.
 
 import ctypes
 import difflib
+import gc
 import importlib.util
 import os
 import re
 import signal
 import subprocess
 import sys
+import warnings
 from typing import Callable, NoReturn
 
 from absl import app, flags, logging
@@ -38,8 +40,17 @@ def fail(error: BaseException) -> NoReturn:
     last = head
   if '; ' not in last and isinstance(error, errors.ConfigError):
     last = f'{last.rstrip(".")}; change it and run again'
+  gc.collect()  # what a failed library left unreachable warns now, above the line, not after it
   print(f'jaxlm: {last}', file=sys.stderr, flush=True)
+  _quiet_after_the_last_line()
   sys.exit(code)
+
+
+def _quiet_after_the_last_line() -> None:
+  # The outcome is printed; what interpreter shutdown finds later (a coroutine a failed async save never awaited,
+  # an unclosed file on a full disk) would otherwise print below it, and the last line is the contract.
+  warnings.simplefilter('ignore')
+  sys.unraisablehook = lambda _: None
 
 
 def load_file(path: str):

@@ -2,6 +2,7 @@
 
 import pytest
 
+from tests.conftest import ROOT
 from tests.helpers import assert_fails_with, run_cli, train_env
 
 TINY = '--config=configs/palm_tiny.py'
@@ -27,3 +28,24 @@ def test_a_process_that_cannot_join_its_job_fails_with_the_distributed_code():
   env = dict(train_env(), JAX_COORDINATOR_ADDRESS='127.0.0.1:9', JAX_NUM_PROCESSES='2', JAX_PROCESS_ID='1')
   out = run_cli('jaxlm.train', TINY, '--config.dist.init_timeout_s=3', env=env, timeout=300)
   assert_fails_with(out, 75, 'could not reach the coordinator 127.0.0.1:9')
+
+
+def test_the_jaxlm_line_stays_last_when_shutdown_finds_library_leftovers(tmp_path):
+  """A coroutine never awaited and a file never closed, as a failed async save on a full disk leaves them: what
+  shutdown says of them must not print below the jaxlm line."""
+  script = tmp_path / 'leftovers.py'
+  script.write_text('\n'.join([
+      'import sys',
+      'from jaxlm import cli, errors',
+      'async def save(): pass',
+      'class Writer:',
+      '  def __del__(self): raise OSError(28, "No space left on device")',
+      'pending = [save(), open(sys.argv[0]), Writer()]  # reachable until interpreter shutdown',
+      'cli.fail(errors.JaxlmError("cannot write /disk; free space"))',
+  ]))
+  import subprocess
+  import sys
+  out = subprocess.run([sys.executable, '-W', 'default', str(script)], capture_output=True, text=True, timeout=120,
+                       env=dict(train_env(), PYTHONPATH=str(ROOT)))
+  assert out.returncode == 1, out.stderr
+  assert out.stderr.strip().splitlines()[-1] == 'jaxlm: cannot write /disk; free space', out.stderr
