@@ -46,10 +46,12 @@ def mixture(data_cache, tmp_path) -> tuple[str, ...]:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize('case', ['plain', 'ramp', 'mixture'])
+@pytest.mark.parametrize('case', ['plain', 'ramp_mixture'])
 def test_resume_on_other_topologies_matches_an_uninterrupted_run(tmp_path, data_cache, case):
-  extra = {'plain': (), 'ramp': ('--config.train.batch_size=16', '--config.train.batch_ramp=8:3072'),
-           'mixture': mixture(data_cache, tmp_path) if case == 'mixture' else ()}[case]
+  # A batch ramp and a weighted mixture of two datasets ride in one case: each is a position the data pipeline
+  # must carry across topologies, and every case costs five runs of up to four processes.
+  extra = () if case == 'plain' else (
+      '--config.train.batch_size=16', '--config.train.batch_ramp=8:3072', *mixture(data_cache, tmp_path))
   ref = tmp_path / 'reference'
   done = train(ref, 1, 8, *overrides(data_cache, '--config.train.steps=12', *extra))
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -66,7 +68,7 @@ def test_resume_on_other_topologies_matches_an_uninterrupted_run(tmp_path, data_
   assert [e['step'] for e in events] == [4, 8]
   assert 'processes 2 -> 1, devices_per_process 4 -> 8' in events[0]['message']
   assert "mesh {'data': 1, 'fsdp': 8, 'tensor': 1, 'context': 1} -> {'data': 2, 'fsdp': 4, 'tensor': 1, 'context': 1}" in events[1]['message']
-  rows = 6 * 8 + 2 * 16 if case == 'ramp' else 8 * 8  # 8 steps of 8 rows (ramp: 6 of 8 rows, up to 3072 tokens)
+  rows = 6 * 8 + 2 * 16 if case == 'ramp_mixture' else 8 * 8  # 8 steps of 8 rows (ramp: 6 of 8 rows, up to 3072 tokens)
   assert f'data position carried over: global row {rows}' in events[1]['message']
   if case == 'plain':
     # A change that cannot continue exactly is refused in one line (exit 2), naming the field and the fix.
