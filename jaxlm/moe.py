@@ -82,6 +82,10 @@ def capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> in
   return min(num_tokens, math.ceil(factor * num_tokens * top_k / num_experts))
 
 
+def _exclusive_cumsum(x, axis=-1):
+  return jnp.cumsum(x, axis=axis) - x
+
+
 def assign(experts, valid, num_experts: int, cap: int):
   """Which assignments an expert takes: (keep (N, k) bool, load (X,) assignments asked of each expert).
 
@@ -96,7 +100,7 @@ def assign(experts, valid, num_experts: int, cap: int):
     return (flat < num_experts).reshape(N, k), load
   order = jnp.argsort(flat, stable=True)
   counts = jnp.bincount(flat, length=num_experts + 1)
-  starts = jnp.cumsum(counts) - counts  # first sorted row of each expert
+  starts = _exclusive_cumsum(counts)  # first sorted row of each expert
   rank = jnp.arange(N * k) - starts[flat[order]]  # position of each sorted row inside its expert
   keep_sorted = (rank < cap) & (flat[order] < num_experts)
   keep = jnp.zeros_like(keep_sorted).at[order].set(keep_sorted)  # back to (token, choice) order; unique indices
@@ -121,24 +125,38 @@ def _permute_bwd(residuals, dy):
 permute.defvjp(_permute_fwd, _permute_bwd)
 
 
+def _sort_by_expert(x, experts, keep, num_experts: int):
+  """Each token's k assignments as rows grouped by expert: (rows (A, D), order, inverse, counts (X,) int32).
+
+  Assignments not kept (padding, over capacity, another device's experts) sort past the last expert's rows.
+  """
+  n, k = experts.shape
+  flat = jnp.where(keep, experts, num_experts).reshape(-1)  # (A,): assignment a = n·k + j
+  order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # sorted row → assignment
+  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=jnp.int32))  # assignment → sorted row
+  rows = permute(jnp.broadcast_to(x[:, None], (n, k, x.shape[-1])).reshape(n * k, -1), order, inverse)
+  counts = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+  return rows, order, inverse, counts
+
+
+def _combine(rows, order, inverse, weights, keep):
+  """Sorted output rows back in assignment order, summed over each token's k choices with the router's weights
+  (assignments not kept add nothing)."""
+  n, k = keep.shape
+  y = permute(rows, inverse, order).reshape(n, k, -1)
+  return (y * jnp.where(keep, weights, 0.0).astype(y.dtype)[..., None]).sum(axis=1)
+
+
 def ragged_experts(x, weights, experts, keep, w_gate, w_up, w_down, swiglu):
   """Σ_k weight · expert(x) for each token, dropless: sort by expert, grouped GEMMs, unsort, reshape-sum.
 
   x (N, D); weights, experts, keep (N, k); w_gate, w_up (X, D, F); w_down (X, F, D). Assignments not kept
   (padding, over capacity) sort past the last expert's rows, where ragged_dot writes zeros.
   """
-  N, k = experts.shape
-  X = w_gate.shape[0]
-  flat = jnp.where(keep, experts, X).reshape(-1)  # (A,)
-  order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # sorted row → assignment
-  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(N * k, dtype=jnp.int32))  # assignment → sorted row
-  group_sizes = jnp.bincount(flat, length=X + 1)[:X].astype(jnp.int32)  # (X,)
-  rows = jnp.broadcast_to(x[:, None], (N, k, x.shape[-1])).reshape(N * k, -1)  # (A, D): assignment a = n·k + j
-  xs = permute(rows, order, inverse)  # (A, D) grouped by expert
+  xs, order, inverse, group_sizes = _sort_by_expert(x, experts, keep, w_gate.shape[0])  # (A, D) by expert
   h = swiglu(jax.lax.ragged_dot(xs, w_gate, group_sizes), jax.lax.ragged_dot(xs, w_up, group_sizes))  # (A, F)
   ys = jax.lax.ragged_dot(h, w_down, group_sizes)  # (A, D)
-  y = permute(ys, inverse, order).reshape(N, k, -1)  # (N, k, D) back in assignment order
-  return (y * jnp.where(keep, weights, 0.0).astype(y.dtype)[..., None]).sum(axis=1)
+  return _combine(ys, order, inverse, weights, keep)
 
 
 def dense_experts(x, weights, experts, keep, w_gate, w_up, w_down, swiglu):
@@ -226,15 +244,11 @@ def fit_buffer(counts, buffer: int):
   E, X = counts.shape
   per = counts.reshape(E, E, X // E)  # [sender, receiver, local expert]
   chunk = per.sum(-1)  # (E, E) rows each sender has for each receiver
-  before = jnp.cumsum(chunk, axis=0) - chunk  # rows earlier senders put in each receiver's buffer
+  before = _exclusive_cumsum(chunk, axis=0)  # rows earlier senders put in each receiver's buffer
   room = jnp.clip(buffer - before, 0, chunk)  # how many of its rows each sender gets in
-  earlier = jnp.cumsum(per, axis=-1) - per  # inside one chunk: rows of the receiver's lower experts
+  earlier = _exclusive_cumsum(per)  # inside one chunk: rows of the receiver's lower experts
   sent = jnp.clip(room[..., None] - earlier, 0, per).reshape(E, X)
   return sent, (counts - sent).sum()
-
-
-def _exclusive_cumsum(x, axis=-1):
-  return jnp.cumsum(x, axis=axis) - x
 
 
 # The exchange primitive, a module attribute so that tests on the CPU mesh (where XLA has no ragged-all-to-all)
@@ -269,12 +283,7 @@ def _all_to_all_body(x, weights, experts, keep, w_gate, w_up, w_down, *, run, sw
   Xl = w_gate.shape[0]
   E = jax.lax.axis_size(sharding.EXPERT)
   r = jax.lax.axis_index(sharding.EXPERT)
-  X = Xl * E
-  flat = jnp.where(keep, experts, X).reshape(-1)  # (A,): dropped and padding sort past the last expert
-  order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=jnp.int32))
-  rows = permute(jnp.broadcast_to(x[:, None], (n, k, x.shape[-1])).reshape(n * k, -1), order, inverse)
-  counts = jnp.bincount(flat, length=X + 1)[:X].astype(jnp.int32)  # (X,)
+  rows, order, inverse, counts = _sort_by_expert(x, experts, keep, Xl * E)  # counts (X,) for every expert
   all_counts = jax.lax.all_gather(counts, sharding.EXPERT)  # (E, X): every sender's counts, on every device
   buffer = buffer_rows(n, k, Xl, E, buffer_factor)
   sent, overflow = fit_buffer(all_counts, buffer)
@@ -295,8 +304,7 @@ def _all_to_all_body(x, weights, experts, keep, w_gate, w_up, w_down, *, run, sw
     y = jax.lax.psum(y, mlp_axis)
   back = ragged_all_to_all(y, jnp.zeros_like(rows), out_offsets[:, r], sent_chunk[:, r], in_offsets[:, r],
                            sent_chunk[r], axis_name=sharding.EXPERT)  # (A, D) in this device's sorted order
-  out = permute(back, inverse, order).reshape(n, k, -1)  # rows that did not fit come back as zeros
-  y = (out * jnp.where(keep, weights, 0.0).astype(out.dtype)[..., None]).sum(axis=1)
+  y = _combine(back, order, inverse, weights, keep)  # rows that did not fit came back as zeros
   overflow = overflow.astype(jnp.float32) / E  # every device of the expert axis counted the same overflow
   overflow = jax.lax.psum(overflow, (sharding.EXPERT, *other_axes))
   return y, overflow
