@@ -7,8 +7,9 @@ the comparison issue #33 asks for.
   python bench/optim_quality.py --sweep=runs/optim_sweep [--baseline=adamw --candidate=muon]
 
 Three tables: every trial's final held-out loss (raw and EMA weights); the best run of each optimizer and the
-step at which the candidate's best run first reaches the baseline's best final loss (linearly interpolated
-between the two evaluations around it; the baseline needs every step, so the ratio is that step / steps); and,
+step at which the candidate's best run first reaches the baseline's best final loss (the lower of its raw and
+EMA weights'), once with the candidate's raw weights and once with its EMA weights (linearly interpolated between
+the two evaluations around it; the baseline needs every step, so the ratio is that step / steps); and,
 for each trial, the evaluations of the stable phase (after warmup, before the wsd decay starts) where the EMA
 weights' held-out loss is above the raw weights'. Nothing is trained here: the figures are the sweep's own
 metrics.jsonl records.
@@ -37,11 +38,12 @@ def evals(workdir: str) -> dict[int, dict]:
   return {r['step']: r for r in read_metrics(workdir) if r.get('kind') == 'eval'}
 
 
-def reaches(curve: dict[int, dict], target: float) -> float | None:
-  """The first step at which `curve`'s held-out loss is ≤ target, interpolated linearly between evaluations."""
+def reaches(curve: dict[int, dict], target: float, key: str = 'eval_loss') -> float | None:
+  """The first step at which `curve`'s held-out loss (`key`: eval_loss for the raw weights, eval_loss_ema for the
+  EMA's) is ≤ target, interpolated linearly between evaluations."""
   previous = None
-  for step in sorted(curve):
-    loss = curve[step]['eval_loss']
+  for step in sorted(s for s in curve if curve[s].get(key) is not None):
+    loss = curve[step][key]
     if loss <= target:
       if previous is None:
         return float(step)
@@ -84,10 +86,14 @@ def main(argv):
   print(format_table(rows, header=('optimizer', 'best lr', 'best final held-out loss'), rule=True))
   if _BASELINE.value in best and _CANDIDATE.value in best:
     base, cand = best[_BASELINE.value], best[_CANDIDATE.value]
-    step = reaches(cand['curve'], base['final'])
+    # The baseline's own EMA counts too: the target is the lower of its best run's two final losses.
+    target = min(x for x in (base['final'], base['final_ema']) if x is not None and math.isfinite(x))
     print(f'\n{_CANDIDATE.value} (lr {cand["lr"]:g}) reaches {_BASELINE.value}\'s best final held-out loss '
-          f'{base["final"]:.4f} (lr {base["lr"]:g}, step {base["steps"]}) at step '
-          + (f'{step:.0f}: {step / base["steps"]:.0%} of the steps' if step is not None else 'never in this run'))
+          f'{target:.4f} (lr {base["lr"]:g}, step {base["steps"]}):')
+    for weights, key in (('raw weights', 'eval_loss'), ('EMA weights', 'eval_loss_ema')):
+      step = reaches(cand['curve'], target, key)
+      print(f'  with its {weights} at step '
+            + (f'{step:.0f}: {step / base["steps"]:.0%} of the steps' if step is not None else '-: never in this run'))
   print()
   rows = []
   for r in runs:

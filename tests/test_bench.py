@@ -84,3 +84,36 @@ def test_checkpoint_bench_reports_blocked_and_sync_time_per_save(tmp_path):
     if key[0] == 'sync':
       assert blocked[key] >= written[key] - 2, (key, blocked[key], written[key])
   assert 'median blocked: async' in out and 'copy off the devices' in out
+
+
+def test_optim_quality_reads_a_sweep_and_finds_when_the_candidate_reaches_the_baseline(tmp_path):
+  """A hand-made sweep of two trials per optimizer: the tables and the crossing steps follow from the curves."""
+  grid = ['optim.name=adamw,muon', 'optim.lr=1e-3,1e-2']
+  settings = ['train.steps=100', 'train.eval_every=25', 'optim.schedule=wsd', 'optim.warmup_steps=10',
+              'optim.ema=0.9']
+  (tmp_path / 'results.json').write_text(json.dumps({'config': 'configs/palm_tiny.py', 'grid': grid, 'set': settings,
+                                                     'random': 0, 'seed': 0}))
+  curves = {  # trial → {step: (raw, ema)}
+      'name=adamw,lr=0.001': {25: (6.0, 7.0), 50: (5.5, 5.9), 75: (5.2, 5.3), 100: (5.0, 5.1)},
+      'name=adamw,lr=0.01': {25: (6.1, 7.0), 50: (5.6, 5.8), 75: (5.4, 5.5), 100: (5.1, 5.3)},
+      'name=muon,lr=0.001': {25: (5.9, 6.9), 50: (5.4, 5.6), 75: (5.1, 5.0), 100: (4.9, 4.95)},
+      'name=muon,lr=0.01': {25: (5.8, 6.9), 50: (5.3, 4.9), 75: (5.1, 4.8), 100: (4.8, 4.85)},
+  }
+  for trial, curve in curves.items():
+    (tmp_path / trial).mkdir()
+    (tmp_path / trial / 'metrics.jsonl').write_text(''.join(
+        json.dumps({'kind': 'eval', 'step': s, 'eval_loss': raw, 'eval_loss_ema': ema}) + '\n'
+        for s, (raw, ema) in curve.items()))
+  out = subprocess.run([sys.executable, 'bench/optim_quality.py', f'--sweep={tmp_path}'], cwd=ROOT, env=train_env(1),
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert re.search(r'adamw +0\.001 +5\.0000\n', out.stdout) and re.search(r'muon +0\.01 +4\.8000\n', out.stdout)
+  # AdamW's best final loss is 5.0; muon lr 1e-2 gets there between steps 75 (5.1) and 100 (4.8) with its raw
+  # weights, at 75 + 25 · 0.1/0.3 ≈ 83, and between 25 (6.9) and 50 (4.9) with its EMA's: 25 + 25 · 1.9/2 = 48.75.
+  assert "reaches adamw's best final held-out loss 5.0000 (lr 0.001, step 100):" in out.stdout, out.stdout
+  assert 'with its raw weights at step 83: 83% of the steps' in out.stdout, out.stdout
+  assert 'with its EMA weights at step 49: 49% of the steps' in out.stdout, out.stdout
+  # Stable phase: steps 11-80 (wsd decays the last 20 %): evaluations 25, 50, 75; the EMA is above raw at all
+  # three for adamw lr 1e-3, and only at 25 for muon lr 1e-2 (EMA − raw from −0.4 at 50 to +1.1 at 25).
+  assert re.search(r'adamw +0\.001 +11–80 +3 +25, 50, 75 +\+0\.1000 +\+1\.0000\n', out.stdout), out.stdout
+  assert re.search(r'muon +0\.01 +11–80 +3 +25 +-0\.4000 +\+1\.1000\n', out.stdout), out.stdout
