@@ -325,6 +325,13 @@ def compile_step(cfg, devices) -> dict:
           'device_kind': devices[0].device_kind, 'devices': len(devices), 'hlo': hlo}
 
 
+def mesh_axes(shape: sharding.MeshShape) -> str:
+  """'stage=2 × data=1 × fsdp=4 × expert=2 × tensor=1': the axes make_mesh builds, in its order, each the whole
+  mesh's size (context only when it splits)."""
+  axes, ici, dcn = sharding.layout(shape)
+  return ' × '.join(f'{a}={i * d}' for a, i, d in zip(axes, ici, dcn) if a != 'context' or i * d > 1)
+
+
 def target_config(cfg, devices, slices: int) -> None:
   """Resolves cfg.mesh (a -1) for `devices`; multi-slice without dcn_* set spans slices with dcn_data."""
   dcn = [cfg.mesh.get(f'dcn_{a}', 1) for a in (*sharding.AXES, 'stage', 'expert')]
@@ -387,10 +394,8 @@ def main_target(cfg) -> int:
   shape = sharding.MeshShape.resolve(cfg.mesh, len(devices))
   report = compile_step(cfg, devices)
   where = f'{FLAGS.target}' + (f' × {FLAGS.slices} slices' if FLAGS.slices > 1 else '')
-  axes = ' × '.join([f'stage={shape.stages}'] * (shape.stages > 1) + [
-      f'{a}={n}' for a, n in zip(sharding.AXES, shape.sizes) if a != 'context' or n > 1]
-      + [f'expert={shape.experts}'] * (shape.experts > 1))
-  title = (f'per chip on {where} ({len(devices)} × {report["device_kind"]}), mesh {axes}, remat={cfg.model.remat}, '
+  title = (f'per chip on {where} ({len(devices)} × {report["device_kind"]}), mesh {mesh_axes(shape)}, '
+           f'remat={cfg.model.remat}, '
            f'microbatches={cfg.train.microbatches}')
   sections = [(f'{cfg.name}: model', model_rows(a, cfg)), (title, target_rows(report))]
   if report['fits'] is False and FLAGS.fit:
@@ -459,9 +464,7 @@ def main(argv):
     mem_rows = memory_rows(memory(cfg))
     note = (f'needs {needed} devices, this host has {available}: state only (--fake_devices={needed} compiles '
             f'on fake CPU devices)')
-  mesh_title = ('memory per device on mesh ' + (f'stage={shape.stages} × ' if shape.stages > 1 else '')
-                + f'data={sizes[0]} × fsdp={sizes[1]}' + (f' × expert={shape.experts}' if shape.experts > 1 else '')
-                + f' × tensor={sizes[2]}')
+  mesh_title = f'memory per device on mesh {mesh_axes(shape)}'
 
   chips = FLAGS.chips or needed
   device_kind = FLAGS.device_kind or kind

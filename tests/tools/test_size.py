@@ -9,6 +9,7 @@ import pytest
 
 from jaxlm import model as model_lib
 from jaxlm import perf
+from jaxlm import sharding
 from jaxlm.tools import size
 from tests.conftest import ROOT
 from tests.helpers import load_config, train_env
@@ -50,6 +51,10 @@ def test_moe_tiny_counts_active_parameters_and_the_experts_memory():
   cfg.train.batch_size = 16
   mem = size.memory(cfg)
   assert mem['expert_bytes'] == a['expert_params'] * 4 // 16
+  # Both report titles name the axes as make_mesh orders them: expert after fsdp, a stage axis outermost.
+  assert size.mesh_axes(sharding.MeshShape.resolve(cfg.mesh, 16)) == 'data=1 × fsdp=4 × expert=4 × tensor=1'
+  cfg.mesh.update(stage=2, context=2, expert=1)
+  assert size.mesh_axes(sharding.MeshShape.resolve(cfg.mesh, 16)) == 'stage=2 × data=1 × fsdp=4 × tensor=1 × context=2'
 
 
 def test_palm_8b_by_hand():
