@@ -1,4 +1,4 @@
-"""Host-process settings that must be made before JAX starts its threads: glibc's malloc.
+"""Host-process settings that must be made before JAX starts its backend: glibc's malloc, XLA:CPU's scheduler.
 
 `import jaxlm` applies them (jaxlm/__init__.py), so `python -m jaxlm.train` gets them before JAX is imported.
 JAXLM_KEEP_HOST_MEMORY=0 leaves malloc as it is, =1 tunes it always; unset, it is tuned unless JAX will run on a
@@ -38,6 +38,31 @@ def libtpu_without_tpu() -> bool:
           and not (glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*')))
 
 
+def fake_cpu_devices() -> int:
+  """How many CPU devices XLA_FLAGS asks XLA to fake (--xla_force_host_platform_device_count; 1 when unset)."""
+  found = re.findall(r'xla_force_host_platform_device_count=(\d+)', os.environ.get('XLA_FLAGS', ''))
+  return int(found[-1]) if found else 1
+
+
+# Why a mesh of fake CPU devices turns off XLA:CPU's concurrency-optimized scheduler (issue #32; bench/RESULTS.md,
+# "CPU-mesh deadlock"): under it an executable read back from the persistent compilation cache let one device
+# wait in two independent collectives at once, each holding one thread of the intra-op pool (one per device), so
+# one group of devices could hold every thread while another never reached the rendezvous, and XLA aborted the
+# run. Without it, cached executables run as freshly compiled ones do, and the cache is safe on a CPU mesh.
+CPU_MESH_XLA_FLAG = '--xla_cpu_enable_concurrency_optimized_scheduler=false'
+
+
+def order_cpu_mesh_collectives() -> bool:
+  """Adds CPU_MESH_XLA_FLAG to XLA_FLAGS when it fakes several CPU devices; True when the flag is in effect.
+
+  A user's own setting of the scheduler flag is left as it is (and then decides whether the cache is safe).
+  """
+  flags = os.environ.get('XLA_FLAGS', '')
+  if fake_cpu_devices() > 1 and 'xla_cpu_enable_concurrency_optimized_scheduler' not in flags:
+    os.environ['XLA_FLAGS'] = f'{flags} {CPU_MESH_XLA_FLAG}'.strip()
+  return CPU_MESH_XLA_FLAG in os.environ.get('XLA_FLAGS', '').split()
+
+
 def keep_freed_memory() -> bool:
   """Has glibc keep freed host memory for reuse: one malloc arena, no mmap, no trimming. False without glibc.
 
@@ -52,8 +77,7 @@ def keep_freed_memory() -> bool:
   if setting == '0':
     return False
   if setting != '1':
-    fake_devices = re.search(r'xla_force_host_platform_device_count=(\d+)', os.environ.get('XLA_FLAGS', ''))
-    if fake_devices and int(fake_devices.group(1)) > 1:
+    if fake_cpu_devices() > 1:
       return False
     if accelerator_host():
       return False  # nothing to gain there, and one arena would serialise the host's threads

@@ -12,6 +12,7 @@ import time
 
 import jax
 
+from jaxlm import malloc
 from jaxlm.metrics import duration, format_table
 
 
@@ -322,35 +323,42 @@ def format_memory(memory: dict) -> str:
   return ', '.join(f'{k.removesuffix("_bytes")} {format_bytes(v)}' for k, v in memory.items())
 
 
-# Why the persistent cache stays off on a CPU backend with several devices (issue #32; README, Testing): an
-# XLA:CPU executable read back from the cache (jaxlib 0.10.2) runs independent collectives of one device at the
-# same time, where the one it compiles runs them one after another; each waiting collective blocks one thread of
-# the intra-op pool, which has one thread per device. When one group of devices runs ahead, as in the first step
-# (data 2 x fsdp 4: one fsdp group reaches the all-8 all-reduce of the loss denominator and the final norm's
-# all-gather, both at once, while the other group is still in its first layer), it holds every thread, the
-# others never reach the rendezvous, and XLA aborts the process after 40 s.
-CPU_MESH_CACHE_OFF = ('off on a multi-device CPU mesh: XLA:CPU executables read back from the cache can run one '
-                      "device's collectives concurrently and deadlock (README, Testing)")
+# Why the persistent cache is off on a CPU backend with several devices unless XLA:CPU's concurrency-optimized
+# scheduler is (issue #32; README, Testing; malloc.CPU_MESH_XLA_FLAG, which `import jaxlm` adds to XLA_FLAGS
+# whenever they fake several CPU devices): with that scheduler, an XLA:CPU executable read back from the cache
+# (jaxlib 0.10.2) let a device wait in independent collectives at the same time, each blocking one thread of the
+# intra-op pool, which has one thread per device. When one group of devices ran ahead, as in the first step
+# (data 2 x fsdp 4: one fsdp group at the loss denominator's all-8 all-reduce and the final norm's all-gather at
+# once, the other still in its first layer), it held every thread, the others never reached the rendezvous, and
+# XLA aborted the process after 40 s.
+CPU_MESH_CACHE_OFF = (f'off on a multi-device CPU mesh without {malloc.CPU_MESH_XLA_FLAG} in XLA_FLAGS: XLA:CPU '
+                      "executables read back from the cache can then run one device's collectives concurrently "
+                      'and deadlock (README, Testing)')
 
 
 def compilation_cache_safe() -> bool:
   """Whether programs of this backend may be read back from the persistent cache (see CPU_MESH_CACHE_OFF)."""
-  return not (jax.default_backend() == 'cpu' and jax.device_count() > 1)
+  if not (jax.default_backend() == 'cpu' and jax.device_count() > 1):
+    return True
+  return malloc.CPU_MESH_XLA_FLAG in os.environ.get('XLA_FLAGS', '').split()
 
 
 def enable_compilation_cache(log_cfg) -> str | None:
   """Turns on JAX's persistent compilation cache at `log.compilation_cache`; call before the first compile.
 
-  None when it is off: not configured, or a multi-device CPU backend (CPU_MESH_CACHE_OFF says why).
+  JAX's own JAX_COMPILATION_CACHE_DIR, when set, names the directory instead (one setting for every JAX program
+  of a machine, the test suite's processes included); `log.compilation_cache=''` keeps the cache off all the
+  same. None when it is off: not configured, or a CPU mesh where it is unsafe (CPU_MESH_CACHE_OFF says why).
   """
   if not compilation_cache_safe():
     jax.config.update('jax_enable_compilation_cache', False)  # a directory set by the environment included
     return None
-  path = os.path.expanduser(log_cfg.compilation_cache)
-  if not path:
+  path = os.path.expanduser(os.environ.get('JAX_COMPILATION_CACHE_DIR') or log_cfg.compilation_cache)
+  if not log_cfg.compilation_cache or not path:
     return None
   os.makedirs(path, exist_ok=True)
   # JAX reads the directory once, at its first compile; its defaults only cache programs that took >= 1 s to
   # compile, which are the ones worth the disk.
+  jax.config.update('jax_enable_compilation_cache', True)
   jax.config.update('jax_compilation_cache_dir', path)
   return path

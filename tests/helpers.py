@@ -64,7 +64,11 @@ def train_command(workdir, *overrides, config: str = 'palm_tiny') -> list[str]:
 def train_env(devices: int = 8) -> dict:
   """Environment for a training subprocess: `devices` fake CPU devices, unbuffered output."""
   import os
-  return dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
+  from jaxlm import malloc
+  flags = f'--xla_force_host_platform_device_count={devices}'
+  if devices > 1:  # as `import jaxlm` adds it, here also for a script that starts JAX before importing jaxlm
+    flags = f'{flags} {malloc.CPU_MESH_XLA_FLAG}'
+  return dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=flags,
               PYTHONUNBUFFERED='1')
 
 

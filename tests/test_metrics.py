@@ -404,14 +404,23 @@ jax.jit(lambda x: jnp.sin(x) * 2).lower(jnp.ones(3)).compile()
 print(path)
 '''
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  for devices, cached in ((1, True), (8, False)):  # a multi-device CPU backend never reads the cache (issue #32)
-    home = tmp_path / f'home{devices}'
+  # `import jaxlm` turns XLA:CPU's concurrency-optimized scheduler off on a fake CPU mesh, which makes the cache
+  # safe there; a mesh that turns it back on never reads the cache (issue #32). JAX's own variable names the
+  # directory when set.
+  cases = ((1, '', None, True), (8, '', None, True), (8, ' --xla_cpu_enable_concurrency_optimized_scheduler=true',
+                                                      None, False), (8, '', 'envdir', True))
+  for i, (devices, extra, env_dir, cached) in enumerate(cases):
+    home = tmp_path / f'home{i}'
     env = dict(os.environ, HOME=str(home), JAX_PLATFORMS='cpu',
-               XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
+               XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}{extra}')
+    env.pop('JAX_COMPILATION_CACHE_DIR')  # the suite's own (tests/conftest.py)
+    if env_dir:
+      env['JAX_COMPILATION_CACHE_DIR'] = str(home / env_dir)
     result = subprocess.run([sys.executable, '-c', script], env=env, cwd=root, capture_output=True, text=True,
                             timeout=120, check=True)
-    assert result.stdout.strip() == (str(home / 'xla') if cached else 'None')
-    assert bool(os.path.isdir(home / 'xla') and os.listdir(home / 'xla')) == cached
+    where = home / (env_dir or 'xla')
+    assert result.stdout.strip() == (str(where) if cached else 'None')
+    assert bool(os.path.isdir(where) and os.listdir(where)) == cached
 
 
 def test_nan_loss_is_kept(tmp_path):
