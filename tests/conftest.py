@@ -1,12 +1,21 @@
 """Test set-up: 8 fake CPU devices, made before JAX is imported anywhere."""
 
+import contextlib
 import os
 import pathlib
+import shutil
 import sys
 
-# Must run before `import jax`: XLA reads the flag once, when the CPU backend starts.
-os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8').strip()
+# Must run before `import jax`: XLA reads the flags once, when the CPU backend starts. The scheduler flag is the
+# one `import jaxlm` adds on a fake CPU mesh (jaxlm/malloc.py): with it the compilation cache below is safe.
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8 '
+                           '--xla_cpu_enable_concurrency_optimized_scheduler=false').strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# One persistent compilation cache for every process of the suite (xdist workers and the trainers they start,
+# which inherit the variables): the same palm_tiny programs are compiled in dozens of tests, and read back from
+# here after the first. Programs that compile in under 0.2 s cost more to store than to redo.
+os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.path.expanduser('~/.cache/jaxlm/xla-tests'))
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.2')
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -24,10 +33,39 @@ def root() -> pathlib.Path:
   return ROOT
 
 
+def suite_dir(tmp_path_factory, name: str) -> pathlib.Path:
+  """A directory shared by every process of this pytest run: the xdist workers' base temp dirs are siblings."""
+  base = tmp_path_factory.getbasetemp()
+  return (base.parent if os.environ.get('PYTEST_XDIST_WORKER') else base) / name
+
+
+@contextlib.contextmanager
+def made_once(tmp_path_factory, name: str):
+  """Yields (path, None) once for the whole run, xdist workers included, to fill `path`; later callers (path, True).
+
+  For a costly fixture (a trained run, a prepared corpus) that tests of several modules share: the first worker
+  builds it under a file lock while the others wait; a build that raised is not marked done, so the next caller
+  builds it again and sees the error itself.
+  """
+  import filelock
+  path = suite_dir(tmp_path_factory, name)
+  with filelock.FileLock(f'{path}.lock'):
+    if (path / '.done').exists():
+      yield path, True
+      return
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    yield path, None
+    (path / '.done').touch()
+
+
 @pytest.fixture(scope='session')
 def data_cache(tmp_path_factory) -> pathlib.Path:
-  """One prepared copy of the stdlib corpus for every test in the session (`--config.data.cache_dir`)."""
-  return tmp_path_factory.mktemp('data_cache')
+  """One prepared copy of the stdlib corpus for every test of the run, both xdist workers included
+  (`--config.data.cache_dir`; jaxlm.data.prepare locks it while the first process prepares it)."""
+  path = suite_dir(tmp_path_factory, 'data_cache')
+  path.mkdir(parents=True, exist_ok=True)
+  return path
 
 
 # `e2e`: a test that starts a subprocess or runs the whole trainer, itself or through a fixture. Marked here from
@@ -67,9 +105,25 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.e2e)
 
 
+# A test whose call takes longer than this fails unless it carries `@pytest.mark.slow(reason=...)`, saying why
+# it must (the suite's budget: README, Testing). JAXLM_TEST_LIMIT_S changes it (0: off), e.g. on a loaded machine.
+LIMIT_S = float(os.environ.get('JAXLM_TEST_LIMIT_S', '60'))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  outcome = yield
+  report = outcome.get_result()
+  marker = item.get_closest_marker('slow')
+  if (call.when == 'call' and report.passed and LIMIT_S and call.duration > LIMIT_S
+      and not (marker and marker.kwargs.get('reason'))):
+    report.outcome = 'failed'
+    report.longrepr = (f'{item.nodeid} took {call.duration:.0f} s, over the suite\'s {LIMIT_S:.0f} s a test: make '
+                       'it cheaper, or mark it @pytest.mark.slow(reason=...) saying why it must take this long')
+
+
 def pytest_configure(config):
-  """No persistent compilation cache: on this 8-device CPU mesh an executable read back from it can run one
-  device's collectives concurrently and deadlock the test (jaxlm/perf.py, CPU_MESH_CACHE_OFF; issue #32). The
-  trainer subprocesses keep it off by the same rule."""
+  """The suite's compilation cache (JAX_COMPILATION_CACHE_DIR above) for the in-process compiles too."""
   del config
-  jax.config.update('jax_enable_compilation_cache', False)
+  jax.config.update('jax_enable_compilation_cache', True)
+  jax.config.update('jax_compilation_cache_dir', os.environ['JAX_COMPILATION_CACHE_DIR'])

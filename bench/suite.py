@@ -1,0 +1,87 @@
+"""Where the test suite's time goes: tables from the records tests/timing.py writes.
+
+  JAXLM_TIMING=/tmp/after.jsonl python -m pytest -q -n 2 -p tests.timing
+  python bench/suite.py /tmp/after.jsonl [--before=/tmp/before.jsonl] [--top=25]
+
+Kinds, summed over tests (seconds): `children` is the CPU time of the processes a test started and waited for
+(JAX import, compiles and steps of trainer subprocesses, launchers); `compile` / `trace+lower` the in-process
+XLA compile and JAX tracing time; `in-process rest` the test process's other CPU time (steps, data, I/O);
+`waiting` the wall time that neither the test process nor its children spent on a CPU (sleeps, timeouts, a
+subprocess's start before it is counted, or a loaded machine's queue). With -n 2 the suite's wall time is about
+the summed wall over two, plus collection.
+"""
+
+import argparse
+import collections
+import json
+
+
+def load(path: str) -> list[dict]:
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def kinds(r: dict) -> dict:
+  jax_s = r['compile_s'] + r['trace_s'] + r['lower_s']
+  return {'children': r['cpu_children_s'], 'compile': r['compile_s'], 'trace+lower': r['trace_s'] + r['lower_s'],
+          'in-process rest': max(0.0, r['cpu_self_s'] - jax_s),
+          'waiting': max(0.0, r['wall_s'] - max(r['cpu_self_s'], jax_s) - r['cpu_children_s'])}
+
+
+def summary(records: list[dict]) -> dict:
+  total = collections.Counter()
+  for r in records:
+    total.update(kinds(r))
+  return dict(total)
+
+
+def by_file(records: list[dict]) -> dict:
+  files = collections.defaultdict(lambda: [0, 0.0])
+  for r in records:
+    f = files[r['id'].split('::')[0]]
+    f[0] += 1
+    f[1] += r['wall_s']
+  return files
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument('after')
+  p.add_argument('--before', default='')
+  p.add_argument('--top', type=int, default=25)
+  a = p.parse_args()
+  after = load(a.after)
+  before = load(a.before) if a.before else []
+  wall = sum(r['wall_s'] for r in after)
+  print(f'{len(after)} tests, {wall:.0f} s summed wall ({wall / 2 / 60:.1f} min over 2 workers), '
+        f'{sum(r["e2e"] for r in after)} e2e; in-process compiles {sum(r["compiles"] for r in after):.0f}, '
+        f'persistent-cache hits {sum(r["cache_hits"] for r in after):.0f}')
+  print(f'\n{"kind":<18}{"after s":>10}{"share":>8}' + (f'{"before s":>10}{"share":>8}' if before else ''))
+  sa, sb = summary(after), summary(before) if before else {}
+  for k in sa:
+    line = f'{k:<18}{sa[k]:>10.0f}{sa[k] / max(sum(sa.values()), 1e-9):>8.0%}'
+    if before:
+      line += f'{sb.get(k, 0):>10.0f}{sb.get(k, 0) / max(sum(sb.values()), 1e-9):>8.0%}'
+    print(line)
+  for label, keep in (('e2e', True), ('fast loop', False)):
+    part = [r for r in after if r['e2e'] == keep]
+    line = f'{label:<18}{sum(r["wall_s"] for r in part):>10.0f} s wall, {len(part)} tests'
+    if before:
+      was = [r for r in before if r['e2e'] == keep]
+      line += f'; before {sum(r["wall_s"] for r in was):.0f} s, {len(was)} tests'
+    print(line)
+  fa, fb = by_file(after), by_file(before)
+  print(f'\n{"file":<48}{"tests":>6}{"wall s":>9}' + (f'{"before":>9}{"ratio":>7}' if before else ''))
+  for name, (n, w) in sorted(fa.items(), key=lambda kv: -kv[1][1])[:a.top]:
+    line = f'{name:<48}{n:>6}{w:>9.0f}'
+    if before and name in fb:
+      line += f'{fb[name][1]:>9.0f}{w / max(fb[name][1], 1e-9):>7.2f}'
+    print(line)
+  print(f'\n{"slowest tests":<100}{"wall s":>8}{"child":>7}{"comp":>7}{"wait":>7}')
+  for r in sorted(after, key=lambda r: -r['wall_s'])[:a.top]:
+    k = kinds(r)
+    print(f'{r["id"][:99]:<100}{r["wall_s"]:>8.1f}{k["children"]:>7.1f}{k["compile"]:>7.1f}{k["waiting"]:>7.1f}')
+
+
+if __name__ == '__main__':
+  main()
