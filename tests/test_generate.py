@@ -105,7 +105,7 @@ def test_generation_stops_each_row_at_its_end_of_text_token():
               free.tokens[0][first(free.tokens[0], {a, b})] == a and free.tokens[1][first(free.tokens[1], {a, b})] == b)
   out = generate_lib.generate(m, params, PROMPTS, 12, eos_id=[a, b])
   assert out.tokens == [row[:first(row, {a, b})] if first(row, {a, b}) is not None else row for row in free.tokens]
-  assert out.finish_reasons[:2] == ['eos', 'eos']
+  assert out.finish_reasons[:2] == ['eos', 'eos'] and out.compile_seconds == 0.0  # the stop ids are an input
   assert [out.tokens[0] + [a], out.tokens[1] + [b]] == [row[:len(t) + 1] for row, t in zip(free.tokens[:2], out.tokens)]
 
 
