@@ -154,14 +154,14 @@ def _prefill(model, params, tokens, segment_ids, positions, shapes, shardings):
   return logits[:, -1].astype(jnp.float32), _constrain(variables['cache'], shardings)
 
 
-def _decode(model, sampling, stop_ids, max_new, return_logits, params, cache, logits, next_positions, key,
+def _decode(model, sampling, stops, max_new, return_logits, params, cache, logits, next_positions, key,
             shardings):
-  """The compiled loop: (tokens (B, max_new), steps run, [logits (B, max_new, V)]) after prefill's logits."""
+  """The compiled loop: (tokens (B, max_new), steps run, [logits (B, max_new, V)]) after prefill's logits.
+  `stops`: (slots,) int32, the ids a row stops at, padded with -1 (never drawn)."""
   B, V = logits.shape
-  stops = stop_ids  # (slots,) int32: the ids a row stops at, padded with -1 (never drawn)
   first = sample(logits, jax.random.fold_in(key, 0), sampling)
   tokens = jnp.zeros((B, max_new), jnp.int32).at[:, 0].set(first)
-  done = jnp.isin(first, stops) | (next_positions == 0)  # the batch's padding rows (no prompt) are done from the start
+  done = jnp.isin(first, stops) | (next_positions == 0)  # the batch's padding rows (no prompt) are done at once
   all_logits = jnp.zeros((B, max_new, V) if return_logits else (B, 0, V), jnp.float32)
   if return_logits:
     all_logits = all_logits.at[:, 0].set(logits)
@@ -256,8 +256,8 @@ def generate(model_cfg: model_lib.ModelConfig, params, prompts: list[list[int]],
   slots[:len(stops)] = stops
   context = sharding.activate(mesh) if mesh is not None else nn.logical_axis_rules(())
   with context:
-    (prefill, decode), compile_seconds = _programs(model, sampling, len(slots), max_new_tokens, return_logits, params,
-                                                   batch, length, mesh)
+    (prefill, decode), compile_seconds = _programs(model, sampling, len(slots), max_new_tokens, return_logits,
+                                                   params, batch, length, mesh)
     tokens, segment_ids, positions = left_pad(prompts, length, batch, pad_id)
     if mesh is not None:  # rows over the batch's mesh axes, as the programs were compiled for
       rows = NamedSharding(mesh, P(_batch_axes(mesh)))

@@ -206,7 +206,8 @@ def _plan(sources, *, vocab_size, model_type, tokenizer_sha, text_field, txt_doc
           data_format='text', chat_template='', seq_len=0, empty_think='mask') -> dict:
   """Every setting that decides the output; a re-run into the same directory must match it."""
   # empty_think is listed only when it is not the default, so a preparation begun before it existed resumes.
-  return {**({'empty_think': empty_think} if empty_think != 'mask' else {}),'format': FORMAT, 'sources': [[s.key, s.size] for s in sources], 'vocab_size': vocab_size,
+  return {**({'empty_think': empty_think} if empty_think != 'mask' else {}),
+          'format': FORMAT, 'sources': [[s.key, s.size] for s in sources], 'vocab_size': vocab_size,
           'model_type': model_type, 'tokenizer_sha256': tokenizer_sha, 'text_field': text_field,
           'txt_docs': txt_docs, 'eval_fraction': eval_fraction, 'shard_docs': shard_docs,
           'sample_mb': sample_mb, 'max_sentences': max_sentences, 'seed': seed, 'tokenizer_kind': tokenizer_kind,
