@@ -98,6 +98,15 @@ def test_generation_stops_each_row_at_its_end_of_text_token():
   stop = free.tokens[0].index(eos)  # 3, or earlier if row 0 wrote it before
   assert out.tokens == [free.tokens[0][:stop]] * 3 and out.steps == stop + 1 < 12
   assert out.generated_tokens == sum(len(t) + (r == 'eos') for t, r in zip(out.tokens, out.finish_reasons))
+  # Several stop ids (as generation_config.json lists Qwen3's <|im_end|> and <|endoftext|>), each the first one a
+  # different prompt reaches: row 0 stops at the first, row 1 at the second.
+  first = lambda row, ids: next((i for i, t in enumerate(row) if t in ids), None)
+  a, b = next((a, b) for a in free.tokens[0][1:] for b in free.tokens[1][1:] if a != b and
+              free.tokens[0][first(free.tokens[0], {a, b})] == a and free.tokens[1][first(free.tokens[1], {a, b})] == b)
+  out = generate_lib.generate(m, params, PROMPTS, 12, eos_id=[a, b])
+  assert out.tokens == [row[:first(row, {a, b})] if first(row, {a, b}) is not None else row for row in free.tokens]
+  assert out.finish_reasons[:2] == ['eos', 'eos'] and out.compile_seconds == 0.0  # the stop ids are an input
+  assert [out.tokens[0] + [a], out.tokens[1] + [b]] == [row[:len(t) + 1] for row, t in zip(free.tokens[:2], out.tokens)]
 
 
 def test_refusals():
@@ -183,7 +192,7 @@ def test_sharded_greedy_equals_one_device_with_the_cache_on_the_rules_tables_axe
   ways = mesh_shape[0] * mesh_shape[1]
   batch = max(ways, 4)  # 4 prompts, rounded up to a multiple of the data × fsdp ways
   with sharding.activate(mesh):
-    (prefill, _), _ = generate_lib._programs(model, generate_lib.Sampling(), -1, new, False, placed, batch, 16, mesh)
+    (prefill, _), _ = generate_lib._programs(model, generate_lib.Sampling(), 8, new, False, placed, batch, 16, mesh)
     rows = jax.sharding.NamedSharding(mesh, P(('data', 'fsdp')))
     _, cache = prefill(placed, *jax.device_put(generate_lib.left_pad(PROMPTS, 16, batch), rows))
   heads = 'tensor' if num_kv_heads % mesh_shape[2] == 0 else None

@@ -7,13 +7,20 @@ renders it (a sandboxed Jinja environment with trim_blocks / lstrip_blocks, `rai
 a template. The rendered text is tokenized whole (no post-processor specials, as apply_chat_template does), so
 the ids equal `apply_chat_template(messages, tokenize=True)`.
 
-Loss weights, as TRL's assistant-only loss and MaxText SFT: 1 on every token of each assistant turn's content
-and on its end-of-turn token (the model must learn to stop), 0 on system, user and template tokens. The assistant
-spans are found in the rendered text; a template that does not reproduce an assistant's text makes the record bad.
+Loss weights, as TRL's assistant-only loss and MaxText SFT: 1 on what the model writes in each assistant turn
+and on its end-of-turn token (the model must learn to stop), 0 on system, user and template tokens. A template with
+`{% generation %}` tags says it itself (weight 1 on the tagged spans, transformers' assistant mask). Otherwise the
+spans come from the template's own rendering of the whole conversation: a turn starts where the template's
+generation prompt for it ends and its content is the part of the text that changes when the content is replaced
+by a stand-in, so a turn is trained as the template writes it (Qwen3's drops the reasoning trace of every turn but
+the last). An empty `<think></think>` block the template writes before an answer stays at weight 0 unless
+`empty_think='train'`. A template that does not write an assistant's content makes the record bad.
 """
 
+import contextvars
 import datetime
 import functools
+import re
 import json
 import os
 
@@ -32,6 +39,12 @@ LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{
 BUILTIN = {'chatml': CHATML, 'llama3': LLAMA3}
 # Tokens that end a turn: the whole marker gets the assistant's weight when a template writes one of these.
 END_OF_TURN = ('<|im_end|>', '<|eot_id|>', '<end_of_turn>', '<|end|>', '</s>', '<|endoftext|>', '<|end_of_text|>')
+# What an empty reasoning block before an answer gets (prepare --empty_think): weight 0, or trained.
+EMPTY_THINK = ('mask', 'train')
+_EMPTY_THINK = re.compile(r'<think>\s*</think>\s*\Z')  # Qwen3 writes one before a last answer without a trace
+# Contents put in an assistant's place to see what its content becomes in the rendering; they differ from each
+# other in their first and last character (no whitespace: templates trim).
+_STAND_INS = ('\x01', '\x02')
 
 
 class BadRecord(ValueError):
@@ -56,7 +69,8 @@ def _compile(template: str):
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
   class Generation(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask tag) renders its body as it is."""
+    """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask tag): renders its body as it is and,
+    while `_tracking` holds (output so far, spans), records the body's character span in the output."""
     tags = {'generation'}
 
     def parse(self, parser):
@@ -65,7 +79,12 @@ def _compile(template: str):
       return jinja2.nodes.CallBlock(self.call_method('_body'), [], [], body).set_lineno(lineno)
 
     def _body(self, caller):
-      return caller()
+      out = caller()
+      if (tracking := _TRACKING.get()) is not None:
+        blocks, spans = tracking
+        start = sum(map(len, blocks))  # the body is written right after what the template yielded so far
+        spans.append((start, start + len(out)))
+      return out
 
   env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                       extensions=[Generation, jinja2.ext.loopcontrols])
@@ -73,6 +92,9 @@ def _compile(template: str):
   env.globals['raise_exception'] = raise_exception
   env.globals['strftime_now'] = lambda fmt: datetime.datetime.now().strftime(fmt)
   return env.from_string(template)
+
+
+_TRACKING = contextvars.ContextVar('generation_tracking', default=None)
 
 
 def render(messages: list[dict], template: str, *, add_generation_prompt: bool = False,
@@ -83,6 +105,21 @@ def render(messages: list[dict], template: str, *, add_generation_prompt: bool =
   """
   return _compile(template).render(messages=messages, tools=None, documents=None,
                                    add_generation_prompt=add_generation_prompt, **(special_tokens or {}))
+
+
+def render_generation(messages: list[dict], template: str, *,
+                      special_tokens: dict | None = None) -> tuple[str, list[tuple[int, int]]]:
+  """The text of `messages` and the character spans of its `{% generation %}` blocks (as transformers'
+  return_assistant_tokens_mask finds them); no spans for a template without the tag."""
+  blocks, spans = [], []
+  token = _TRACKING.set((blocks, spans))
+  try:
+    for block in _compile(template).generate(messages=messages, tools=None, documents=None,
+                                             add_generation_prompt=False, **(special_tokens or {})):
+      blocks.append(block)
+  finally:
+    _TRACKING.reset(token)
+  return ''.join(blocks), spans
 
 
 def template_of(tokenizer_or_dir, name: str | None = None) -> str | None:
@@ -120,58 +157,117 @@ def messages_of(record) -> list[dict]:
     if m.get('role') not in ROLES:
       raise BadRecord('unknown_role')
     out.append({'role': m['role'], 'content': m['content']})
+    if isinstance(m.get('reasoning_content'), str):  # a trace kept apart from the answer (Qwen3's templates read it)
+      out[-1]['reasoning_content'] = m['reasoning_content']
   if not any(m['role'] == 'assistant' for m in out):
     raise BadRecord('no_assistant_turn')
   return out
 
 
-def encode(tokenizer, template: str, messages: list[dict]) -> tuple[np.ndarray, np.ndarray, list[int]]:
-  """(ids, loss weights, turn ends) of one conversation. Turn ends: the token counts after each assistant turn's
-  end-of-turn token, where the conversation may be cut. Raises BadRecord when a span cannot be found."""
-  specials = tokenizer.special_tokens
-  try:
-    text = render(messages, template, special_tokens=specials)
-  except Exception as e:  # a template's raise_exception (e.g. roles must alternate) or a Jinja error
-    raise BadRecord('template_error', str(e)) from e
-  spans, pos = [], 0
+def _content_span(messages: list[dict], i: int, template: str, specials: dict, text: str):
+  """(start, end) of what message i's content became in `text` (the whole conversation as the template writes it:
+  a trace the template drops is not in it, an answer it trims is trimmed): the part that changes when the content
+  is replaced by a stand-in. None when no stand-in changes the text (the template does not write the content)."""
+  start = end = None
+  for stand_in in _STAND_INS:
+    other = render(messages[:i] + [{**messages[i], 'content': stand_in}] + messages[i + 1:], template,
+                   special_tokens=specials)
+    if other == text:
+      continue
+    p = len(os.path.commonprefix([text, other]))
+    q = len(os.path.commonprefix([text[p:][::-1], other[p:][::-1]]))
+    # Each bound is exact for a stand-in whose first (last) character differs from the content's; the stand-ins
+    # differ from each other in both, so the narrowest start and widest end are exact.
+    start, end = (p, len(text) - q) if start is None else (min(start, p), max(end, len(text) - q))
+  return None if start is None else (start, end)
+
+
+def _end_of_turn(text: str, end: int, specials: dict) -> tuple[int, int]:
+  """The character span of the end-of-turn marker after an answer ending at `end`; (end, end + 1) without one."""
+  marker = next((t for t in END_OF_TURN + (specials.get('eos_token') or '',) if t and
+                 text[end:].lstrip(' \n').startswith(t)), None)
+  return (end, text.index(marker, end) + len(marker)) if marker else (end, end + 1)
+
+
+def _derived_spans(messages: list[dict], template: str, specials: dict, text: str, empty_think: str):
+  """(turns, masked) of a template without {% generation %} tags. turns: (start, answer end, end-of-turn span) of
+  each assistant turn as the full rendering writes it; masked: character spans whose tokens keep weight 0."""
+  turns, masked, pos = [], [], 0
   for i, m in enumerate(messages):
     if m['role'] != 'assistant':
       continue
-    try:  # where the assistant's turn starts: after the prompt the template writes for it
+    anchor = None
+    try:  # where the model's turn starts: after the prompt the template writes for it
       prefix = render(messages[:i], template, add_generation_prompt=True, special_tokens=specials)
-      if text.startswith(prefix):
-        pos = max(pos, len(prefix))
-    except Exception:  # pylint: disable=broad-except  -- some templates refuse a prefix; search from pos instead
+      if text.startswith(prefix) and len(prefix) >= pos:
+        anchor = len(prefix)
+    except Exception:  # pylint: disable=broad-except  -- some templates refuse a prefix; start at the answer
       pass
-    content = m['content'].strip()  # templates often trim the content (Llama 3's does)
-    start = text.find(content, pos) if content else pos
-    if start < 0:
+    span = _content_span(messages, i, template, specials, text)
+    if span is None:
       raise BadRecord('assistant_text_not_found')
-    end = start + len(content)
-    marker = next((t for t in END_OF_TURN + (specials.get('eos_token') or '',) if t and
-                   text[end:].lstrip(' \n').startswith(t)), None)
-    if marker:
-      end_of_turn = (end, text.index(marker, end) + len(marker))
+    lower = pos if anchor is None else anchor
+    if span[0] < lower:  # the template also writes the content elsewhere: find it after the prompt instead
+      content = m['content'].strip()
+      found = text.find(content, lower) if content else lower
+      if found < 0:
+        raise BadRecord('assistant_text_not_found')
+      span = (found, found + len(content))
+    start, end = span
+    turn_start = start if anchor is None else anchor
+    think = _EMPTY_THINK.search(text, lower, start)
+    if think:  # an empty reasoning block right before the answer (Qwen3's last turn without a trace)
+      if empty_think == 'train':
+        turn_start = min(turn_start, think.start())
+      else:
+        masked.append(think.span())
+    eot = _end_of_turn(text, end, specials)
+    turns.append((turn_start, end, eot))
+    pos = eot[1]
+  return turns, masked
+
+
+def encode(tokenizer, template: str, messages: list[dict], *,
+           empty_think: str = 'mask') -> tuple[np.ndarray, np.ndarray, list[int]]:
+  """(ids, loss weights, turn ends) of one conversation. Turn ends: the token counts after each assistant turn's
+  end-of-turn token, where the conversation may be cut. Raises BadRecord when a turn cannot be aligned.
+
+  A template with {% generation %} tags: weight 1 on the tokens of each tagged span (transformers'
+  assistant_tokens_mask). Otherwise each assistant turn as the whole conversation's rendering writes it, from
+  the end of its generation prompt to its end-of-turn marker; `empty_think` 'mask' keeps an empty
+  `<think></think>` block the template writes before an answer at weight 0, 'train' trains it.
+  """
+  if empty_think not in EMPTY_THINK:
+    raise ValueError(f'empty_think={empty_think!r} is unknown; use one of {", ".join(EMPTY_THINK)}.')
+  specials = tokenizer.special_tokens
+  try:
+    text, tagged = render_generation(messages, template, special_tokens=specials)
+    if tagged:
+      turns, masked = [(a, b, None) for a, b in tagged if b > a], []
     else:
-      end_of_turn = (end, end + 1)  # the token right after the content
-    spans.append((start, end, end_of_turn))
-    pos = end_of_turn[1]
+      turns, masked = _derived_spans(messages, template, specials, text, empty_think)
+  except BadRecord:
+    raise
+  except Exception as e:  # a template's raise_exception (e.g. roles must alternate) or a Jinja error
+    raise BadRecord('template_error', str(e)) from e
   ids, offsets = tokenizer.encode_with_offsets(text)
   ids = np.asarray(ids, np.int64)
   weights = np.zeros(len(ids), np.uint8)
   starts = np.asarray([o[0] for o in offsets], np.int64)
   ends = np.asarray([o[1] for o in offsets], np.int64)
   turn_ends = []
-  for start, end, (eot_start, eot_end) in spans:
-    weights[(ends > start) & (starts < end)] = 1  # content: every token that overlaps it
-    eot = (ends > eot_start) & (starts < eot_end) & (starts >= end)
-    if not eot.any():  # no end-of-turn marker: the token right after the content
-      after = np.nonzero(starts >= end)[0]
-      eot[after[:1]] = True
-    weights[eot] = 1
-    last = np.nonzero(eot | ((ends > start) & (starts < end)))[0]
-    if len(last):
-      turn_ends.append(int(last[-1]) + 1)
+  for start, end, eot_span in turns:
+    turn = (ends > start) & (starts < end)  # every token that overlaps the turn
+    if eot_span is not None:
+      eot = (ends > eot_span[0]) & (starts < eot_span[1]) & (starts >= end)
+      if not eot.any():  # no end-of-turn marker: the token right after the answer
+        eot[np.nonzero(starts >= end)[0][:1]] = True
+      turn |= eot
+    weights[turn] = 1
+    if turn.any():
+      turn_ends.append(int(np.nonzero(turn)[0][-1]) + 1)
+  for start, end in masked:
+    weights[(starts >= start) & (ends <= end)] = 0
   if not weights.any():
     raise BadRecord('assistant_text_not_found')
   return ids, weights, turn_ends

@@ -89,9 +89,13 @@ def open_prepared(path: str, vocab_size: int) -> Prepared:
     raise DataError(f'{path} was prepared in format {fmt!r}; this version reads {prepare_lib.FORMAT!r}. '
                     f'Prepare it again.')
   if vocab > vocab_size:
-    raise DataError(f'{path} was tokenized with a tokenizer whose ids (added tokens included) need a {vocab}-entry '
-                    f'vocabulary but model.vocab_size={vocab_size}; set --config.model.vocab_size={vocab} (or more), '
-                    f'or prepare with --vocab_size<={vocab_size}.')
+    what = (f'{path} was tokenized with a tokenizer whose ids (added tokens included) need a {vocab}-entry '
+            f'vocabulary but model.vocab_size={vocab_size}')
+    if meta.get('model_type') == 'given':  # --tokenizer: its ids are fixed (a model's own), only the model can grow
+      raise DataError(f'{what}; set --config.model.vocab_size={vocab} or more to hold every id (for an imported '
+                      f'model, its own vocab_size: the --config.model.* flags jaxlm.hf.import_llama printed).')
+    raise DataError(f'{what}; set --config.model.vocab_size={vocab} or more, or prepare again with '
+                    f'--vocab_size<={vocab_size} to train a smaller tokenizer.')
   model = os.path.join(path, meta['tokenizer'])
   if not os.path.exists(model):
     raise DataError(f'{path}: tokenizer file {model} is missing; prepare the data again.')

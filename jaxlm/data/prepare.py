@@ -12,7 +12,8 @@ end-of-text token), or --separator=TOKEN. prepare prints its choice and metadata
 
 --format=chat reads jsonl conversations (`messages`, or `prompt` / `completion`), renders each with the
 tokenizer's chat template (or --chat_template=chatml|llama3) and stores its ids with one loss weight per token
-(jaxlm/data/chat.py). A conversation longer than --seq_len + 1 tokens is cut at its last assistant turn that fits,
+(jaxlm/data/chat.py; --empty_think=train also trains the empty <think></think> block a Qwen3-style template
+writes before an answer). A conversation longer than --seq_len + 1 tokens is cut at its last assistant turn that fits,
 else dropped; bad records are skipped; all of it is counted in metadata.json['chat'].
 
 Inputs are .txt (one document per file, or per paragraph / line with --txt_docs), .jsonl (one JSON object per
@@ -96,7 +97,7 @@ def _sample_lines(sources, counts, *, text_field, txt_docs, eval_fraction, sampl
 
 # Tokenizer worker. Module-level globals so each pool process loads the tokenizer once.
 _WORKER_TOKENIZER = None
-_WORKER_CHAT = None  # (template, most tokens a conversation may keep) for --format=chat
+_WORKER_CHAT = None  # (template, most tokens a conversation may keep, empty_think) for --format=chat
 
 
 def _init_worker(model_path: str, separator: str | None = None, chat: tuple | None = None) -> None:
@@ -107,11 +108,12 @@ def _init_worker(model_path: str, separator: str | None = None, chat: tuple | No
 
 def _encode_chat(records: list) -> tuple[list[bytes], collections.Counter]:
   """The stored conversations of one shard's records, and counts of what was cut or skipped."""
-  template, max_tokens = _WORKER_CHAT
+  template, max_tokens, empty_think = _WORKER_CHAT
   out, counts = [], collections.Counter()
   for record in records:
     try:
-      ids, weights, turn_ends = chat_lib.encode(_WORKER_TOKENIZER, template, chat_lib.messages_of(record))
+      ids, weights, turn_ends = chat_lib.encode(_WORKER_TOKENIZER, template, chat_lib.messages_of(record),
+                                                empty_think=empty_think)
     except chat_lib.BadRecord as e:
       counts[f'bad_{e.reason}'] += 1
       continue
@@ -201,9 +203,11 @@ class _Progress:
 
 def _plan(sources, *, vocab_size, model_type, tokenizer_sha, text_field, txt_docs, eval_fraction,
           shard_docs, sample_mb, max_sentences, seed, tokenizer_kind='sentencepiece', separator='',
-          data_format='text', chat_template='', seq_len=0) -> dict:
+          data_format='text', chat_template='', seq_len=0, empty_think='mask') -> dict:
   """Every setting that decides the output; a re-run into the same directory must match it."""
-  return {'format': FORMAT, 'sources': [[s.key, s.size] for s in sources], 'vocab_size': vocab_size,
+  # empty_think is listed only when it is not the default, so a preparation begun before it existed resumes.
+  return {**({'empty_think': empty_think} if empty_think != 'mask' else {}),
+          'format': FORMAT, 'sources': [[s.key, s.size] for s in sources], 'vocab_size': vocab_size,
           'model_type': model_type, 'tokenizer_sha256': tokenizer_sha, 'text_field': text_field,
           'txt_docs': txt_docs, 'eval_fraction': eval_fraction, 'shard_docs': shard_docs,
           'sample_mb': sample_mb, 'max_sentences': max_sentences, 'seed': seed, 'tokenizer_kind': tokenizer_kind,
@@ -226,7 +230,7 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
             shard_docs: int = 10_000, workers: int = 0, sample_mb: float = 100.0,
             max_sentences: int = 1_000_000, seed: int = 0, progress: bool = True,
             tokenizer_kind: str = 'sentencepiece', separator: str = '', data_format: str = 'text',
-            chat_template: str = '', seq_len: int = 0) -> dict:
+            chat_template: str = '', seq_len: int = 0, empty_think: str = 'mask') -> dict:
   """Prepares `sources` into `out` (resuming a previous run there); returns the metadata it wrote."""
   if tokenizer_kind not in tokenizer_lib.KINDS:
     raise PrepareError(f'tokenizer_kind={tokenizer_kind!r} is unknown; use one of {", ".join(tokenizer_lib.KINDS)}.')
@@ -235,6 +239,8 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
   if data_format == 'chat' and not tokenizer:
     raise PrepareError('--format=chat needs the model\'s tokenizer: pass --tokenizer=DIR (e.g. the directory '
                        'jaxlm.hf.import_llama wrote), whose chat template and special tokens the model knows.')
+  if empty_think not in chat_lib.EMPTY_THINK:
+    raise PrepareError(f'empty_think={empty_think!r} is unknown; use one of {", ".join(chat_lib.EMPTY_THINK)}.')
   if seq_len < 0:
     raise PrepareError(f'seq_len={seq_len} must be >= 0 (0 = keep conversations whole).')
   if txt_docs not in TXT_DOCS:
@@ -260,7 +266,7 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
                tokenizer_sha=tokenizer_lib.file_sha256(tokenizer) if tokenizer else None, text_field=text_field,
                txt_docs=txt_docs, eval_fraction=eval_fraction, shard_docs=shard_docs, sample_mb=sample_mb,
                max_sentences=max_sentences, seed=seed, tokenizer_kind=tokenizer_kind, separator=separator,
-               data_format=data_format, chat_template=chat_template, seq_len=seq_len)
+               data_format=data_format, chat_template=chat_template, seq_len=seq_len, empty_think=empty_think)
   plan_path = os.path.join(out, 'plan.json')
   if os.path.exists(plan_path):
     with open(plan_path) as f:
@@ -306,7 +312,7 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
       raise PrepareError(str(e)) from e
     if template is None:
       raise PrepareError(f'the tokenizer {tokenizer} has no chat_template; pass --chat_template=chatml or llama3.')
-    chat = (template, seq_len + 1 if seq_len else 0)  # a row of T tokens holds a conversation of T + 1 ids
+    chat = (template, seq_len + 1 if seq_len else 0, empty_think)  # a row of T tokens holds a conversation of T + 1 ids
   dtype = token_dtype(tok.vocab_size).name
 
   shards = {split: [] for split in SPLITS}
@@ -526,6 +532,8 @@ def _define_flags() -> None:
   flags.DEFINE_enum('format', 'text', DATA_FORMATS, 'text: documents; chat: jsonl conversations (messages or '
                     'prompt/completion) with the prompt masked out of the loss.')
   flags.DEFINE_string('chat_template', '', 'chat: a built-in template (chatml, llama3) instead of the tokenizer\'s.')
+  flags.DEFINE_enum('empty_think', 'mask', chat_lib.EMPTY_THINK, 'chat: an empty <think></think> block the '
+                    'template writes before an answer (Qwen3) gets weight 0 (mask) or is trained (train).')
   flags.DEFINE_integer('seq_len', 0, 'chat: the training seq_len; longer conversations are cut at a turn boundary '
                        'or dropped (0 = keep whole).')
   flags.DEFINE_string('text_field', 'text', 'Field (jsonl) or column (parquet) holding the document text.')
@@ -550,7 +558,8 @@ def main(argv: Sequence[str]) -> None:
                    txt_docs=FLAGS.txt_docs, eval_fraction=FLAGS.eval_fraction, shard_docs=FLAGS.shard_docs,
                    workers=FLAGS.workers, sample_mb=FLAGS.sample_mb, max_sentences=FLAGS.max_sentences,
                    seed=FLAGS.seed, tokenizer_kind=FLAGS.tokenizer_kind, separator=FLAGS.separator,
-                   data_format=FLAGS.format, chat_template=FLAGS.chat_template, seq_len=FLAGS.seq_len)
+                   data_format=FLAGS.format, chat_template=FLAGS.chat_template, seq_len=FLAGS.seq_len,
+                   empty_think=FLAGS.empty_think)
   except KeyboardInterrupt:
     print('\nprepare: interrupted; run the same command again to resume (completed shards are kept).',
           file=sys.stderr)

@@ -108,6 +108,14 @@ class Tokenizer:
   separator_reason: str = ''  # why this separator was chosen (prepare prints it)
   chat_template: str | None = None
   special_tokens: dict = {}  # bos_token / eos_token / pad_token / unk_token -> token text
+  end_ids: tuple = ()  # the model's end-of-sequence ids as its generation_config.json lists them (eos_token_id)
+
+  @property
+  def stop_ids(self) -> list[int]:
+    """Every id sampling stops at: the model's own list (generation_config.json), then the tokenizer's eos and the
+    document separator where the list lacks them. What export writes as generation_config's eos_token_id."""
+    ids = list(dict.fromkeys(self.end_ids))
+    return ids + sorted({self.eos_id, self.separator_id} - set(ids) - {-1})
 
   @property
   def sha256(self) -> str:
@@ -244,8 +252,29 @@ def read_chat_template(directory: str, config: dict, name: str | None = None) ->
   return template if isinstance(template, str) and name in (None, 'default') else None
 
 
+GENERATION_CONFIG = 'generation_config.json'  # travels with the tokenizer: import, prepare and export copy it
+
+
+def read_end_ids(directory: str, vocab_size: int) -> tuple[int, ...]:
+  """The eos_token_id (one id or a list) of the generation_config.json in `directory`; () without one."""
+  path = os.path.join(directory, GENERATION_CONFIG)
+  if not os.path.isfile(path):
+    return ()
+  try:
+    with open(path) as f:
+      ids = json.load(f).get('eos_token_id')
+  except (OSError, json.JSONDecodeError, AttributeError) as e:
+    raise ValueError(f'{path} is unreadable ({e}); restore it or remove it.') from e
+  ids = [] if ids is None else ids if isinstance(ids, list) else [ids]
+  if not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids):
+    raise ValueError(f'{path}: eos_token_id {ids} names ids outside the tokenizer\'s {vocab_size}; correct it or '
+                     f'remove the file.')
+  return tuple(ids)
+
+
 class HuggingFace(Tokenizer):
-  """A Hugging Face fast tokenizer (tokenizer.json, read by the `tokenizers` library) with its tokenizer_config."""
+  """A Hugging Face fast tokenizer (tokenizer.json, read by the `tokenizers` library) with its tokenizer_config
+  and, where the model directory has one beside it, generation_config.json (the end-of-sequence ids)."""
   kind = 'huggingface'
 
   def __init__(self, path: str, *, separator: str | None = None):
@@ -274,6 +303,7 @@ class HuggingFace(Tokenizer):
     self.bos_id, self.eos_id, self.pad_id, self.unk_id = (
         -1 if ids.get(f'{k}_token') is None else ids[f'{k}_token'] for k in ('bos', 'eos', 'pad', 'unk'))
     self.chat_template = read_chat_template(self.directory, self.config)
+    self.end_ids = read_end_ids(self.directory, self.vocab_size)
     eos = self.special_tokens.get('eos_token')
     candidates = []
     if eos and eos not in END_OF_TURN:
@@ -286,7 +316,8 @@ class HuggingFace(Tokenizer):
 
   @property
   def files(self) -> list[str]:
-    names = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'chat_template.jinja')
+    names = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'chat_template.jinja',
+             GENERATION_CONFIG)
     return [p for n in names if os.path.isfile(p := os.path.join(self.directory, n))]
 
   def encode_documents(self, texts: Sequence[str]) -> list[list[int]]:

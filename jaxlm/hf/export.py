@@ -238,10 +238,10 @@ def export(workdir: str, out: str, *, step: int | None = None, dtype: str = 'flo
     if tok.kind == 'sentencepiece':
       bos_id = eos_id = tok.separator_id  # documents start with the separator (EOS) in training
       stop_ids = [eos_id]
-    else:  # the tokenizer's own BOS and EOS (an instruct model's end of turn), and the end of a document
+    else:  # the tokenizer's own BOS and EOS (an instruct model's end of turn), and every id sampling stops at
       bos_id = tok.bos_id if tok.bos_id >= 0 else tok.separator_id
       eos_id = tok.eos_id if tok.eos_id >= 0 else tok.separator_id
-      stop_ids = sorted({eos_id, tok.separator_id})
+      stop_ids = tok.stop_ids  # the imported generation_config's list, the eos and the separator
   os.makedirs(out, exist_ok=True)
   save_safetensors(tensors, os.path.join(out, 'model.safetensors'), dtype)
   seq_len = int(cfg.data.seq_len)

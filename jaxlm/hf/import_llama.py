@@ -7,7 +7,8 @@ Qwen3-MoE and OLMoE; config.json's model_type picks the mapping.
 
 Writes <out>/checkpoints/0/ with a `state` item holding {step: 0, params} in the TrainState layout and an `env`
 item with the resolved config, copies the model's tokenizer files (tokenizer.json, tokenizer_config.json,
-special_tokens_map.json, chat_template.jinja, tokenizer.model: whichever it has) into <out>, and prints the exact
+special_tokens_map.json, chat_template.jinja, tokenizer.model, and generation_config.json for its end-of-sequence
+ids: whichever it has) into <out>, and prints the exact
 prepare commands that tokenize with them and the config overrides that build the same model and point
 `checkpoint.init_from` at it; train with those in a new --workdir (fresh optimizer, step 0).
 
@@ -35,7 +36,7 @@ from jaxlm.hf.convert import HFImportError, from_hf, model_overrides  # noqa: F4
 
 PICKLE_SUFFIXES = ('.bin', '.pt', '.pth', '.ckpt', '.pkl')
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'chat_template.jinja',
-                   'tokenizer.model')
+                   'tokenizer.model', 'generation_config.json')  # the last: the end-of-sequence ids sampling stops at
 # Keys that change what a Llama-family config computes; any of them set to something jaxlm cannot do is refused.
 
 

@@ -9,7 +9,8 @@ one user message) through the run's chat template, ending with the assistant's t
 continued after the start token every training document begins with (EOS), as `jaxlm.tools.eval --prompt` does.
 --temperature=0 is greedy. All prompts × --num_samples go through the sampler as one batch; each completion is
 printed and, with --output, written as one JSON line: prompt, sample, completion, completion_ids, finish_reason
-(eos | length). The last lines give prefill and decode tokens/s.
+(eos | length). A sample ends at any of the model's end-of-sequence ids (the imported generation_config.json's
+eos_token_id list, the tokenizer's eos and its document separator). The last lines give prefill and decode tokens/s.
 
 The run's own config says how to build the model and where its tokenizer is; the checkpoint is restored as
 `jaxlm.tools.eval` restores it, onto the run's mesh when it fits here (a pipelined run's stages and context
@@ -109,10 +110,9 @@ def run(workdir: str, prompts: list, *, step: int | None = None, max_new_tokens:
   path = export_lib.step_dir(workdir, step)
   cfg = export_lib.read_config(path)
   tokenizer = run_tokenizer(workdir, cfg)
-  # A chat reply ends at the end-of-turn token (the tokenizer's eos); a text continuation at the separator that
-  # follows every document in training, which also starts the prompt as a document's beginning.
-  stop = tokenizer.eos_id if chat else tokenizer.separator_id
-  eos = stop if stop >= 0 else None
+  # Sampling stops at every id of the model's end-of-sequence list (generation_config.json's, as import copied it),
+  # the end-of-turn token (the tokenizer's eos) and the separator that follows every document in training.
+  eos = tokenizer.stop_ids or None
   if chat:
     render = _chat_renderer(tokenizer)
     ids = [tokenizer.encode(render(p)) for p in prompts]

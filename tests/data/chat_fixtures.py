@@ -56,8 +56,12 @@ def write_jsonl(path: str, records) -> str:
 
 
 def make_tokenizer(out_dir: str, *, post: str = 'bos', template: str | None = 'llama3', vocab_size: int = 400,
-                   eos_token: str = '<|eot_id|>') -> str:
-  """A byte-level BPE tokenizer directory; post: 'bos' | 'bos_eos' | 'none' (its post-processor's specials)."""
+                   eos_token: str = '<|eot_id|>', added: tuple = (), eos_token_ids: list | None = None) -> str:
+  """A byte-level BPE tokenizer directory; post: 'bos' | 'bos_eos' | 'none' (its post-processor's specials).
+
+  `added`: tokens added after training (ids from `vocab_size` on), as Qwen3 adds <think> and </think>.
+  `eos_token_ids`: written as generation_config.json's eos_token_id list, as a model directory ships it.
+  """
   from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
   tok = Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -67,6 +71,7 @@ def make_tokenizer(out_dir: str, *, post: str = 'bos', template: str | None = 'l
   text = corpus() + [json.dumps(c) for c in conversations()]
   tok.train_from_iterator(text, trainer=trainer)
   tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+  tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
   bos, eos = '<|begin_of_text|>', '<|end_of_text|>'
   ids = {t: tok.token_to_id(t) for t in (bos, eos)}
   if post == 'bos':
@@ -83,4 +88,7 @@ def make_tokenizer(out_dir: str, *, post: str = 'bos', template: str | None = 'l
     config['chat_template'] = chat_lib.BUILTIN.get(template, template)
   with open(os.path.join(out_dir, 'tokenizer_config.json'), 'w') as f:
     json.dump(config, f, indent=2)
+  if eos_token_ids is not None:
+    with open(os.path.join(out_dir, 'generation_config.json'), 'w') as f:
+      json.dump({'eos_token_id': eos_token_ids}, f, indent=2)
   return out_dir

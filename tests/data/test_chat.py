@@ -24,9 +24,63 @@ MULTI_TURN = [{'role': 'system', 'content': 'You answer briefly.'},
               {'role': 'assistant', 'content': 's t o n e'}]
 
 
+# Qwen3's behaviour, written here: an assistant turn before the last user message is rendered without its
+# reasoning trace (inline <think>...</think> or `reasoning_content`); a later one with it, and the last one with an
+# empty think block when it has none.
+QWEN3_STYLE = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role != 'assistant' %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- else %}{%- set answer = m.content %}{%- set trace = '' %}"
+    "{%- if m.reasoning_content is string %}{%- set trace = m.reasoning_content %}"
+    "{%- elif '</think>' in answer %}{%- set trace = answer.split('</think>')[0].split('<think>')[-1] %}"
+    "{%- set answer = answer.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_user and (loop.last or trace) %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + trace.strip('\\n') + '\\n</think>\\n\\n' + answer.lstrip('\\n') "
+    "+ '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + answer + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+# As TRL's patched Qwen3 training template: every turn with its think block, inside {% generation %} tags.
+TAGGED = (
+    "{%- for m in messages %}"
+    "{%- if m.role != 'assistant' %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- else %}{%- set answer = m.content %}{%- set trace = '' %}"
+    "{%- if '</think>' in answer %}{%- set trace = answer.split('</think>')[0].split('<think>')[-1] %}"
+    "{%- set answer = answer.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{{- '<|im_start|>assistant\\n' }}{% generation %}{{- '<think>\\n' + trace.strip('\\n') + '\\n</think>\\n\\n' "
+    "+ answer + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+REASONING = [{'role': 'system', 'content': 'You answer briefly.'},
+             {'role': 'user', 'content': 'Add 2 and 3.'},
+             {'role': 'assistant', 'content': '<think>\n2 and 3 make 5.\n</think>\n\n2 plus 3 is 5.'},
+             {'role': 'user', 'content': 'Spell stone.'},
+             {'role': 'assistant', 'content': 's t o n e'},
+             {'role': 'user', 'content': 'Add 4 and 4.'},
+             {'role': 'assistant', 'content': '<think>\nfour and four\n</think>\n\n4 plus 4 is 8.'}]
+
+
 @pytest.fixture(scope='module')
 def tok_dir(tmp_path_factory) -> str:
   return chat_fixtures.make_tokenizer(str(tmp_path_factory.mktemp('tok')))
+
+
+@pytest.fixture(scope='module')
+def qwen_dir(tmp_path_factory) -> str:
+  return chat_fixtures.make_tokenizer(str(tmp_path_factory.mktemp('qwen')), template=QWEN3_STYLE,
+                                      eos_token='<|im_end|>', added=('<think>', '</think>'))
+
+
+def _weighted(tok, ids, weights) -> list[str]:
+  spans = np.flatnonzero(np.diff(np.concatenate([[0], weights, [0]])))
+  return [tok.decode(ids[a:b]) for a, b in zip(spans[::2], spans[1::2])]
+
+
+def _hf_ids(hf, messages, template, **kw):
+  out = hf.apply_chat_template(messages, tokenize=True, chat_template=template, **kw)
+  return out if isinstance(out, list) else out['input_ids']
 
 
 @pytest.mark.parametrize('template', ['llama3', 'chatml'])
@@ -166,3 +220,49 @@ def test_training_refuses_conversations_longer_than_its_rows(tmp_path, tok_dir):
   c.update(source='prepared', paths=out, seq_len=32, cache_dir=str(tmp_path))
   with pytest.raises(data_lib.DataError, match=r'data.seq_len=32; prepare again with --seq_len=32'):
     data_lib.make_train_rows(c, seed=0, vocab_size=400)
+
+
+def test_reasoning_turns_are_trained_as_the_template_writes_them(qwen_dir):
+  transformers = pytest.importorskip('transformers')
+  os.environ['HF_HUB_OFFLINE'] = '1'
+  hf = transformers.AutoTokenizer.from_pretrained(qwen_dir)
+  tok = tokenizer_lib.load(qwen_dir)
+  # The same conversation with the traces inline and as reasoning_content: the template renders both alike.
+  split = [dict(m, content=m['content'].split('\n\n')[-1], reasoning_content=m['content'].split('\n')[1])
+           if '</think>' in m['content'] else m for m in REASONING]
+  for messages in (REASONING, chat_lib.messages_of({'messages': split})):
+    ids, weights, turn_ends = chat_lib.encode(tok, QWEN3_STYLE, messages)
+    assert ids.tolist() == list(_hf_ids(hf, messages, QWEN3_STYLE))
+    # Turn 1 without its trace (the template drops it), turn 2 as it is, the last turn with its trace; each with
+    # its end-of-turn token; nothing of the prompts or the generation prompt.
+    assert _weighted(tok, ids, weights) == ['2 plus 3 is 5.<|im_end|>', 's t o n e<|im_end|>',
+                                            '<think>\nfour and four\n</think>\n\n4 plus 4 is 8.<|im_end|>']
+    assert turn_ends == list(np.flatnonzero(np.diff(np.concatenate([weights, [0]])) < 0) + 1)
+  # A last answer without a trace gets an empty think block from the template: weight 0, or trained on request.
+  plain = REASONING[:4] + [{'role': 'assistant', 'content': 'stone'}]
+  for empty_think, last in [('mask', 'stone<|im_end|>'), ('train', '<think>\n\n</think>\n\nstone<|im_end|>')]:
+    ids, weights, _ = chat_lib.encode(tok, QWEN3_STYLE, plain, empty_think=empty_think)
+    assert ids.tolist() == list(_hf_ids(hf, plain, QWEN3_STYLE))
+    assert _weighted(tok, ids, weights) == ['2 plus 3 is 5.<|im_end|>', last]
+
+
+def test_generation_tags_give_transformers_assistant_mask(qwen_dir):
+  transformers = pytest.importorskip('transformers')
+  os.environ['HF_HUB_OFFLINE'] = '1'
+  hf = transformers.AutoTokenizer.from_pretrained(qwen_dir)
+  tok = tokenizer_lib.load(qwen_dir)
+  for messages in [REASONING, MULTI_TURN] + [chat_lib.messages_of(r) for r in chat_fixtures.conversations(3)]:
+    ids, weights, _ = chat_lib.encode(tok, TAGGED, messages)
+    expected = hf.apply_chat_template(messages, tokenize=True, chat_template=TAGGED, return_dict=True,
+                                      return_assistant_tokens_mask=True)
+    assert ids.tolist() == list(expected['input_ids'])
+    assert weights.tolist() == list(expected['assistant_masks'])
+  assert _weighted(tok, *chat_lib.encode(tok, TAGGED, REASONING)[:2])[0] == (
+      '<think>\n2 and 3 make 5.\n</think>\n\n2 plus 3 is 5.<|im_end|>')  # this template keeps every trace
+
+
+def test_prepare_keeps_every_reasoning_conversation(tmp_path, qwen_dir):
+  records = chat_fixtures.conversations(12) + [{'messages': REASONING}] * 3 + [{'messages': REASONING[:3]}]
+  meta, _ = _prepare_chat(tmp_path, qwen_dir, records, empty_think='train', eval_fraction=0.0)
+  c = meta['chat']
+  assert c['skipped'] == {} and c['conversations'] == len(records)

@@ -285,7 +285,8 @@ def _copy(prepared, tmp_path) -> str:
 @pytest.mark.parametrize('damage, message', [
     ('missing_dir', 'does not exist'),
     ('no_metadata', 'no metadata.json'),
-    ('vocab', 'vocabulary but model.vocab_size=100'),
+    ('vocab', 'vocabulary but model.vocab_size=100; set --config.model.vocab_size=320 or more, or prepare again '
+              'with --vocab_size<=100'),  # a tokenizer prepare trained: a smaller one is a fix too
     ('tokenizer', 'does not match the tokenizer'),
     ('truncated', 'truncated'),
     ('missing_shard', 'is missing'),

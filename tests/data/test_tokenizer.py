@@ -96,8 +96,11 @@ def test_separator_override_and_refusals(tmp_path):
   meta, out = _prepare(tmp_path, tokenizer=tok_dir, vocab_size=400)
   c = load_config('base').data
   c.update(source='prepared', paths=out, seq_len=64)
-  with pytest.raises(data_lib.DataError, match=r'need a 400-entry vocabulary but model.vocab_size=399'):
+  with pytest.raises(data_lib.DataError, match=r'need a 400-entry vocabulary but model.vocab_size=399') as e:
     data_lib.make_train_rows(c, seed=0, vocab_size=399)
+  # The model's own tokenizer cannot be retrained smaller: the fix is the model's size, never prepare --vocab_size.
+  assert 'set --config.model.vocab_size=400 or more' in str(e.value) and 'import_llama' in str(e.value)
+  assert '--vocab_size<=' not in str(e.value)
   done = subprocess.run([sys.executable, '-m', 'jaxlm.data.prepare', f'--inputs={tmp_path / "docs.jsonl"}',
                          f'--out={tmp_path / "o2"}', f'--tokenizer={tok_dir}', '--separator=<|nope|>'],
                         cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -269,7 +269,7 @@ def test_imported_qwen3_matches_transformers_and_exports_back(hf, tmp_path, spm_
   shutil.copyfile(spm_model, str(tmp_path / 'hf' / 'tokenizer.model'))
   result = import_hf.import_hf(str(tmp_path / 'hf'), str(tmp_path / 'run'))
   assert result['overrides']['qk_norm'] == 'head' and '--config.model.qk_norm=head' in result['flags']
-  assert result['tokenizer_files'] == ['tokenizer.model']
+  assert result['tokenizer_files'] == ['tokenizer.model', 'generation_config.json']  # save_pretrained wrote it
 
   m, params = _imported(result, tmp_path / 'hf')
   tokens = np.random.default_rng(4).integers(0, 397, (2, 20)).astype(np.int32)

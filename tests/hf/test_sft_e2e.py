@@ -119,23 +119,24 @@ def test_export_loads_in_transformers_with_the_same_chat_ids_and_logits(sft):
 
 
 def test_generate_chat_replies_equal_transformers_greedy_on_the_export(sft):
-  # `jaxlm.tools.generate --chat` renders the run's chat template with the generation prompt and stops at the
-  # end of the turn, as transformers does with apply_chat_template + generate on the export.
+  # `jaxlm.tools.generate --chat` renders the run's chat template with the generation prompt and stops at every
+  # id of the model's end-of-sequence list, as transformers does with apply_chat_template + generate on the
+  # export (its generation_config.json).
   from jaxlm import generate as generate_lib
   from jaxlm.tools import generate as tool
   torch, transformers, d = sft['torch'], sft['transformers'], sft['d']
   hf_tok = transformers.AutoTokenizer.from_pretrained(str(d / 'back'))
   hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(d / 'back')).float().eval()
-  eot = tokenizer_lib.load(str(d / 'chat')).token_to_id('<|eot_id|>')
+  stops = json.loads((d / 'back' / 'generation_config.json').read_text())['eos_token_id']
+  assert stops == tokenizer_lib.load(str(d / 'chat')).stop_ids and len(stops) == 2
   for record in chat_fixtures.conversations(3, seed=11):
     messages = [m for m in chat_lib.messages_of(record) if m['role'] != 'assistant'][:2]
     records, _ = tool.run(str(sft['workdir']), [messages], max_new_tokens=16,
                           sampling=generate_lib.Sampling(0.0), chat=True)
     prompt = ids_of(hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
     with torch.no_grad():
-      out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=eot,
-                              pad_token_id=eot)
+      out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=stops[0])
     theirs = out[0, len(prompt):].tolist()
     mine = records[0]['completion_ids']
-    assert mine == theirs[:len(mine)] and theirs[len(mine):] in ([], [eot]), (mine, theirs)
-    assert records[0]['finish_reason'] == ('eos' if eot in theirs else 'length')
+    assert mine == theirs[:len(mine)] and theirs[len(mine):] in [[]] + [[i] for i in stops], (mine, theirs)
+    assert records[0]['finish_reason'] == ('eos' if set(stops) & set(theirs) else 'length')

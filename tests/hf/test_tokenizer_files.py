@@ -19,15 +19,19 @@ def ids_of(rendered) -> list[int]:
   return list(rendered) if isinstance(rendered, list) else list(rendered['input_ids'])
 
 
-def tiny_hf_llama(transformers, torch, path: str, vocab_size: int):
-  """A random tiny Llama saved by transformers itself."""
+def tiny_hf_llama(transformers, torch, path: str, vocab_size: int, eos_token_id=None):
+  """A random tiny Llama saved by transformers itself. Its config and generation_config name the tokenizer's ids
+  at `path`, as a model ships them: BOS, and end-of-sequence ids `eos_token_id` (default: the document separator
+  and the end of turn, as Llama 3 Instruct lists <|end_of_text|> and <|eot_id|>)."""
+  tok = tokenizer_lib.load(path)
+  ids = dict(bos_token_id=tok.bos_id, eos_token_id=eos_token_id or [tok.separator_id, tok.eos_id])
   rope = dict(rope_parameters={'rope_type': 'default', 'rope_theta': 1000.0})
   if not hasattr(transformers.LlamaConfig(), 'rope_parameters'):  # transformers 4.x
     rope = dict(rope_theta=1000.0)
   torch.manual_seed(0)
   config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-5,
-                                    tie_word_embeddings=False, max_position_embeddings=256, **rope)
+                                    tie_word_embeddings=False, max_position_embeddings=256, **ids, **rope)
   model = transformers.LlamaForCausalLM(config).float().eval()
   model.save_pretrained(path, safe_serialization=True)
   return model
@@ -39,9 +43,12 @@ def test_import_copies_tokenizer_and_export_gives_autotokenizer_the_same_ids(tmp
   os.environ['HF_HUB_OFFLINE'] = '1'
   hf_dir = str(tmp_path / 'hf')
   tok_dir = chat_fixtures.make_tokenizer(hf_dir, post='bos')
-  tiny_hf_llama(transformers, torch, hf_dir, tokenizer_lib.load(tok_dir).vocab_size)
+  tok = tokenizer_lib.load(tok_dir)
+  # The model's end-of-sequence list holds an id that is neither the tokenizer's eos nor its separator.
+  end_ids = [tok.eos_id, tok.token_to_id('<|im_end|>')]
+  tiny_hf_llama(transformers, torch, hf_dir, tok.vocab_size, eos_token_id=end_ids)
   result = import_llama.import_hf(hf_dir, str(tmp_path / 'run'))
-  assert result['tokenizer_files'] == ['tokenizer.json', 'tokenizer_config.json']
+  assert result['tokenizer_files'] == ['tokenizer.json', 'tokenizer_config.json', 'generation_config.json']
   assert result['tokenizer'] == os.path.abspath(tmp_path / 'run')
   commands = import_llama.prepare_commands(result['tokenizer'], 256)
   assert commands[1].startswith(f'python -m jaxlm.data.prepare --format=chat --tokenizer={result["tokenizer"]} ')
@@ -66,7 +73,9 @@ def test_import_copies_tokenizer_and_export_gives_autotokenizer_the_same_ids(tmp
         messages, chat_lib.template_of(str(tmp_path / 'back')), add_generation_prompt=True,
         special_tokens=ours.special_tokens)
   config = json.loads((tmp_path / 'back' / 'generation_config.json').read_text())
-  assert config['eos_token_id'] == sorted({ours.eos_id, ours.separator_id})
+  # Sampling's stop ids (read from the generation_config.json import and prepare carried along) are what the
+  # export lists: the model's own, then the document separator it lacked.
+  assert config['eos_token_id'] == ours.stop_ids == end_ids + [ours.separator_id]
   assert text_meta['separator'] == '<|end_of_text|>'
 
 
