@@ -83,15 +83,20 @@ class Ray:
   def map(self, fn: Callable, args: Sequence[tuple], window: int = 0) -> Iterator[tuple[int, object]]:
     """(index, result) as Ray tasks finish; a task whose worker dies is retried by Ray (the task is idempotent)."""
     ray = self.ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # pylint: disable=g-import-not-at-top
     if fn not in self._remote:
       self._remote[fn] = ray.remote(num_cpus=1, max_retries=3)(fn)
     remote = self._remote[fn]
+    # Tasks dealt round robin over the nodes with CPUs (soft: a busy or lost node's task runs elsewhere): the tasks
+    # share no data, and Ray's default packs a short burst of them onto the driver's node.
+    nodes = sorted(n['NodeID'] for n in ray.nodes() if n['Alive'] and n['Resources'].get('CPU'))
     window = window or 2 * self.workers
     pending, nxt = {}, 0
     try:
       while nxt < len(args) or pending:
         while nxt < len(args) and len(pending) < window:
-          pending[remote.remote(*args[nxt])] = nxt
+          place = NodeAffinitySchedulingStrategy(nodes[nxt % len(nodes)], soft=True) if nodes else 'DEFAULT'
+          pending[remote.options(scheduling_strategy=place).remote(*args[nxt])] = nxt
           nxt += 1
         done, _ = ray.wait(list(pending), num_returns=1)
         for ref in done:
