@@ -570,7 +570,7 @@ def _define_flags() -> None:
                     'cluster, `jaxlm[ray]`). The output is the same byte for byte.')
   flags.DEFINE_string('ray_address', '', '--engine=ray: the cluster (host:port of the head); empty = start Ray '
                       'on this machine.')
-  flags.DEFINE_integer('block_mb', 64, 'Size of the line ranges an uncompressed .jsonl is cut into (parquet is '
+  flags.DEFINE_float('block_mb', 64, 'Size of the line ranges an uncompressed .jsonl is cut into (parquet is '
                        'cut at row groups); does not change the output.')
   flags.DEFINE_float('sample_mb', 100.0, 'MB of training text sampled (evenly across the corpus) for the tokenizer.')
   flags.DEFINE_integer('max_sentences', 1_000_000, 'Most lines the SentencePiece trainer keeps from that sample.')
@@ -590,7 +590,7 @@ def main(argv: Sequence[str]) -> None:
                    workers=FLAGS.workers, sample_mb=FLAGS.sample_mb, max_sentences=FLAGS.max_sentences,
                    seed=FLAGS.seed, tokenizer_kind=FLAGS.tokenizer_kind, separator=FLAGS.separator,
                    data_format=FLAGS.format, chat_template=FLAGS.chat_template, seq_len=FLAGS.seq_len,
-                   engine=FLAGS.engine, ray_address=FLAGS.ray_address, block_bytes=FLAGS.block_mb << 20)
+                   engine=FLAGS.engine, ray_address=FLAGS.ray_address, block_bytes=int(FLAGS.block_mb * 2**20))
   except KeyboardInterrupt:
     print('\nprepare: interrupted; run the same command again to resume (completed shards are kept).',
           file=sys.stderr)

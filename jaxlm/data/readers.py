@@ -157,7 +157,7 @@ def units(source: Source, counts: dict, *, text_field: str = 'text', block_bytes
       out.append(Unit(source, start=g, rows=rows, row_offset=offset))
       offset += rows
     return out
-  if kind == 'jsonl' and not source.path.lower().endswith('.gz') and source.size > block_bytes:
+  if kind == 'jsonl' and not source.path.lower().endswith('.gz') and 0 < block_bytes < source.size:
     return [Unit(source, start=a, end=min(a + block_bytes, source.size)) for a in range(0, source.size, block_bytes)]
   return [Unit(source)]  # txt, and gzip (no seeking into a compressed stream)
 
@@ -183,8 +183,8 @@ def read_unit(unit: Unit, counts: dict, *, text_field: str = 'text', txt_docs: s
 
   The index names the document inside its file together with the source key (`key:index`): the 1-based line of a
   jsonl file (a range's lines are numbered from 1 + line_offset), the row of a parquet file, the part of a txt
-  file split into paragraphs or lines; -1 for a txt file that is one document. The caller counts a range's lines
-  with `count=True` of `line_count`.
+  file split into paragraphs or lines; -1 for a txt file that is one document. A range's lines are numbered
+  after those of the ranges before it (`line_offset`, the sum of their `line_count`).
   """
   source = unit.source
   kind = unit.kind
