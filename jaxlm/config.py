@@ -441,7 +441,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int, num_processes: int 
   """Raises ConfigError listing every problem with `c` on `num_devices` devices in `num_processes` processes."""
   errors = (_model_errors(c.model) + _moe_errors(c, num_devices) + _fp8_errors(c) + _deterministic_errors(c)
             + _data_errors(c.data) + _stream_errors(c) + _train_errors(c.train, c.optim)
-            + _mesh_errors(c, num_devices, num_processes, num_slices) + distributed.dist_errors(c.dist) + _other_errors(c))
+            + _mesh_errors(c, num_devices, num_processes, num_slices) + distributed.dist_errors(c.dist)
+            + _other_errors(c))
   if errors:
     raise ConfigError('invalid config:\n  - ' + '\n  - '.join(errors))
 

@@ -53,7 +53,8 @@ def test_jsonl_ranges_give_every_line_once_with_its_number(corpus):
     assert len(units) == -(-source.size // block)
     got, offset = [], 0
     for u in units:
-      got += [(readers.doc_key(source.key, i), t) for i, t in readers.read_unit(u, collections.Counter(), line_offset=offset)]
+      got += [(readers.doc_key(source.key, i), t)
+              for i, t in readers.read_unit(u, collections.Counter(), line_offset=offset)]
       offset += readers.line_count(u)
     assert got == whole
 
