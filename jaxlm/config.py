@@ -201,7 +201,7 @@ def _data_errors(d) -> list[str]:
       e.append('data.source=stream needs data.tokenizer: a .model, a tokenizer.json, or a directory with one.')
   if d.get('stream_lanes', 0) < 0:
     e.append(f'data.stream_lanes={d.stream_lanes} must be >= 0 (0 = train.batch_size).')
-  if d.weights and len(d.weights.split(',')) != len(d.paths.split(',')):
+  if d.weights and d.source != 'stream' and len(d.weights.split(',')) != len(d.paths.split(',')):
     e.append(f'data.weights has {len(d.weights.split(","))} entries but data.paths has '
              f'{len(d.paths.split(","))}; give one weight per path, or none.')
   if d.seq_len <= 0:

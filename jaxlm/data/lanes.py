@@ -36,28 +36,41 @@ def _unit_order(n: int, seed: int, epoch: int) -> np.ndarray:
 
 
 class Lanes:
-  """The units, the tokenizer and the lane layout that every lane iterator of one run shares."""
+  """The units, the tokenizer and the lane layout that every lane iterator of one run shares.
 
-  def __init__(self, units: list, tokenizer, *, lanes: int, seq_len: int, seed: int, text_field: str = 'text',
-               txt_docs: str = 'file', cross_document_attention: bool = False, shuffle: bool = True):
-    if len(units) < lanes:
-      raise DataError(f'data.source=stream: the inputs hold {len(units)} units (parquet row groups, jsonl ranges, '
-                      f'files) but data.stream_lanes={lanes}; every lane needs a unit: set data.stream_lanes <= '
-                      f'{len(units)}, or give more (or smaller) files')
-    self.units, self.tok, self.lanes, self.seq_len, self.seed = units, tokenizer, lanes, seq_len, seed
+  `units` holds one list of units per dataset of a mixture; each dataset's units are dealt over the K lanes on
+  their own, and lane row r comes from dataset d(r) of the mixture's smooth weighted round robin (stream.Mixture),
+  so every lane mixes the datasets in the same proportions.
+  """
+
+  def __init__(self, units: list[list], tokenizer, *, lanes: int, seq_len: int, seed: int,
+               weights: list[float] | None = None, text_field: str = 'text', txt_docs: str = 'file',
+               cross_document_attention: bool = False, shuffle: bool = True):
+    for d, found in enumerate(units):
+      if len(found) < lanes:
+        raise DataError(f'data.source=stream: dataset {d} of data.paths holds {len(found)} units (parquet row '
+                        f'groups, jsonl ranges, files) but data.stream_lanes={lanes}; every lane needs a unit of '
+                        f'each dataset: set data.stream_lanes <= {len(found)}, or give more (or smaller) files')
+    self.units = [u for found in units for u in found]  # flat: a unit's number is its index here
+    starts = np.cumsum([0] + [len(found) for found in units])
+    self.dataset_units = [np.arange(starts[d], starts[d + 1]) for d in range(len(units))]
+    self.mixture = stream_lib.Mixture(list(weights or [1.0] * len(units)))
+    self.tok, self.lanes, self.seq_len, self.seed = tokenizer, lanes, seq_len, seed
     self.text_field, self.txt_docs = text_field, txt_docs
     self.cross, self.shuffle = cross_document_attention, shuffle
     self.eos = tokenizer.separator_id
     self._orders = collections.OrderedDict()
 
-  def lane_units(self, lane: int, epoch: int) -> list[int]:
-    """Indices of the units lane `lane` reads in `epoch`, in order."""
-    if epoch not in self._orders:
-      n = len(self.units)
-      self._orders[epoch] = _unit_order(n, self.seed, epoch) if self.shuffle else np.arange(n)
-      while len(self._orders) > 2:
+  def lane_units(self, lane: int, epoch: int, dataset: int = 0) -> list[int]:
+    """Units (flat numbers) lane `lane` reads of `dataset` in `epoch`, in order."""
+    key = (dataset, epoch)
+    if key not in self._orders:
+      mine = self.dataset_units[dataset]
+      order = _unit_order(len(mine), self.seed + 7919 * dataset, epoch) if self.shuffle else np.arange(len(mine))
+      self._orders[key] = mine[order]
+      while len(self._orders) > 2 * len(self.dataset_units):
         self._orders.popitem(last=False)
-    return [int(u) for u in self._orders[epoch][lane::self.lanes]]
+    return [int(u) for u in self._orders[key][lane::self.lanes]]
 
   def texts(self, unit: int):
     """The documents of one unit, in order."""
@@ -66,9 +79,9 @@ class Lanes:
                                      txt_docs=self.txt_docs):
       yield text
 
-  def lane_documents(self, lane: int, epoch: int):
-    """(unit, document index, text) of one lane's epoch, in the order the lane packs them."""
-    for u in self.lane_units(lane, epoch):
+  def lane_documents(self, lane: int, epoch: int, dataset: int = 0):
+    """(unit, document index, text) of one lane's epoch of `dataset`, in the order the lane packs them."""
+    for u in self.lane_units(lane, epoch, dataset):
       for d, text in enumerate(self.texts(u)):
         yield u, d, text
 
@@ -85,9 +98,9 @@ START = {'epoch': 0, 'unit': 0, 'doc': 0, 'token': 0}
 class LaneIterator(grain.DatasetIterator):
   """One lane's rows; its state is a cursor: the lane's epoch, its unit there, a document in it, a token."""
 
-  def __init__(self, lanes: Lanes, lane: int):
+  def __init__(self, lanes: Lanes, lane: int, dataset: int = 0):
     super().__init__()
-    self.lanes, self.lane = lanes, lane
+    self.lanes, self.lane, self.dataset = lanes, lane, dataset
     self.cursor = dict(START)
     self._docs = None  # (unit position, document index, iterator of texts) being read
     self._current = None  # ids of the document at the cursor
@@ -96,7 +109,7 @@ class LaneIterator(grain.DatasetIterator):
     """The document at the cursor (opening units as needed); advances `unit`/`epoch` past exhausted units."""
     c, empty_units = self.cursor, 0
     while True:
-      units = self.lanes.lane_units(self.lane, c['epoch'])
+      units = self.lanes.lane_units(self.lane, c['epoch'], self.dataset)
       if self._docs is None:
         texts = self.lanes.texts(units[c['unit']])
         for _ in range(c['doc']):  # a restored cursor: skip the documents before it (read, not tokenized)
@@ -151,6 +164,28 @@ class LaneIterator(grain.DatasetIterator):
       self.cursor['token'] = token
 
 
+class MixedLane(grain.DatasetIterator):
+  """Lane row r from dataset d(r) of the mixture; its state: r and the lane's cursor in each dataset."""
+
+  def __init__(self, lanes: Lanes, lane: int):
+    super().__init__()
+    self.lanes, self.row = lanes, 0
+    self.parts = [LaneIterator(lanes, lane, d) for d in range(len(lanes.dataset_units))]
+
+  def __next__(self) -> dict:
+    d, _ = self.lanes.mixture.locate(self.row)
+    self.row += 1
+    return self.parts[d].__next__()
+
+  def get_state(self) -> dict:
+    return {'row': self.row, 'datasets': [p.get_state() for p in self.parts]}
+
+  def set_state(self, state: dict) -> None:
+    self.row = int(state['row'])
+    for p, s in zip(self.parts, state['datasets'], strict=True):
+      p.set_state(s)
+
+
 class LocalRows(grain.IterDataset):
   """This process's rows of the global batches (of `size` rows, from global row `start`): from its lanes."""
 
@@ -182,7 +217,7 @@ class LocalRowsIterator(grain.DatasetIterator):
     self.row = ds.start  # next global row of this process's block
     self.iters = {}
     for j in ds.owned():
-      it = LaneIterator(ds.lanes, j)
+      it = MixedLane(ds.lanes, j)
       if str(j) in ds.cursors:
         it.set_state(ds.cursors[str(j)])
       self.iters[j] = it
@@ -204,16 +239,27 @@ class LocalRowsIterator(grain.DatasetIterator):
 def open_lanes(data_cfg, *, seed: int, lanes: int, vocab_size: int, paths: str | None = None,
                shuffle: bool = True) -> tuple[Lanes, dict]:
   """The lanes of `data_cfg` (data.source=stream; `paths` instead of data.paths) and the fingerprint of what
-  their rows depend on."""
+  their rows depend on. Datasets of a mixture are separated by ';' in data.paths, weighted by data.weights."""
   from jaxlm.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
-  specs = [p.strip() for p in (data_cfg.paths if paths is None else paths).split(',') if p.strip()]
-  if not specs:
-    raise DataError('data.source=stream needs data.paths: parquet / jsonl / txt files, directories or globs.')
+  groups = [[p.strip() for p in group.split(',') if p.strip()]
+            for group in (data_cfg.paths if paths is None else paths).split(';')]
+  if not all(groups):
+    raise DataError('data.source=stream needs data.paths: parquet / jsonl / txt files, directories or globs '
+                    '(datasets of a mixture separated by ";").')
   if not data_cfg.get('tokenizer'):
     raise DataError('data.source=stream needs data.tokenizer: a SentencePiece .model, a tokenizer.json, or a '
                     'directory holding one (e.g. the one a prepare wrote)')
+  weights = None
+  if paths is None and data_cfg.get('weights'):
+    try:
+      weights = [float(w) for w in data_cfg.weights.split(',')]
+    except ValueError as e:
+      raise DataError(f'data.weights={data_cfg.weights!r} must be comma-separated numbers.') from e
+    if len(weights) != len(groups) or any(w < 0 for w in weights) or not sum(weights) > 0:
+      raise DataError(f'data.weights={data_cfg.weights!r}: give one non-negative weight per dataset of data.paths '
+                      f'({len(groups)}, separated by ";"), not all zero.')
   try:
-    sources = readers.expand_inputs(specs)
+    sources = [readers.expand_inputs(group) for group in groups]
     tok = tokenizer_lib.load(tokenizer_lib.main_file(os.path.expanduser(data_cfg.tokenizer)))
   except ValueError as e:  # PrepareError is a DataError (a ValueError); a bad tokenizer path a ValueError
     raise DataError(str(e).rstrip('.') + '; check data.paths and data.tokenizer') from e
@@ -221,11 +267,14 @@ def open_lanes(data_cfg, *, seed: int, lanes: int, vocab_size: int, paths: str |
     raise DataError(f'data.tokenizer {data_cfg.tokenizer} has {tok.vocab_size} ids but model.vocab_size='
                     f'{vocab_size}; set --config.model.vocab_size={tok.vocab_size} (or more)')
   text_field = data_cfg.get('text_field', 'text')
-  units = [u for s in sources for u in readers.units(s, collections.Counter(), text_field=text_field)]
+  units = [[u for s in found for u in readers.units(s, collections.Counter(), text_field=text_field)]
+           for found in sources]
+  result = Lanes(units, tok, lanes=lanes, seq_len=data_cfg.seq_len, seed=seed, weights=weights,
+                 text_field=text_field, cross_document_attention=data_cfg.cross_document_attention,
+                 shuffle=shuffle)
   fp = {'data.seq_len': data_cfg.seq_len, 'train.seed': seed, 'tokenizer': tok.sha256, 'data.stream_lanes': lanes,
-        'data.paths': [[s.key, s.size] for s in sources]}
-  return Lanes(units, tok, lanes=lanes, seq_len=data_cfg.seq_len, seed=seed, text_field=text_field,
-               cross_document_attention=data_cfg.cross_document_attention, shuffle=shuffle), fp
+        'data.paths': [[[s.key, s.size] for s in found] for found in sources], 'data.weights': result.mixture.q}
+  return result, fp
 
 
 def state_json(state: dict) -> str:

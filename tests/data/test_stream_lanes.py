@@ -73,14 +73,14 @@ def test_rows_are_the_same_on_any_process_count_and_resume_across_counts(stream_
   assert _global_rows(two, 20) == reference[:20 * BATCH]
   state = _checkpointed([it.get_state() for it in two], tmp_path / 'ckpt')
   assert sorted(map(int, state['lanes'])) == list(range(LANES)) and state['rows'] == 20 * BATCH
-  assert any(c['token'] for c in state['lanes'].values())  # some lane stopped inside a document
+  assert any(c['datasets'][0]['token'] for c in state['lanes'].values())  # some lane stopped inside a document
   # ... and fresh processes, 4 or 1, continue with the same rows.
   for processes in (4, 1):
     its = _iterators(cfg, processes)
     for it in its:
       it.set_state(json.loads(json.dumps(state)))
     assert _global_rows(its, STEPS - 20) == reference[20 * BATCH:], processes
-  assert any(c['epoch'] >= 1 for c in its[0].get_state()['lanes'].values())  # lanes crossed their epoch's end
+  assert any(c['datasets'][0]['epoch'] >= 1 for c in its[0].get_state()['lanes'].values())  # past an epoch
   # Another seed, another unit order.
   assert _global_rows(_iterators(cfg, 1, seed=4), 4) != reference[:4 * BATCH]
 
@@ -122,3 +122,35 @@ def test_too_few_units_for_the_lanes_is_one_clear_error(stream_data):
   cfg.paths = cfg.eval_paths
   with pytest.raises(data_lib.DataError, match='stream_lanes'):
     _iterators(cfg, 1)
+
+
+def test_a_mixture_is_cut_inside_each_lane(stream_data):
+  cfg, _ = stream_data
+  root = cfg.paths
+  parquet = f'{root}/p*.parquet'
+  one = _with(cfg, paths=parquet, stream_lanes=4)
+  mixed = _with(one, paths=f'{parquet};{root}/p[0-3].parquet', weights='3,1')
+  batch = 4
+
+  def rows(c, processes, steps=12):
+    its = [data_lib.make_train_iterator(c, batch_size=batch, seed=3, vocab_size=512, process_index=p,
+                                        process_count=processes) for p in range(processes)]
+    out = []
+    for _ in range(steps):
+      blocks = [it.take(batch) for it in its]
+      out += [r.tobytes() for r in np.concatenate([b['inputs'] for b in blocks])]
+    return out, its
+
+  alone, _ = rows(one, 1)
+  off, _ = rows(_with(mixed, weights='1,0'), 1)
+  assert off == alone  # a dataset of weight 0 never takes a row: the lanes read the first dataset alone
+  both, its = rows(mixed, 1)
+  assert both != alone and rows(mixed, 2)[0] == both and rows(mixed, 4)[0] == both
+  state = its[0].get_state()['lanes']['0']
+  assert state['row'] == 12 and state['datasets'][1] != lanes_lib.START  # lane 0 read from both datasets
+
+
+def _with(cfg, **fields):
+  out = cfg.copy_and_resolve_references()
+  out.update(**fields)
+  return out
