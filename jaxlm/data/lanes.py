@@ -16,7 +16,6 @@ are shuffled per epoch) and no held-out split (evaluate on explicit held-out fil
 
 import collections
 import hashlib
-import json
 import os
 
 import grain
@@ -164,6 +163,11 @@ class LaneIterator(grain.DatasetIterator):
       self.cursor['token'] = token
 
 
+def initial_state(lanes: Lanes) -> dict:
+  """A lane's state before its first row."""
+  return {'row': 0, 'datasets': [dict(START) for _ in lanes.dataset_units]}
+
+
 class MixedLane(grain.DatasetIterator):
   """Lane row r from dataset d(r) of the mixture; its state: r and the lane's cursor in each dataset."""
 
@@ -275,7 +279,3 @@ def open_lanes(data_cfg, *, seed: int, lanes: int, vocab_size: int, paths: str |
   fp = {'data.seq_len': data_cfg.seq_len, 'train.seed': seed, 'tokenizer': tok.sha256, 'data.stream_lanes': lanes,
         'data.paths': [[[s.key, s.size] for s in found] for found in sources], 'data.weights': result.mixture.q}
   return result, fp
-
-
-def state_json(state: dict) -> str:
-  return json.dumps(state, sort_keys=True)

@@ -501,7 +501,7 @@ class StreamIterator(TrainIterator):
       lanes = self._it.get_state()
     else:
       owned = self._local(self.unit).owned()
-      lanes = {str(j): self.cursors.get(str(j), dict(lanes_lib.START)) for j in owned}
+      lanes = {str(j): self.cursors.get(str(j), lanes_lib.initial_state(self.lanes)) for j in owned}
     return {'format': stream_lib.STATE_FORMAT, 'rows': self.rows, 'tokens': self.rows * self.lanes.seq_len,
             'fields': {**self.fingerprint, **self.expected}, 'topology': self.topology, 'lanes': lanes}
 

@@ -1,8 +1,9 @@
 """The work of a prepare, cut so that any engine can do it: units → counts → shards (a pure function) → tasks.
 
   units        parquet row groups (from footers), jsonl line ranges (from file sizes), whole txt / .gz files
-  count_unit   reads one unit: which documents it keeps (their indices), its lines, what it dropped
-  split_counts the unit's documents per split: the held-out split is a hash of each document's key
+  line_count   the lines of a jsonl range that another range of its file follows (they number its documents)
+  count_unit   reads one unit: its documents per split (the held-out split is a hash of each document's
+               key) and what it dropped; the driver keeps these few numbers per unit, never a list of documents
   plan_shards  pure: the documents of each split, in input order, cut every `shard_docs` into shards; a shard is
                a list of pieces (unit, split, first, last) of that unit's documents of that split
   read_piece   the texts (or chat records) of one piece, which a shard task hands to the one shard writer
@@ -39,10 +40,13 @@ class Reading:
 
 @dataclasses.dataclass
 class UnitCount:
-  """What reading one unit found: kept documents' indices (in the unit's numbering), its lines, its drops."""
-  docs: list[int]
-  lines: int
+  """What reading one unit found: its documents per split, and what it dropped or repaired."""
+  split: dict[str, int]
   counts: collections.Counter
+
+  @property
+  def documents(self) -> int:
+    return sum(self.split.values())
 
 
 def items(unit: Unit, reading: Reading, counts: dict, line_offset: int = 0):
@@ -55,28 +59,27 @@ def items(unit: Unit, reading: Reading, counts: dict, line_offset: int = 0):
                                line_offset=line_offset)
 
 
-def count_unit(unit: Unit, reading: Reading) -> UnitCount:
-  """Reads one unit once: its documents (numbered as if the range started the file), lines and drops."""
-  counts = collections.Counter()
-  docs = [i for i, _ in items(unit, reading, counts)]
-  ranged = unit.kind == 'jsonl' and unit.end >= 0
-  return UnitCount(docs=docs, lines=readers.line_count(unit) if ranged else 0, counts=counts)
+def needs_line_count(unit: Unit) -> bool:
+  """Whether another range of the unit's file follows it (and so numbers its lines after this one's)."""
+  return unit.kind == 'jsonl' and 0 <= unit.end < unit.source.size
 
 
-def line_offsets(units: Sequence[Unit], found: Sequence[UnitCount]) -> list[int]:
-  """Lines of the same file before each unit (jsonl ranges; 0 elsewhere)."""
+def line_offsets(units: Sequence[Unit], lines: Sequence[int]) -> list[int]:
+  """Lines of the same file before each unit (jsonl ranges; 0 elsewhere), from each unit's line count."""
   out, seen = [], collections.Counter()
-  for unit, c in zip(units, found):
+  for unit, n in zip(units, lines):
     out.append(seen[unit.source.key])
-    seen[unit.source.key] += c.lines
+    seen[unit.source.key] += n
   return out
 
 
-def split_counts(unit: Unit, docs: Sequence[int], line_offset: int, eval_fraction: float) -> dict[str, int]:
-  """Documents of each split in a unit."""
-  key = unit.source.key
-  n_eval = sum(is_eval(readers.doc_key(key, i + line_offset if i >= 0 else i), eval_fraction) for i in docs)
-  return {'train': len(docs) - n_eval, 'eval': n_eval}
+def count_unit(unit: Unit, reading: Reading, line_offset: int = 0) -> UnitCount:
+  """Reads one unit once: its documents per split, and its drops."""
+  counts, n_eval, n = collections.Counter(), 0, 0
+  for i, _ in items(unit, reading, counts, line_offset):
+    n += 1
+    n_eval += is_eval(readers.doc_key(unit.source.key, i), reading.eval_fraction)
+  return UnitCount(split={'train': n - n_eval, 'eval': n_eval}, counts=counts)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -103,8 +103,8 @@ def _init_worker(model_path: str, separator: str | None = None, chat: tuple | No
     _WORKER_KEY = (model_path, separator, chat)
 
 
-def _count_task(unit: readers.Unit, reading: plan_lib.Reading) -> plan_lib.UnitCount:
-  return plan_lib.count_unit(unit, reading)
+def _count_task(unit: readers.Unit, reading: plan_lib.Reading, line_offset: int) -> plan_lib.UnitCount:
+  return plan_lib.count_unit(unit, reading, line_offset)
 
 
 def _shard_task(out: str, split: str, index: int, pieces: list, reading: plan_lib.Reading, dtype: str,
@@ -376,11 +376,15 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
   try:
     # Units from sizes and footers; one reading of each to count its documents; then the plan, and the shards.
     units = [u for s in sources for u in readers.units(s, counts, text_field=text_field, block_bytes=block_bytes)]
+    ranged = [i for i, u in enumerate(units) if plan_lib.needs_line_count(u)]
+    lines = [0] * len(units)
+    for i, n in runner.map(readers.line_count, [(units[i],) for i in ranged]):
+      lines[ranged[i]] = n
+    offsets = plan_lib.line_offsets(units, lines)
     found = [None] * len(units)
-    for i, c in runner.map(_count_task, [(u, reading) for u in units]):
+    for i, c in runner.map(_count_task, [(u, reading, o) for u, o in zip(units, offsets)]):
       found[i] = c
-    offsets = plan_lib.line_offsets(units, found)
-    per_unit = [plan_lib.split_counts(u, c.docs, o, eval_fraction) for u, c, o in zip(units, found, offsets)]
+    per_unit = [c.split for c in found]
     for c in found:
       counts.update(c.counts)
     plan = plan_lib.plan_shards(per_unit, shard_docs)
@@ -396,7 +400,7 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
   bar.draw(force=True)
   docs_per_source = collections.Counter()
   for u, c in zip(units, found):
-    docs_per_source[u.source.key] += len(c.docs)
+    docs_per_source[u.source.key] += c.documents
   per_source = [{'key': s.key, 'path': os.path.abspath(s.path), 'bytes': s.size, 'documents': docs_per_source[s.key]}
                 for s in sources]
   seconds = time.time() - start

@@ -81,6 +81,10 @@ def test_rows_are_the_same_on_any_process_count_and_resume_across_counts(stream_
       it.set_state(json.loads(json.dumps(state)))
     assert _global_rows(its, STEPS - 20) == reference[20 * BATCH:], processes
   assert any(c['datasets'][0]['epoch'] >= 1 for c in its[0].get_state()['lanes'].values())  # past an epoch
+  # A position saved before the first batch (a save at step 0) starts every lane at its beginning.
+  fresh = _iterators(cfg, 1)
+  fresh[0].set_state(_checkpointed([it.get_state() for it in _iterators(cfg, 2)], tmp_path / 'ckpt0'))
+  assert _global_rows(fresh, 2) == reference[:2 * BATCH]
   # Another seed, another unit order.
   assert _global_rows(_iterators(cfg, 1, seed=4), 4) != reference[:4 * BATCH]
 
