@@ -124,7 +124,8 @@ def pipelines(sources: list, out: str, *, languages: Sequence[str], lid: str = '
 
 
 def clean(sources: list, out: str, *, languages: Sequence[str], executor: str = 'local', tasks: int = 0,
-          workers: int = 0, lid: str = 'ft176', text_field: str = 'text', slurm: dict | None = None) -> dict:
+          workers: int = 0, lid: str = 'ft176', text_field: str = 'text', slurm: dict | None = None,
+          tasks_per_job: int = 1) -> dict:
   """Runs the stages on `executor`; returns the counts of what each kept (datatrove's stats, summed)."""
   _datatrove()
   if executor not in EXECUTORS:
@@ -149,7 +150,9 @@ def clean(sources: list, out: str, *, languages: Sequence[str], executor: str = 
       ex.run()
     elif executor == 'ray':
       from datatrove.executor import RayPipelineExecutor  # pylint: disable=g-import-not-at-top
-      ex = RayPipelineExecutor(pipeline, tasks=n, workers=workers or -1, logging_dir=logs, mem_per_cpu_gb=0.25)
+      # tasks_per_job > 1 runs several datatrove tasks in one Ray task: fewer, longer Ray tasks for small inputs.
+      ex = RayPipelineExecutor(pipeline, tasks=n, workers=workers or -1, logging_dir=logs, mem_per_cpu_gb=0.25,
+                               tasks_per_job=tasks_per_job)
       ex.run()
     else:
       from datatrove.executor import SlurmPipelineExecutor  # pylint: disable=g-import-not-at-top
@@ -187,6 +190,7 @@ def _define_flags() -> None:
   flags.DEFINE_string('text_field', 'text', 'Field (jsonl) or column (parquet) holding the text.')
   flags.DEFINE_integer('tasks', 0, 'datatrove tasks per stage (0 = one per input file).')
   flags.DEFINE_integer('workers', 0, 'Tasks run at once (0 = cores, local; all, ray).')
+  flags.DEFINE_integer('ray_tasks_per_job', 1, 'ray: datatrove tasks run in one Ray task (more: less overhead).')
   flags.DEFINE_string('slurm_partition', '', 'slurm: the partition.')
   flags.DEFINE_string('slurm_time', '24:00:00', 'slurm: time limit per job.')
 
@@ -203,7 +207,7 @@ def main(argv: Sequence[str]) -> None:
   slurm = {'partition': FLAGS.slurm_partition, 'time': FLAGS.slurm_time} if FLAGS.executor == 'slurm' else None
   stats = clean(readers.expand_inputs(FLAGS.inputs), FLAGS.out, languages=FLAGS.languages,
                 executor=FLAGS.executor, tasks=FLAGS.tasks, workers=FLAGS.workers, lid=FLAGS.lid,
-                text_field=FLAGS.text_field, slurm=slurm)
+                text_field=FLAGS.text_field, slurm=slurm, tasks_per_job=FLAGS.ray_tasks_per_job)
   print(json.dumps(stats), file=sys.stdout)
 
 

@@ -101,8 +101,8 @@ class LaneIterator(grain.DatasetIterator):
     super().__init__()
     self.lanes, self.lane, self.dataset = lanes, lane, dataset
     self.cursor = dict(START)
-    self._docs = None  # (unit position, document index, iterator of texts) being read
-    self._current = None  # ids of the document at the cursor
+    self._docs = None  # the texts of the unit at the cursor, read up to the cursor's document
+    self._current = None  # (inputs, targets) of the document at the cursor
 
   def _next_document(self) -> tuple[np.ndarray, np.ndarray]:
     """The document at the cursor (opening units as needed); advances `unit`/`epoch` past exhausted units."""

@@ -60,7 +60,7 @@ def test_ray_executor_keeps_the_same_documents(cleaned, ray_cluster):
   ray.init(address=ray_cluster, include_dashboard=False, log_to_driver=False)
   try:
     clean_lib.clean(readers.expand_inputs([str(root / 'raw')]), str(root / 'ray'), languages=['en'],
-                    executor='ray', lid='py3langid', tasks=2)
+                    executor='ray', lid='py3langid', tasks=2, tasks_per_job=16)
   finally:
     ray.shutdown()
   assert sorted(r['id'] for r in _kept(root / 'ray')) == sorted(r['id'] for r in _kept(out))
