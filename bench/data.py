@@ -7,6 +7,11 @@ first run exactly as a first `python -m jaxlm.train` sees it: tokenizer training
 it with that tokenizer (tokenization alone), then draws `--batches` training batches of the config's batch and
 sequence length through `jaxlm.data.make_train_iterator` for each worker count and reports tokens/s against
 `--trainer_tokens_per_s` (target: the pipeline at least 20× faster than the trainer, so it never stalls a step).
+
+`--stream_mb` > 0 also times data.source=stream: the same stdlib text written as jsonl (one document per line,
+cut into --stream_files files) is read and tokenized on the fly by the lanes of the config's batch, in this one
+process; the table shows its tokens/s and the cores a host needs per 100k tokens/s (tokenizing is CPU-bound and
+lanes are independent, so it scales with the processes/cores that hold lanes).
 """
 
 import json
@@ -38,6 +43,34 @@ _INDEX_MB = flags.DEFINE_integer('index_mb', 256, 'Size of the synthetic prepare
 _INDEX_GB = flags.DEFINE_float('index_gb', 10.0, 'Corpus size the cached index build (load + epoch order) is '
                                'timed for, from synthetic document lengths.')
 _JSON = flags.DEFINE_string('json', '', 'Also write the results as one JSON object to this file.')
+_STREAM_MB = flags.DEFINE_float('stream_mb', 8.0, 'MB of stdlib text streamed as jsonl for data.source=stream '
+                                '(0 = skip).')
+_STREAM_FILES = flags.DEFINE_integer('stream_files', 64, 'jsonl files the streamed text is cut into (units).')
+
+
+def _stream_tokens_per_s(d, tmp: str, tokenizer: str, batch_size: int, vocab: int, batches: int) -> dict:
+  """data.source=stream on the stdlib text as jsonl: one process holding every lane, tokenizing on the fly."""
+  sources = prepare_lib.stdlib_sources(_STREAM_MB.value)
+  root = os.path.join(tmp, 'stream')
+  os.makedirs(root)
+  files = [open(os.path.join(root, f'{i:04d}.jsonl'), 'w') for i in range(_STREAM_FILES.value)]
+  for i, s in enumerate(sources):
+    with open(s.path, encoding='utf-8', errors='replace') as f:
+      files[i % len(files)].write(json.dumps({'text': f.read()}) + '\n')
+  for f in files:
+    f.close()
+  d.update(source='stream', paths=root, tokenizer=tokenizer, stream_lanes=batch_size, num_workers=0)
+  it = data_lib.make_train_iterator(d, batch_size=batch_size, seed=0, vocab_size=vocab, process_index=0,
+                                    process_count=1)
+  start = time.perf_counter()
+  first = next(it)  # start-up: unit listing at construction, then the first units opened
+  first_s = time.perf_counter() - start
+  start = time.perf_counter()
+  for _ in range(batches):
+    next(it)
+  rate = batches * first['inputs'].size / (time.perf_counter() - start)
+  return {'stream_mb': _STREAM_MB.value, 'stream_first_batch_s': round(first_s, 2),
+          'stream_tokens_per_s': round(rate), 'stream_cores_per_100k_tokens_per_s': round(100_000 / rate, 1)}
 
 
 def _pipeline_tokens_per_s(data_cfg, batch_size: int, vocab: int, batches: int) -> float:
@@ -118,6 +151,9 @@ def main(argv) -> None:
 
     if _INDEX_MB.value:
       results.update(_index_seconds(tmp, _INDEX_MB.value, _INDEX_GB.value))
+    if _STREAM_MB.value:
+      results.update(_stream_tokens_per_s(d, tmp, os.path.join(path, 'tokenizer.model'), batch_size, vocab,
+                                          min(_BATCHES.value, 100)))
 
   trainer = _TRAINER.value
   rows = [('stdlib corpus', f'{results["corpus_mb"]:.1f} MB -> {results["tokens"] / 1e6:.2f}M tokens', ''),
@@ -136,6 +172,12 @@ def main(argv) -> None:
               f'{results["index_scan_mb_per_s"]} MB/s'),
              (f'document index, cached build at {results["index_big_gb"]:g} GB',
               f'{results["index_big_documents"]:,} docs', f'{results["index_big_build_s"]:.2f} s')]
+  if _STREAM_MB.value:
+    rate = results['stream_tokens_per_s']
+    rows += [(f'data.source=stream, 1 process, {batch_size} lanes (B={batch_size}, T={d.seq_len})',
+              f'{rate:,.0f} tok/s', f'{rate / trainer:,.1f}x {"OK" if rate >= trainer else "BELOW TRAINER"}'),
+             ('stream: first batch (unit listing + first units)', f'{results["stream_first_batch_s"]:.2f} s', ''),
+             ('stream: cores per 100k tok/s', f'{results["stream_cores_per_100k_tokens_per_s"]:.1f}', '')]
   width = max(len(r[0]) for r in rows)
   print(f'{"measure":<{width}}  {"value":>26}  {"rate / ratio":>22}')
   for name, value, ratio in rows:

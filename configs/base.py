@@ -65,9 +65,13 @@ def get_config() -> ml_collections.ConfigDict:
   m.moe_buffer_factor = 0.0  # all_to_all receive buffer, × the balanced rows (N·k/expert); 0 = the worst case (never overflows)
 
   c.data = d = ml_collections.ConfigDict()
-  d.source = 'stdlib'  # stdlib: this interpreter's standard-library sources (no download); prepared: `paths`
-  d.paths = ''  # prepared dataset directories (from `python -m jaxlm.data.prepare`), comma-separated
-  d.weights = ''  # mixture weights for `paths`, comma-separated; empty = proportional to tokens
+  d.source = 'stdlib'  # stdlib: this interpreter's standard-library sources (no download); prepared: `paths`; stream: raw `paths` tokenized on the fly
+  d.paths = ''  # prepared dataset directories (from `python -m jaxlm.data.prepare`), comma-separated; stream: parquet/jsonl/txt files, dirs, globs (datasets of a mixture split by ';')
+  d.tokenizer = ''  # stream: the tokenizer (.model, tokenizer.json, or a directory with one)
+  d.text_field = 'text'  # stream: jsonl field / parquet column holding the text
+  d.stream_lanes = 0  # stream: K lanes, each packing its own units; global row k = row k // K of lane k % K (0 = train.batch_size)
+  d.eval_paths = ''  # stream: held-out files to evaluate on (there is no held-out split)
+  d.weights = ''  # mixture weights for `paths`, comma-separated; empty = proportional to tokens (stream: equal)
   d.seq_len = 256  # T, tokens per training sequence
   d.cache_dir = '~/.cache/jaxlm'  # where the stdlib corpus is prepared once and reused
   d.stdlib_max_mb = 24  # cap on stdlib source bytes used (keeps first-run preparation short)

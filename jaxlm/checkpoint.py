@@ -548,6 +548,13 @@ class Checkpointer:
     name = mine if mine in names else next((n for n in names if n.startswith('process_0-of-')), names[0])
     with open(os.path.join(directory, name)) as f:
       state = json.load(f)
+    if 'lanes' in state:  # streaming: each process saved the cursors of its own lanes; together they are all
+      lanes = {}
+      for other in names:
+        if other.endswith(name[name.index('-of-'):]):  # the files of the same save (same process count)
+          with open(os.path.join(directory, other)) as f:
+            lanes.update(json.load(f).get('lanes', {}))
+      state['lanes'] = lanes
     # Global positions are the same in every file; per-process ones (older checkpoints) only fit their process.
     return state
 

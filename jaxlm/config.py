@@ -194,7 +194,14 @@ def _data_errors(d) -> list[str]:
     e.append(f'data.source={d.source!r} is unknown; use one of {", ".join(DATA_SOURCES)}.')
   if d.source == 'prepared' and not d.paths:
     e.append('data.source=prepared needs data.paths: directories written by `python -m jaxlm.data.prepare`.')
-  if d.weights and len(d.weights.split(',')) != len(d.paths.split(',')):
+  if d.source == 'stream':
+    if not d.paths:
+      e.append('data.source=stream needs data.paths: parquet / jsonl / txt files, directories or globs.')
+    if not d.get('tokenizer'):
+      e.append('data.source=stream needs data.tokenizer: a .model, a tokenizer.json, or a directory with one.')
+  if d.get('stream_lanes', 0) < 0:
+    e.append(f'data.stream_lanes={d.stream_lanes} must be >= 0 (0 = train.batch_size).')
+  if d.weights and d.source != 'stream' and len(d.weights.split(',')) != len(d.paths.split(',')):
     e.append(f'data.weights has {len(d.weights.split(","))} entries but data.paths has '
              f'{len(d.paths.split(","))}; give one weight per path, or none.')
   if d.seq_len <= 0:
@@ -414,11 +421,28 @@ def _other_errors(c) -> list[str]:
   return e
 
 
+def _stream_errors(c) -> list[str]:
+  """data.source=stream: every batch is cut from data.stream_lanes lanes, so each batch size must divide it."""
+  d, t = c.data, c.train
+  if d.source != 'stream':
+    return []
+  lanes = d.get('stream_lanes', 0) or t.batch_size
+  if t.batch_ramp and not d.get('stream_lanes', 0):
+    return [f'data.source=stream with train.batch_ramp: set data.stream_lanes to the largest batch size '
+            f'({t.batch_size}).']
+  if lanes % t.batch_size:
+    return [f'data.stream_lanes={lanes} is not a multiple of train.batch_size={t.batch_size}.']
+  if t.get('epochs', 0):
+    return ['train.epochs needs the dataset\'s size; data.source=stream does not count it: set train.steps.']
+  return []
+
+
 def validate(c: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1, num_slices: int = 1) -> None:
   """Raises ConfigError listing every problem with `c` on `num_devices` devices in `num_processes` processes."""
   errors = (_model_errors(c.model) + _moe_errors(c, num_devices) + _fp8_errors(c) + _deterministic_errors(c)
-            + _data_errors(c.data) + _train_errors(c.train, c.optim)
-            + _mesh_errors(c, num_devices, num_processes, num_slices) + distributed.dist_errors(c.dist) + _other_errors(c))
+            + _data_errors(c.data) + _stream_errors(c) + _train_errors(c.train, c.optim)
+            + _mesh_errors(c, num_devices, num_processes, num_slices) + distributed.dist_errors(c.dist)
+            + _other_errors(c))
   if errors:
     raise ConfigError('invalid config:\n  - ' + '\n  - '.join(errors))
 

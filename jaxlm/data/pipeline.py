@@ -35,6 +35,7 @@ from absl import flags
 from absl import logging
 from grain.experimental import ConcatThenSplitIterDataset
 
+from jaxlm.data import lanes as lanes_lib
 from jaxlm.data import prepare as prepare_lib
 from jaxlm.data import stream as stream_lib
 from jaxlm.data import tokenizer as tokenizer_lib
@@ -42,7 +43,7 @@ from jaxlm.data import tokenizer as tokenizer_lib
 
 from jaxlm.errors import DataError  # noqa: F401  (missing, corrupt, or built with another tokenizer)
 
-SOURCES = ('stdlib', 'prepared')  # data.source
+SOURCES = ('stdlib', 'prepared', 'stream')  # data.source
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
@@ -62,8 +63,10 @@ def dataset_dirs(data_cfg, vocab_size: int) -> list[str]:
     path = prepare_lib.stdlib_dataset(data_cfg, vocab_size)
     logging.info('data: stdlib corpus at %s (%.1fs)', path, time.time() - start)
     return [path]
+  if data_cfg.source == 'stream':
+    raise DataError('data.source=stream reads data.paths directly; there is no prepared directory.')
   if data_cfg.source != 'prepared':
-    raise DataError(f'data.source={data_cfg.source!r} is unknown; use stdlib or prepared.')
+    raise DataError(f'data.source={data_cfg.source!r} is unknown; use stdlib, prepared or stream.')
   paths = [os.path.expanduser(p.strip()) for p in data_cfg.paths.split(',') if p.strip()]
   if not paths:
     raise DataError('data.source=prepared needs data.paths: directories written by `python -m jaxlm.data.prepare`.')
@@ -143,6 +146,8 @@ def load_tokenizer(data_cfg, vocab_size: int) -> tokenizer_lib.Tokenizer:
   """The tokenizer of the data `data_cfg` reads (encode, decode, separator_id, vocab_size, path), with the
   separator its preparation chose."""
   path = tokenizer_path(data_cfg, vocab_size)
+  if data_cfg.source == 'stream':
+    return tokenizer_lib.load(path)
   with open(os.path.join(os.path.dirname(path), 'metadata.json')) as f:
     separator = json.load(f).get('separator')
   return tokenizer_lib.load(path, separator=separator)
@@ -150,6 +155,8 @@ def load_tokenizer(data_cfg, vocab_size: int) -> tokenizer_lib.Tokenizer:
 
 def tokenizer_path(data_cfg, vocab_size: int | None = None) -> str:
   """Path of that tokenizer's main file (e.g. for a Hugging Face export); the stdlib corpus needs `vocab_size`."""
+  if data_cfg.source == 'stream':
+    return tokenizer_lib.main_file(os.path.expanduser(data_cfg.tokenizer))
   if vocab_size is None:
     if data_cfg.source == 'stdlib':
       raise DataError('the stdlib corpus has one tokenizer per vocabulary size; pass vocab_size '
@@ -291,6 +298,8 @@ def fingerprint(data_cfg, prepared: Sequence[Prepared], weights: Sequence[float]
 
 def steps_for_epochs(data_cfg, train_cfg, vocab_size: int) -> tuple[int, int]:
   """(train.steps that make train.epochs passes over the dataset, rows of data.seq_len tokens per pass)."""
+  if data_cfg.source == 'stream':
+    raise DataError('train.epochs needs the dataset\'s size; data.source=stream does not count it: set train.steps.')
   rows, _ = make_train_rows(data_cfg, seed=train_cfg.seed, vocab_size=vocab_size, num_epochs=1)
   if rows.rows_per_epoch is None:
     raise DataError('train.epochs applies to a single dataset, not to a mixture of data.paths; set train.steps.')
@@ -316,6 +325,10 @@ def make_train_iterator(data_cfg, *, batch_size: int, seed: int, vocab_size: int
   start = time.time()
   process_index, process_count = _process(process_index, process_count)
   _local_batch(batch_size, process_count)
+  if data_cfg.source == 'stream':
+    lanes, fp = lanes_lib.open_lanes(data_cfg, seed=seed, lanes=data_cfg.get('stream_lanes') or batch_size,
+                                     vocab_size=vocab_size)
+    return StreamIterator(lanes, fp, unit=batch_size, process_index=process_index, process_count=process_count)
   rows, fp = make_train_rows(data_cfg, seed=seed, vocab_size=vocab_size, num_epochs=num_epochs)
   it = TrainIterator(rows, fp, unit=batch_size, process_index=process_index, process_count=process_count,
                      num_workers=data_cfg.num_workers, prefetch=data_cfg.prefetch)
@@ -448,6 +461,73 @@ class TrainIterator(grain.DatasetIterator):
     self._stop()
 
 
+class StreamIterator(TrainIterator):
+  """data.source=stream: this process's rows of each global batch, from the lanes it holds (jaxlm/data/lanes.py).
+
+  Its state: the global row, and the cursors of this process's lanes; the checkpoint joins every process's
+  cursors (checkpoint._read_data), so a resume on any process count finds each lane's cursor.
+  """
+
+  def __init__(self, lanes: lanes_lib.Lanes, fp: dict, *, unit: int, process_index: int, process_count: int):
+    super().__init__(None, fp, unit=unit, process_index=process_index, process_count=process_count)
+    self.lanes = lanes
+    self.cursors: dict = {}  # lane -> cursor, where the lanes start (restored ones)
+
+  def _local(self, size: int) -> lanes_lib.LocalRows:
+    return lanes_lib.LocalRows(self.lanes, start=self.rows, size=size, process_index=self.process_index,
+                               process_count=self.process_count, cursors=self.cursors)
+
+  def _start(self, size: int) -> None:
+    if self._it is not None:
+      if self.process_count > 1 and self._local(size).owned() != self._local(self._size).owned():
+        raise DataError(f'data.source=stream: a batch of {size} rows moves lanes between processes (from batches '
+                        f'of {self._size}); with several processes keep one batch size (no train.batch_ramp)')
+      self.cursors.update(self._it.get_state())
+    self._stop()
+    ds = self._local(size).batch(size // self.process_count, drop_remainder=True)
+    self._it, self._size = iter(ds), size
+
+  def epoch(self) -> float | None:
+    return None
+
+  def take(self, size: int) -> dict:
+    if size % self.process_count:
+      raise DataError(f'a batch of {size} rows does not split over {self.process_count} processes; use a '
+                      f'multiple of {self.process_count}.')
+    if size != self._size:
+      self._start(size)
+    batch = next(self._it)
+    self.rows += size
+    return batch
+
+  def get_state(self) -> dict:
+    if self._it is not None:
+      lanes = self._it.get_state()
+    else:
+      owned = self._local(self.unit).owned()
+      lanes = {str(j): self.cursors.get(str(j), lanes_lib.initial_state(self.lanes)) for j in owned}
+    return {'format': stream_lib.STATE_FORMAT, 'rows': self.rows, 'tokens': self.rows * self.lanes.seq_len,
+            'fields': {**self.fingerprint, **self.expected}, 'topology': self.topology, 'lanes': lanes}
+
+  def set_state(self, state: dict) -> None:
+    """Continues every lane at its saved cursor; refuses (DataError) what cannot continue exactly."""
+    self._stop()
+    self.notes, self.restored = [], state
+    saved, now = state.get('fields', {}), {**self.fingerprint, **self.expected}
+    changed = [f for f in now if f in saved and saved[f] != now[f]]
+    for field in changed:
+      self._changed(field, saved[field], now[field], 'the lanes start again from their first unit')
+    if changed or 'lanes' not in state:
+      self.rows, self.cursors = 0, {}
+      self.notes.append('the stream starts again at row 0 (documents seen before are repeated)')
+      return
+    self.rows, self.cursors = int(state['rows']), dict(state['lanes'])
+    missing = [j for j in self._local(self.unit).owned() if str(j) not in self.cursors]
+    if missing:
+      raise DataError(f'the checkpoint\'s data position has no cursor for lanes {missing[:8]}: not every process '
+                      f'saved its lanes; resume from an older checkpoint')
+
+
 _CHANGE_EFFECT = {
     'data.seq_len': 'rows are re-cut at the same token position; at most one row is skipped',
     'train.batch_size': 'no row is skipped or repeated, but the batches from here are cut at the new size',
@@ -467,6 +547,9 @@ def eval_batches(data_cfg, *, batch_size: int, num_batches: int, vocab_size: int
   """The first `num_batches` held-out batches (this process's rows); the same on every call and every run."""
   process_index, process_count = _process(process_index, process_count)
   local = _local_batch(batch_size, process_count)
+  if data_cfg.source == 'stream':
+    return _stream_eval_batches(data_cfg, batch_size=batch_size, num_batches=num_batches, vocab_size=vocab_size,
+                                local=local, process_index=process_index)
   prepared = _open_all(data_cfg, vocab_size)
 
   if is_chat(prepared):  # held-out conversations packed in order; the loss is over assistant tokens only
@@ -501,3 +584,17 @@ def eval_batches(data_cfg, *, batch_size: int, num_batches: int, vocab_size: int
                     num_batches)
     out = batches(cycle=True)
   return out
+
+
+def _stream_eval_batches(data_cfg, *, batch_size: int, num_batches: int, vocab_size: int, local: int,
+                         process_index: int) -> list[dict]:
+  """data.source=stream: data.eval_paths (held-out files) packed in order by one lane, cycled if short."""
+  if not data_cfg.get('eval_paths'):
+    raise DataError('data.source=stream has no held-out split: set data.eval_paths to held-out files (kept out '
+                    'of data.paths)')
+  lanes, _ = lanes_lib.open_lanes(data_cfg, seed=0, lanes=1, vocab_size=vocab_size, paths=data_cfg.eval_paths,
+                                  shuffle=False)
+  it = lanes_lib.LaneIterator(lanes, 0)
+  rows = [next(it) for _ in range(batch_size * num_batches)]
+  return [{k: np.stack([r[k] for r in rows[b * batch_size:(b + 1) * batch_size]])[
+      process_index * local:(process_index + 1) * local] for k in rows[0]} for b in range(num_batches)]

@@ -36,16 +36,14 @@ The embedded default corpus (`stdlib_dataset`) goes through the same `prepare` f
 import collections
 import contextlib
 import fcntl
-import hashlib
+import importlib.util
 import json
-import multiprocessing
 import os
 import shutil
 import sys
 import sysconfig
 import time
 from collections.abc import Iterator, Sequence
-from concurrent import futures
 
 import numpy as np
 from absl import app
@@ -54,22 +52,19 @@ from absl import logging
 
 from jaxlm import cli
 from jaxlm.data import chat as chat_lib
+from jaxlm.data import engine as engine_lib
 from jaxlm.data import format as format_lib
+from jaxlm.data import plan as plan_lib
+from jaxlm.data import readers
 from jaxlm.data import tokenizer as tokenizer_lib
-from jaxlm.data.readers import TXT_DOCS, PrepareError, Source, expand_inputs, read_documents, read_records
+from jaxlm.data.plan import SPLITS, is_eval
+from jaxlm.data.readers import TXT_DOCS, PrepareError, Source, expand_inputs, read_documents
 
 FORMAT = 'jaxlm-prepared-1'  # bump when the shard layout changes; part of the stdlib cache key
 SHARD_SUFFIX = '.arrayrecord'
-SPLITS = ('train', 'eval')
 # group_size:1 puts every record in its own chunk: random access (global shuffle) reads one document, not 64k.
 ARRAY_RECORD_OPTIONS = 'group_size:1'
 DATA_FORMATS = ('text', 'chat')  # --format
-
-
-def is_eval(key: str, eval_fraction: float) -> bool:
-  """Whether the document named `key` is held out: a hash of the name, so stable across runs and machines."""
-  h = int.from_bytes(hashlib.sha256(key.encode('utf-8')).digest()[:8], 'big')
-  return h < eval_fraction * 2.0**64
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -95,15 +90,36 @@ def _sample_lines(sources, counts, *, text_field, txt_docs, eval_fraction, sampl
           return
 
 
-# Tokenizer worker. Module-level globals so each pool process loads the tokenizer once.
+# Tokenizer worker. Module-level globals so each worker process (pool or Ray) loads the tokenizer once.
 _WORKER_TOKENIZER = None
 _WORKER_CHAT = None  # (template, most tokens a conversation may keep, empty_think) for --format=chat
+_WORKER_KEY = None
 
 
 def _init_worker(model_path: str, separator: str | None = None, chat: tuple | None = None) -> None:
-  global _WORKER_TOKENIZER, _WORKER_CHAT
-  _WORKER_TOKENIZER = tokenizer_lib.load(model_path, separator=separator)
-  _WORKER_CHAT = chat
+  global _WORKER_TOKENIZER, _WORKER_CHAT, _WORKER_KEY
+  if _WORKER_KEY != (model_path, separator, chat):
+    _WORKER_TOKENIZER = tokenizer_lib.load(model_path, separator=separator)
+    _WORKER_CHAT = chat
+    _WORKER_KEY = (model_path, separator, chat)
+
+
+def _count_task(unit: readers.Unit, reading: plan_lib.Reading, line_offset: int) -> plan_lib.UnitCount:
+  return plan_lib.count_unit(unit, reading, line_offset)
+
+
+def _shard_task(out: str, split: str, index: int, pieces: list, reading: plan_lib.Reading, dtype: str,
+                worker: tuple, where: str) -> tuple[dict, bool, str]:
+  """Writes shard `index` of `split` from its pieces ((unit, piece, line offset)), unless it exists already:
+  (its stats, whether written here, where it ran)."""
+  if (done := _shard_done(out, split, index)) is not None:
+    return done, False, where
+  _init_worker(*worker)
+  docs = [d for unit, piece, offset in pieces for d in plan_lib.read_piece(unit, piece, offset, reading)]
+  if where.startswith('ray:'):
+    import ray  # pylint: disable=g-import-not-at-top  # only inside a Ray task
+    where = f'ray:{ray.get_runtime_context().get_node_id()}'
+  return _write_shard(out, split, index, docs, dtype), True, where
 
 
 def _encode_chat(records: list) -> tuple[list[bytes], collections.Counter]:
@@ -180,22 +196,29 @@ def _write_json(path: str, obj) -> None:
 
 
 class _Progress:
-  """A one-line progress bar on stderr, redrawn at most a few times a second."""
+  """A one-line progress bar on stderr (the driver's), redrawn at most a few times a second."""
 
-  def __init__(self, total_bytes: int, enabled: bool):
-    self.total, self.enabled, self.start, self.last = max(total_bytes, 1), enabled, time.time(), 0.0
-    self.done = self.shards = self.skipped = self.tokens = 0
+  def __init__(self, total_shards: int, enabled: bool):
+    self.total, self.enabled, self.start, self.last = max(total_shards, 1), enabled, time.time(), 0.0
+    self.bytes = self.docs = self.tokens = self.shards = self.kept = 0
+
+  def add(self, stats: dict, written: bool) -> None:
+    self.shards += 1
+    self.kept += not written
+    if written:  # rates count this run's work; shards kept from an earlier run only advance the bar
+      self.bytes, self.docs, self.tokens = (self.bytes + stats['bytes'], self.docs + stats['documents'],
+                                            self.tokens + stats['tokens'])
+    self.draw()
 
   def draw(self, force: bool = False) -> None:
     now = time.time()
     if not self.enabled or (not force and now - self.last < 0.25):
       return
     self.last = now
-    mb, elapsed, done = self.done / 1e6, max(now - self.start, 1e-9), min(self.done / self.total, 1.0)
-    sys.stderr.write(f'\rprepare {done:4.0%} |{"#" * int(20 * done):<20}| '
-                     f'{mb:.1f}/{self.total / 1e6:.1f} MB tokenized, {self.shards} shards written, '
-                     f'{self.skipped} kept, '
-                     f'{self.tokens / 1e6:.2f}M tokens, {mb / elapsed:.2f} MB/s ')
+    elapsed, done = max(now - self.start, 1e-9), self.shards / self.total
+    sys.stderr.write(f'\rprepare {done:4.0%} |{"#" * int(20 * done):<20}| {self.shards}/{self.total} shards '
+                     f'({self.kept} kept) {self.bytes / 1e6 / elapsed:.2f} MB/s {self.docs / elapsed:,.0f} docs/s '
+                     f'{self.tokens / elapsed:,.0f} tokens/s ')
     if force:
       sys.stderr.write('\n')
     sys.stderr.flush()
@@ -207,11 +230,32 @@ def _plan(sources, *, vocab_size, model_type, tokenizer_sha, text_field, txt_doc
   """Every setting that decides the output; a re-run into the same directory must match it."""
   # empty_think is listed only when it is not the default, so a preparation begun before it existed resumes.
   return {**({'empty_think': empty_think} if empty_think != 'mask' else {}),
-          'format': FORMAT, 'sources': [[s.key, s.size] for s in sources], 'vocab_size': vocab_size,
+          'format': FORMAT, 'sources': [[s.key, s.size, _mtime(s)] for s in sources], 'vocab_size': vocab_size,
           'model_type': model_type, 'tokenizer_sha256': tokenizer_sha, 'text_field': text_field,
           'txt_docs': txt_docs, 'eval_fraction': eval_fraction, 'shard_docs': shard_docs,
           'sample_mb': sample_mb, 'max_sentences': max_sentences, 'seed': seed, 'tokenizer_kind': tokenizer_kind,
           'separator': separator, 'data_format': data_format, 'chat_template': chat_template, 'seq_len': seq_len}
+
+
+def _mtime(source: Source) -> int:
+  try:
+    return os.stat(source.path).st_mtime_ns
+  except OSError:
+    return 0
+
+
+def _changed_input(old: list, new: list) -> str | None:
+  """The first input that differs between two plans' sources, as a phrase naming it."""
+  old_by_key, new_by_key = {s[0]: s for s in old}, {s[0]: s for s in new}
+  for s in new:
+    if s[0] not in old_by_key:
+      return f'input {s[0]} was added'
+    if old_by_key[s[0]] != s:
+      return f'input {s[0]} changed (size or modification time)'
+  for s in old:
+    if s[0] not in new_by_key:
+      return f'input {s[0]} is gone'
+  return None if old == new else 'the order of the inputs changed'
 
 
 def _install_tokenizer(tokenizer: str, out: str) -> str:
@@ -230,8 +274,15 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
             shard_docs: int = 10_000, workers: int = 0, sample_mb: float = 100.0,
             max_sentences: int = 1_000_000, seed: int = 0, progress: bool = True,
             tokenizer_kind: str = 'sentencepiece', separator: str = '', data_format: str = 'text',
-            chat_template: str = '', seq_len: int = 0, empty_think: str = 'mask') -> dict:
-  """Prepares `sources` into `out` (resuming a previous run there); returns the metadata it wrote."""
+            chat_template: str = '', seq_len: int = 0, empty_think: str = 'mask', engine: str = 'local', ray_address: str = '',
+            block_bytes: int = 64 << 20) -> dict:
+  """Prepares `sources` into `out` (resuming a previous run there); returns the metadata it wrote.
+
+  `engine` (local: this process or a pool of `workers`; ray: tasks on the cluster at `ray_address`) and
+  `block_bytes` (the size of jsonl ranges) change where the work runs, never the bytes written.
+  """
+  if engine not in engine_lib.ENGINES:
+    raise PrepareError(f'engine={engine!r} is unknown; use one of {", ".join(engine_lib.ENGINES)}.')
   if tokenizer_kind not in tokenizer_lib.KINDS:
     raise PrepareError(f'tokenizer_kind={tokenizer_kind!r} is unknown; use one of {", ".join(tokenizer_lib.KINDS)}.')
   if data_format not in DATA_FORMATS:
@@ -259,25 +310,31 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
       tokenizer = tokenizer_lib.main_file(tokenizer)
     except ValueError as e:
       raise PrepareError(f'--tokenizer: {e}') from e
+  if engine == 'ray' and importlib.util.find_spec('ray') is None:
+    raise PrepareError('--engine=ray needs Ray; pip install "jaxlm[ray]", or use --engine=local.')
   start = time.time()
-  workers = workers or os.cpu_count() or 1
   os.makedirs(out, exist_ok=True)
-  plan = _plan(sources, vocab_size=vocab_size, model_type=model_type,
-               tokenizer_sha=tokenizer_lib.file_sha256(tokenizer) if tokenizer else None, text_field=text_field,
-               txt_docs=txt_docs, eval_fraction=eval_fraction, shard_docs=shard_docs, sample_mb=sample_mb,
-               max_sentences=max_sentences, seed=seed, tokenizer_kind=tokenizer_kind, separator=separator,
-               data_format=data_format, chat_template=chat_template, seq_len=seq_len, empty_think=empty_think)
+  settings = _plan(sources, vocab_size=vocab_size, model_type=model_type,
+                   tokenizer_sha=tokenizer_lib.file_sha256(tokenizer) if tokenizer else None,
+                   text_field=text_field, txt_docs=txt_docs, eval_fraction=eval_fraction, shard_docs=shard_docs,
+                   sample_mb=sample_mb, max_sentences=max_sentences, seed=seed, tokenizer_kind=tokenizer_kind,
+                   separator=separator, data_format=data_format, chat_template=chat_template, seq_len=seq_len,
+                   empty_think=empty_think)
   plan_path = os.path.join(out, 'plan.json')
   if os.path.exists(plan_path):
     with open(plan_path) as f:
       old = json.load(f)
-    if old != plan:
-      changed = sorted(k for k in plan if old.get(k) != plan[k])
+    if old != settings:
+      if old.get('sources') != settings['sources'] and (what := _changed_input(old.get('sources', []),
+                                                                               settings['sources'])):
+        raise PrepareError(f'{what} since {out} was started; use a new --out directory, or delete {out} to '
+                           f'start over.')
+      changed = sorted(k for k in settings if old.get(k) != settings[k])
       raise PrepareError(f'{out} holds a preparation with different settings ({", ".join(changed)} changed); '
                          f'use a new --out directory, or delete {out} to start over.')
     logging.info('prepare: resuming in %s (completed shards are kept)', out)
   else:
-    _write_json(plan_path, plan)
+    _write_json(plan_path, settings)
   for name in os.listdir(out):  # temp files of an interrupted run; never complete, so never read
     if '.tmp-' in name:
       os.remove(os.path.join(out, name))
@@ -294,8 +351,10 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
       if tokenizer_kind == 'bytelevel_bpe':
         tokenizer_lib.train_bytelevel_bpe(lines, out, vocab_size=vocab_size, max_sentences=max_sentences)
       else:
+        # The driver's cores, not --workers: the model file records its thread count, and no output byte may
+        # depend on the engine or the worker count.
         tokenizer_lib.train(lines, model_path, vocab_size=vocab_size, model_type=model_type,
-                            max_sentences=max_sentences, num_threads=workers, seed=seed)
+                            max_sentences=max_sentences, num_threads=os.cpu_count() or 1, seed=seed)
       logging.info('prepare: trained a %s tokenizer (vocab %d) in %.1fs', tokenizer_kind, vocab_size,
                    time.time() - t0)
     tok = tokenizer_lib.load(model_path, separator=separator or None)
@@ -314,71 +373,49 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
       raise PrepareError(f'the tokenizer {tokenizer} has no chat_template; pass --chat_template=chatml or llama3.')
     chat = (template, seq_len + 1 if seq_len else 0, empty_think)  # a row of T tokens holds a conversation of T + 1 ids
   dtype = token_dtype(tok.vocab_size).name
+  reading = plan_lib.Reading(text_field=text_field, txt_docs=txt_docs, data_format=data_format,
+                             eval_fraction=eval_fraction)
+  worker = (model_path, separator or None, chat)
 
+  runner = engine_lib.make(engine, workers=workers, ray_address=ray_address)
   shards = {split: [] for split in SPLITS}
-  per_source = []
-  bar = _Progress(sum(s.size for s in sources), progress)
-  pool = None
-  if workers > 1:
-    # spawn, not fork: the caller may be a training process with JAX's threads running. An executor, not a
-    # multiprocessing.Pool: a worker that dies (e.g. an unguarded calling script) raises instead of hanging.
-    pool = futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context('spawn'),
-                                       initializer=_init_worker, initargs=(model_path, separator or None, chat))
-  else:
-    _init_worker(model_path, separator or None, chat)
-  pending = []  # (split, future), bounded so reading stays just ahead of tokenizing
-
-  def record(split: str, stats: dict, written: bool):
-    shards[split].append(stats)
-    bar.tokens += stats['tokens']
-    bar.done += stats['bytes']
-    bar.shards += written
-    bar.skipped += not written
-    bar.draw()
-
-  def submit(split: str, index: int, texts: list[str]):
-    if (done := _shard_done(out, split, index)) is not None:
-      record(split, done, written=False)
-    elif pool is None:
-      record(split, _write_shard(out, split, index, texts, dtype), written=True)
-    else:
-      pending.append((split, pool.submit(_write_shard, out, split, index, texts, dtype)))
-      while len(pending) > 2 * workers or (pending and pending[0][1].done()):
-        done_split, future = pending.pop(0)
-        record(done_split, future.result(), written=True)
-
+  where = collections.Counter()  # shards written per node (runs.jsonl)
   try:
-    buffers = {split: [] for split in SPLITS}
-    next_index = {split: 0 for split in SPLITS}
-    for source in sources:
-      n_docs = 0
-      items = (read_records(source, counts) if data_format == 'chat' else
-               read_documents(source, counts, text_field=text_field, txt_docs=txt_docs))
-      for key, text in items:
-        n_docs += 1
-        split = 'eval' if is_eval(key, eval_fraction) else 'train'
-        buffers[split].append(text)
-        if len(buffers[split]) == shard_docs:
-          submit(split, next_index[split], buffers[split])
-          buffers[split], next_index[split] = [], next_index[split] + 1
-      per_source.append({'key': source.key, 'path': os.path.abspath(source.path), 'bytes': source.size,
-                         'documents': n_docs})
-    for split in SPLITS:
-      if buffers[split]:
-        submit(split, next_index[split], buffers[split])
-    for split, future in pending:
-      record(split, future.result(), written=True)
-  except futures.process.BrokenProcessPool as e:
-    raise PrepareError('a tokenizer worker process died. If you call prepare from a script, guard the script '
-                       'with `if __name__ == "__main__":` (workers are spawned and re-import it), or pass '
-                       'workers=1.') from e
+    # Units from sizes and footers; one reading of each to count its documents; then the plan, and the shards.
+    units = [u for s in sources for u in readers.units(s, counts, text_field=text_field, block_bytes=block_bytes)]
+    ranged = [i for i, u in enumerate(units) if plan_lib.needs_line_count(u)]
+    lines = [0] * len(units)
+    for i, n in runner.map(readers.line_count, [(units[i],) for i in ranged]):
+      lines[ranged[i]] = n
+    offsets = plan_lib.line_offsets(units, lines)
+    found = [None] * len(units)
+    for i, c in runner.map(_count_task, [(u, reading, o) for u, o in zip(units, offsets)]):
+      found[i] = c
+    per_unit = [c.split for c in found]
+    for c in found:
+      counts.update(c.counts)
+    plan = plan_lib.plan_shards(per_unit, shard_docs)
+    tasks = [(out, split, index, [(units[p.unit], p, offsets[p.unit]) for p in pieces], reading, dtype, worker,
+              runner.where()) for split in SPLITS for index, pieces in enumerate(plan[split])]
+    bar = _Progress(len(tasks), progress)
+    for _, (stats, written, node) in runner.map(_shard_task, tasks):
+      shards['train' if stats['file'].startswith('train') else 'eval'].append(stats)
+      where[node] += written
+      bar.add(stats, written)
   finally:
-    if pool is not None:
-      pool.shutdown(cancel_futures=True)
-  bar.done = bar.total  # cleaning removed a few bytes; the bar still ends at 100%
+    runner.close()
   bar.draw(force=True)
+  docs_per_source = collections.Counter()
+  for u, c in zip(units, found):
+    docs_per_source[u.source.key] += c.documents
+  per_source = [{'key': s.key, 'path': os.path.abspath(s.path), 'bytes': s.size, 'documents': docs_per_source[s.key]}
+                for s in sources]
+  seconds = time.time() - start
+  with open(os.path.join(out, 'runs.jsonl'), 'a') as f:  # what varies between runs stays out of metadata.json
+    f.write(json.dumps({'engine': engine, 'workers': runner.workers, 'units': len(units),
+                        'shards_written': dict(where), 'shards_kept': bar.kept, 'seconds': round(seconds, 2)}) + '\n')
 
-  meta = _metadata(out, tok, shards, per_source, counts, plan, time.time() - start)
+  meta = _metadata(tok, shards, per_source, counts, settings)
   if data_format == 'chat':
     c = meta['chat']
     bad = sum(c['skipped'].values())
@@ -399,7 +436,7 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
   _write_json(os.path.join(out, 'metadata.json'), meta)
   logging.info('prepare: %s: %d documents, %d tokens (%d held out), dropped %s, in %.1fs', out,
                meta['documents'], meta['tokens'], meta['splits']['eval']['documents'], meta['dropped'],
-               meta['seconds'])
+               seconds)
   return meta
 
 
@@ -407,7 +444,8 @@ def _new_counts() -> collections.Counter:
   return collections.Counter()
 
 
-def _metadata(out, tok, shards, per_source, counts, plan, seconds) -> dict:
+def _metadata(tok, shards, per_source, counts, plan) -> dict:
+  """metadata.json: a function of the inputs and settings only (timings go to runs.jsonl)."""
   splits = {}
   for split in SPLITS:
     listed = sorted(shards[split], key=lambda s: s['file'])
@@ -437,7 +475,6 @@ def _metadata(out, tok, shards, per_source, counts, plan, seconds) -> dict:
       'repaired': {k.removeprefix('repaired_'): v for k, v in sorted(counts.items()) if k.startswith('repaired_')},
       'sources': per_source,
       'settings': {k: v for k, v in plan.items() if k != 'sources'},
-      'seconds': round(seconds, 2),
   }
 
 
@@ -540,7 +577,14 @@ def _define_flags() -> None:
   flags.DEFINE_enum('txt_docs', 'file', TXT_DOCS, 'What one document is in a .txt file.')
   flags.DEFINE_float('eval_fraction', 0.02, 'Fraction of documents held out for evaluation (by a hash of their name).')
   flags.DEFINE_integer('shard_docs', 10_000, 'Documents per ArrayRecord shard.')
-  flags.DEFINE_integer('workers', 0, 'Tokenizer processes (0 = one per CPU core).')
+  flags.DEFINE_integer('workers', 0, 'Tokenizer processes (0 = one per CPU core; with --engine=ray, tasks in '
+                       'flight / 2, 0 = the cluster\'s CPUs).')
+  flags.DEFINE_enum('engine', 'local', engine_lib.ENGINES, 'Where tasks run: local (this machine) or ray (a Ray '
+                    'cluster, `jaxlm[ray]`). The output is the same byte for byte.')
+  flags.DEFINE_string('ray_address', '', '--engine=ray: the cluster (host:port of the head); empty = start Ray '
+                      'on this machine.')
+  flags.DEFINE_float('block_mb', 64, 'Size of the line ranges an uncompressed .jsonl is cut into (parquet is '
+                       'cut at row groups); does not change the output.')
   flags.DEFINE_float('sample_mb', 100.0, 'MB of training text sampled (evenly across the corpus) for the tokenizer.')
   flags.DEFINE_integer('max_sentences', 1_000_000, 'Most lines the SentencePiece trainer keeps from that sample.')
   flags.DEFINE_integer('seed', 0, 'Seed of the tokenizer trainer.')
@@ -559,12 +603,13 @@ def main(argv: Sequence[str]) -> None:
                    workers=FLAGS.workers, sample_mb=FLAGS.sample_mb, max_sentences=FLAGS.max_sentences,
                    seed=FLAGS.seed, tokenizer_kind=FLAGS.tokenizer_kind, separator=FLAGS.separator,
                    data_format=FLAGS.format, chat_template=FLAGS.chat_template, seq_len=FLAGS.seq_len,
-                   empty_think=FLAGS.empty_think)
+                   empty_think=FLAGS.empty_think, engine=FLAGS.engine, ray_address=FLAGS.ray_address,
+                   block_bytes=int(FLAGS.block_mb * 2**20))
   except KeyboardInterrupt:
     print('\nprepare: interrupted; run the same command again to resume (completed shards are kept).',
           file=sys.stderr)
     sys.exit(130)
-  print(json.dumps({k: meta[k] for k in ('documents', 'tokens', 'vocab_size', 'dropped', 'seconds')}))
+  print(json.dumps({k: meta[k] for k in ('documents', 'tokens', 'vocab_size', 'dropped')}))
 
 
 def console() -> None:

@@ -111,17 +111,90 @@ def _warn_skip(counts: dict, what: str, where: str) -> None:
                  if counts[what] == 5 else '')
 
 
-def read_documents(source: Source, counts: dict, *, text_field: str = 'text',
-                   txt_docs: str = 'file') -> Iterator[tuple[str, str]]:
-  """Yields (key, cleaned text) for each document of one file; bad records are skipped and counted."""
+@dataclasses.dataclass(frozen=True)
+class Unit:
+  """A piece of one input that a worker reads alone: a parquet row group, a jsonl byte range, or a whole file.
+
+  Enumerated from file sizes and parquet footers only. A jsonl range [start, end) holds the lines that begin in
+  it (the convention of Hadoop's line reader), so ranges cut anywhere and still give every line once.
+  """
+  source: Source
+  start: int = 0  # jsonl: first byte; parquet: row group
+  end: int = -1  # jsonl: end byte (-1 = end of file); parquet: -1
+  rows: int = 0  # parquet: rows in the row group (from the footer)
+  row_offset: int = 0  # parquet: rows of the file before this row group
+
+  @property
+  def kind(self) -> str:
+    return _kind(self.source.path)
+
+  @property
+  def name(self) -> str:
+    """`key` for a whole file, `key@start` for a part of one (messages, progress)."""
+    return self.source.key if self.end < 0 and self.kind != 'parquet' else f'{self.source.key}@{self.start}'
+
+
+def units(source: Source, counts: dict, *, text_field: str = 'text', block_bytes: int = 64 << 20) -> list[Unit]:
+  """The units of one input, without reading its documents: row groups, line ranges of ~block_bytes, or the file."""
   kind = _kind(source.path)
+  if kind == 'parquet':
+    try:
+      import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+    except ImportError as e:
+      raise PrepareError(f'{source.path}: reading parquet needs pyarrow (pip install pyarrow).') from e
+    try:
+      meta = pq.ParquetFile(source.path).metadata
+      names = meta.schema.to_arrow_schema().names
+    except Exception as e:  # pyarrow raises its own ArrowInvalid/OSError family for corrupt files
+      _warn_skip(counts, 'dropped_unreadable_files', f'{source.path}: {e}')
+      return []
+    if text_field not in names:
+      raise PrepareError(f'{source.path} has no column {text_field!r} (columns: {", ".join(names)}); '
+                         f'pass --text_field=NAME.')
+    out, offset = [], 0
+    for g in range(meta.num_row_groups):
+      rows = meta.row_group(g).num_rows
+      out.append(Unit(source, start=g, rows=rows, row_offset=offset))
+      offset += rows
+    return out
+  if kind == 'jsonl' and not source.path.lower().endswith('.gz') and 0 < block_bytes < source.size:
+    return [Unit(source, start=a, end=min(a + block_bytes, source.size)) for a in range(0, source.size, block_bytes)]
+  return [Unit(source)]  # txt, and gzip (no seeking into a compressed stream)
+
+
+def _lines(f, unit: Unit) -> Iterator[bytes]:
+  """The lines of a binary file that begin in the unit's byte range."""
+  if unit.end < 0:
+    yield from f
+    return
+  if unit.start > 0:
+    f.seek(unit.start - 1)
+    f.readline()  # the rest of the line that holds byte start - 1: it belongs to the range before
+  while f.tell() < unit.end:
+    raw = f.readline()
+    if not raw:
+      return
+    yield raw
+
+
+def read_unit(unit: Unit, counts: dict, *, text_field: str = 'text', txt_docs: str = 'file',
+              line_offset: int = 0) -> Iterator[tuple[int, str]]:
+  """Yields (index, cleaned text) of one unit's documents; bad records are skipped and counted.
+
+  The index names the document inside its file together with the source key (`key:index`): the 1-based line of a
+  jsonl file (a range's lines are numbered from 1 + line_offset), the row of a parquet file, the part of a txt
+  file split into paragraphs or lines; -1 for a txt file that is one document. A range's lines are numbered
+  after those of the ranges before it (`line_offset`, the sum of their `line_count`).
+  """
+  source = unit.source
+  kind = unit.kind
   try:
     if kind == 'parquet':
-      yield from _read_parquet(source, counts, text_field)
+      yield from _read_row_group(unit, counts, text_field)
       return
     with _open(source.path) as f:
       if kind == 'jsonl':
-        for line_no, raw in enumerate(f, 1):
+        for line_no, raw in enumerate(_lines(f, unit), line_offset + 1):
           if not raw.strip():
             continue
           try:
@@ -134,7 +207,7 @@ def read_documents(source: Source, counts: dict, *, text_field: str = 'text',
             _warn_skip(counts, 'dropped_missing_field', f'{source.path}:{line_no} has no string {text_field!r}')
             continue
           if (text := _clean(value, counts)) is not None:
-            yield f'{source.key}:{line_no}', text
+            yield line_no, text
         return
       raw = f.read()
   except (OSError, EOFError, gzip.BadGzipFile) as e:
@@ -146,22 +219,51 @@ def read_documents(source: Source, counts: dict, *, text_field: str = 'text',
   text = _decode(raw, counts)
   if txt_docs == 'file':
     if (text := _clean(text, counts)) is not None:
-      yield source.key, text
+      yield -1, text
     return
   text = _normalise_newlines(text, counts)
   parts = text.split('\n') if txt_docs == 'lines' else text.split('\n\n')
   for i, part in enumerate(parts):
     if part.strip():  # blank separators between paragraphs/lines are layout, not dropped documents
-      yield f'{source.key}:{i}', _clean(part, counts)
+      yield i, _clean(part, counts)
 
 
-def read_records(source: Source, counts: dict) -> Iterator[tuple[str, object]]:
-  """Yields (key, parsed JSON value) for each line of a .jsonl file (chat data); bad lines are skipped and counted."""
+def line_count(unit: Unit) -> int:
+  """Lines that begin in a jsonl unit (what the next range of the file numbers its lines after)."""
+  try:
+    with _open(unit.source.path) as f:
+      return sum(1 for _ in _lines(f, unit))
+  except (OSError, EOFError, gzip.BadGzipFile):
+    return 0
+
+
+def doc_key(source_key: str, index: int) -> str:
+  """The document's stable name, hashed for the held-out split: `key:index`, or `key` for a whole-file document."""
+  return source_key if index < 0 else f'{source_key}:{index}'
+
+
+def read_documents(source: Source, counts: dict, *, text_field: str = 'text',
+                   txt_docs: str = 'file') -> Iterator[tuple[str, str]]:
+  """Yields (key, cleaned text) for each document of one file; bad records are skipped and counted."""
+  if _kind(source.path) == 'parquet':
+    for unit in units(source, counts, text_field=text_field, block_bytes=2**62):
+      for i, text in read_unit(unit, counts, text_field=text_field):
+        yield doc_key(source.key, i), text
+    return
+  for i, text in read_unit(Unit(source), counts, text_field=text_field, txt_docs=txt_docs):
+    yield doc_key(source.key, i), text
+
+
+def read_records(source: Source | Unit, counts: dict, line_offset: int = 0) -> Iterator[tuple[str, object]]:
+  """Yields (key, parsed JSON value) for each line of a .jsonl file or range (chat data); bad lines are skipped
+  and counted."""
+  unit = source if isinstance(source, Unit) else Unit(source)
+  source = unit.source
   if _kind(source.path) != 'jsonl':
     raise PrepareError(f'{source.path}: chat data is read from .jsonl files (one conversation per line).')
   try:
     with _open(source.path) as f:
-      for line_no, raw in enumerate(f, 1):
+      for line_no, raw in enumerate(_lines(f, unit), line_offset + 1):
         if not raw.strip():
           continue
         try:
@@ -172,28 +274,20 @@ def read_records(source: Source, counts: dict) -> Iterator[tuple[str, object]]:
     _warn_skip(counts, 'dropped_unreadable_files', f'{source.path}: {e}')
 
 
-def _read_parquet(source: Source, counts: dict, text_field: str) -> Iterator[tuple[str, str]]:
+def _read_row_group(unit: Unit, counts: dict, text_field: str) -> Iterator[tuple[int, str]]:
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top  # optional: only parquet inputs need it
+  source = unit.source
   try:
-    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top  # optional: only parquet inputs need it
-  except ImportError as e:
-    raise PrepareError(f'{source.path}: reading parquet needs pyarrow (pip install pyarrow).') from e
-  try:
-    pf = pq.ParquetFile(source.path)
-  except Exception as e:  # pyarrow raises its own ArrowInvalid/OSError family for corrupt files
-    _warn_skip(counts, 'dropped_unreadable_files', f'{source.path}: {e}')
+    column = pq.ParquetFile(source.path).read_row_group(unit.start, columns=[text_field]).column(0)
+  except Exception as e:  # pylint: disable=broad-except  -- pyarrow's ArrowInvalid/OSError family
+    _warn_skip(counts, 'dropped_unreadable_files', f'{source.path} row group {unit.start}: {e}')
     return
-  names = pf.schema_arrow.names
-  if text_field not in names:
-    raise PrepareError(f'{source.path} has no column {text_field!r} (columns: {", ".join(names)}); '
-                       f'pass --text_field=NAME.')
-  row = 0
-  for batch in pf.iter_batches(columns=[text_field], batch_size=4096):
-    for value in batch.column(0).to_pylist():
-      row += 1
-      if isinstance(value, bytes):
-        value = _decode(value, counts)
-      if not isinstance(value, str):
-        _warn_skip(counts, 'dropped_missing_field', f'{source.path} row {row - 1} has no string {text_field!r}')
-        continue
-      if (text := _clean(value, counts)) is not None:
-        yield f'{source.key}:{row - 1}', text
+  for j, value in enumerate(column.to_pylist()):
+    row = unit.row_offset + j
+    if isinstance(value, bytes):
+      value = _decode(value, counts)
+    if not isinstance(value, str):
+      _warn_skip(counts, 'dropped_missing_field', f'{source.path} row {row} has no string {text_field!r}')
+      continue
+    if (text := _clean(value, counts)) is not None:
+      yield row, text

@@ -1,0 +1,78 @@
+"""`python -m jaxlm.data.clean`: datatrove's language, quality and MinHash stages on a planted corpus."""
+
+import collections
+import glob
+
+import pytest
+
+from jaxlm.data import clean as clean_lib
+from jaxlm.data import prepare as prepare_lib
+from jaxlm.data import readers
+from tests.data import clean_corpus
+
+pytest.importorskip('datatrove')
+pytest.importorskip('py3langid')
+
+
+def _kept(out) -> list[dict]:
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  return [r for p in sorted(glob.glob(f'{out}/*.parquet')) for r in pq.read_table(p, columns=['id', 'text'])
+          .to_pylist()]
+
+
+@pytest.fixture(scope='session')
+def cleaned(tmp_path_factory):
+  """The planted corpus, and its local clean: (root, corpus info, output directory)."""
+  root = tmp_path_factory.mktemp('clean')
+  info = clean_corpus.write(root / 'raw')
+  clean_lib.clean(readers.expand_inputs([str(root / 'raw')]), str(root / 'local'), languages=['en'],
+                  lid='py3langid', workers=1, tasks=2)
+  return root, info, root / 'local'
+
+
+def test_clean_drops_foreign_and_copies_and_keeps_english(cleaned):
+  _, info, out = cleaned
+  rows = _kept(out)
+  ids = collections.Counter(r['id'] for r in rows)
+  texts = collections.Counter(r['text'] for r in rows)
+  english, copies = info['english'], info['copies']
+  assert not [i for i in ids if not i.startswith('en-')]  # foreign kept: 0
+  clusters = {f'en-{i}': [k for k in ids if k == f'en-{i}' or k.startswith(f'en-{i}-')] for i in range(english)}
+  dropped = [c for c, kept in clusters.items() if not kept]
+  assert len(dropped) <= 0.01 * english, dropped  # English dropped <= 1 %
+  assert max(texts.values()) == 1  # exact duplicates left: 0
+  near = [f'en-{copies + i}' for i in range(copies)]
+  assert sum(len(clusters[c]) > 1 for c in near) <= 0.03 * len(near)  # near-duplicate clusters kept twice
+  assert len(rows) == english  # and nothing else was lost: one survivor per document and its copies
+
+
+def test_prepare_reads_the_cleaned_output(cleaned, tmp_path):
+  root, info, out = cleaned
+  meta = prepare_lib.prepare(readers.expand_inputs([str(out)]), str(tmp_path / 'prep'), vocab_size=320,
+                             workers=1, shard_docs=16, eval_fraction=0.1, progress=False)
+  assert meta['documents'] == info['english']
+
+
+@pytest.mark.e2e
+@pytest.mark.slow  # five datatrove stages, each a Ray actor that imports datatrove and spaCy
+def test_ray_executor_keeps_the_same_documents(cleaned, ray_cluster):
+  import ray  # pylint: disable=g-import-not-at-top
+  root, _, out = cleaned
+  ray.init(address=ray_cluster, include_dashboard=False, log_to_driver=False)
+  try:
+    clean_lib.clean(readers.expand_inputs([str(root / 'raw')]), str(root / 'ray'), languages=['en'],
+                    executor='ray', lid='py3langid', tasks=2, tasks_per_job=16)
+  finally:
+    ray.shutdown()
+  assert sorted(r['id'] for r in _kept(root / 'ray')) == sorted(r['id'] for r in _kept(out))
+
+
+def test_missing_datatrove_is_one_line(tmp_path):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  from tests.conftest import ROOT  # pylint: disable=g-import-not-at-top
+  from tests.helpers import assert_fails_with  # pylint: disable=g-import-not-at-top
+  code = 'import sys; sys.modules["datatrove"] = None; from jaxlm.data import clean; clean.console()'
+  out = subprocess.run([sys.executable, '-c', code, f'--inputs={ROOT / "README.md"}', f'--out={tmp_path}'],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert 'jaxlm[clean]' in assert_fails_with(out, 2)
