@@ -2,6 +2,7 @@
 called directly on the same inputs."""
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -171,3 +172,75 @@ def test_corrupted_human_continuations_move_coherence_and_perplexity_the_right_w
   shuffled = [' '.join(rng.permutation(t.split(' '))) for t in human]
   assert textgen.score(prompts, shuffled, human, scorer=judge, mauve_seeds=())['model']['perplexity'] > \
       1.3 * base['perplexity']
+
+
+def test_continuation_logprobs_equal_transformers_log_softmax_on_the_export(scored, textgen_runs, tmp_path):
+  torch = pytest.importorskip('torch', reason='pip install -e ".[test]"')
+  transformers = pytest.importorskip('transformers', reason='pip install -e ".[test]"')
+  from jaxlm.hf import export as export_lib
+  export_lib.export(textgen_runs[0], str(tmp_path))
+  hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).float().eval()
+  own = scored['own']
+  pairs = own.encode_pairs(scored['prompts'][:5], scored['human'][:5])
+  ours = own.token_logprobs(pairs)
+  for (ctx, cont), lp in zip(pairs, ours):
+    with torch.no_grad():
+      logits = hf(torch.tensor([ctx + cont])).logits[0].double()
+    ref = torch.log_softmax(logits, -1)[len(ctx) - 1:-1].gather(-1, torch.tensor(cont)[:, None])[:, 0].numpy()
+    assert len(cont) > 5 and np.abs(lp - ref).max() < 1e-5
+
+
+def test_generate_heldout_gives_a_human_row_and_the_same_json_twice(textgen_runs, tmp_path):
+  import json
+  from jaxlm import generate as generate_lib
+  from jaxlm.tools import eval as eval_lib
+  model_dir, judge_dir = textgen_runs
+  kwargs = dict(num_prompts=16, prompt_tokens=P, max_tokens=N, seed=3, scorer=judge_dir, mauve_seeds=(0, 1),
+                sampling=generate_lib.Sampling(temperature=1.0, top_p=0.95))
+  first = eval_lib.generate_and_score(model_dir, 'heldout', samples_out=str(tmp_path / 'a.jsonl'), **kwargs)
+  second = eval_lib.generate_and_score(model_dir, 'heldout', samples_out=str(tmp_path / 'a.jsonl'), **kwargs)
+  assert json.dumps(first, sort_keys=True) == json.dumps(second, sort_keys=True)
+  sig = first['signature']
+  assert sig['scorer'].endswith(os.path.basename(judge_dir)) and sig['scorer_step'] == 300 and sig['samples'] == 16
+  assert sig['sampling'] == {'temperature': 1.0, 'top_k': 0, 'top_p': 0.95} and sig['seed'] == 3
+  assert sig['versions']['sacrebleu'] == '2.6.0' and sig['versions']['mauve-text'] == '0.4.0'
+  assert 0 < first['model']['mauve'] <= 1 and first['human']['perplexity'] > 1
+  records = [json.loads(line) for line in (tmp_path / 'a.jsonl').read_text().splitlines()]
+  assert len(records) == 16 and {'prompt', 'completion', 'human', 'finish_reason'} <= set(records[0])
+  assert [r['human'] for r in records] == scored_human(model_dir, 16)
+
+
+def scored_human(model_dir, num):
+  """The human continuations the held-out cut gives, decoded independently of eval."""
+  from jaxlm.data import pipeline as data_lib
+  from jaxlm.hf import export as export_lib
+  cfg = export_lib.read_config(export_lib.step_dir(model_dir))
+  batches = data_lib.eval_batches(cfg.data, batch_size=cfg.train.batch_size, num_batches=cfg.train.eval_batches,
+                                  vocab_size=cfg.model.vocab_size)
+  tok = data_lib.load_tokenizer(cfg.data, cfg.model.vocab_size)
+  return [tok.decode(h) for _, h in textgen.cut_pairs(batches, num, P, N)]
+
+
+def test_generate_with_references_adds_sacrebleu_scores(textgen_runs, tmp_path):
+  import json
+  sacrebleu = pytest.importorskip('sacrebleu')
+  from jaxlm.tools import eval as eval_lib
+  model_dir, _ = textgen_runs
+  lines = [{'prompt': 'import os\n', 'reference': 'import sys\n'}, {'prompt': 'def f(x):\n', 'reference': '    return x\n'},
+           {'prompt': 'class A:\n', 'reference': '    pass\n'}]
+  (tmp_path / 'p.jsonl').write_text(''.join(json.dumps(x) + '\n' for x in lines))
+  r = eval_lib.generate_and_score(model_dir, str(tmp_path / 'p.jsonl'), max_tokens=8, mauve_seeds=(),
+                                  samples_out=str(tmp_path / 's.jsonl'))
+  texts = [json.loads(x)['completion'] for x in (tmp_path / 's.jsonl').read_text().splitlines()]
+  refs = [x['reference'] for x in lines]
+  assert r['model']['bleu'] == sacrebleu.corpus_bleu(texts, [refs]).score
+  assert r['model']['chrf'] == sacrebleu.corpus_chrf(texts, [refs]).score
+  # The references against themselves (BLEU needs 4-grams, which these short lines lack).
+  assert r['human']['chrf'] == 100.0 and r['human']['ter'] == 0.0 and r['human']['exact_match'] == 1.0
+
+
+def test_generate_refuses_a_bad_prompts_file_with_one_line(tmp_path):
+  from tests.helpers import assert_fails_with, run_cli
+  (tmp_path / 'p.jsonl').write_text('{"prompt": "x"}\n')
+  out = run_cli('jaxlm.tools.eval', f'--workdir={tmp_path}', f'--generate={tmp_path}/p.jsonl', devices=1, timeout=120)
+  assert_fails_with(out, 2, 'p.jsonl:1 needs a non-empty "prompt" string and a "reference" string')

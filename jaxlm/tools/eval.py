@@ -359,12 +359,15 @@ def generate_and_score(workdir: str, source: str = 'heldout', *, step: int | Non
   """
   from jaxlm import generate as generate_lib  # pylint: disable=g-import-not-at-top
   sampling = sampling or generate_lib.Sampling()
+  references = None
+  if source != 'heldout':  # a bad file fails before any device work
+    prompts, references = read_prompt_references(source)
+    prompts, references = prompts[:num_prompts], references[:num_prompts]
   own = load_scorer(workdir, step=step)
   path = export_lib.step_dir(workdir, step)
   cfg = export_lib.read_config(path)
   tok, seq_len = own.tokenizer, cfg.data.seq_len
   start = [tok.separator_id] if tok.separator_id >= 0 else []
-  references = None
   if source == 'heldout':
     if prompt_tokens < 1 or prompt_tokens + max_tokens > seq_len:
       raise EvalError(f'--prompt_tokens={prompt_tokens} + --max_tokens={max_tokens} must fit the run\'s '
@@ -380,8 +383,6 @@ def generate_and_score(workdir: str, source: str = 'heldout', *, step: int | Non
     prompts = [tok.decode(p) for p in prompt_ids]
     human = [tok.decode(h) for h in human_ids]
   else:
-    prompts, references = read_prompt_references(source)
-    prompts, references = prompts[:num_prompts], references[:num_prompts]
     prompt_ids = [start + tok.encode(p) for p in prompts]
     human, human_ids = references, [tok.encode(r) for r in references]
   generate_lib.check_lengths(prompt_ids, max_tokens, seq_len)
