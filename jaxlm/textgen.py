@@ -412,3 +412,50 @@ def table(result: dict) -> str:
   return metrics.format_table([(k, fmt(model.get(k)), fmt(human.get(k))) for k in keys],
                               header=('metric', 'model', 'human'), right=(False, True, True), rule=True)
 
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# During training: train.gen_eval
+
+class GenEval:
+  """The trainer's generation metrics (train.gen_eval): fixed prompts cut once from the held-out batches, the
+  human side's texts and repetition cached, the run itself as the scorer (and, with train.gen_eval_mauve, the
+  feature source for MAUVE: a yardstick that moves with training, unlike `eval --generate --scorer=JUDGE`)."""
+
+  def __init__(self, train_cfg, eval_batches, tokenizer, model_cfg, *, seq_len: int, mesh=None):
+    t = train_cfg
+    self.every, self.tokenizer, self.model_cfg, self.seq_len, self.mesh = t.gen_eval, tokenizer, model_cfg, \
+        seq_len, mesh
+    self.new_tokens, self.seed = t.gen_eval_tokens, t.seed
+    from jaxlm import generate  # pylint: disable=g-import-not-at-top  # the sampler; runs with gen_eval only
+    self.sampling = generate.Sampling(temperature=t.gen_eval_temperature, top_p=t.gen_eval_top_p)
+    self.mauve_seeds = (0, 1, 2) if t.gen_eval_mauve else ()
+    pairs = cut_pairs(eval_batches, t.gen_eval_prompts, t.gen_eval_prompt_tokens, t.gen_eval_tokens)
+    if not pairs:
+      raise TextgenError(f'no held-out document run holds train.gen_eval_prompt_tokens + train.gen_eval_tokens = '
+                         f'{t.gen_eval_prompt_tokens + t.gen_eval_tokens} tokens; lower them')
+    self.prompt_ids = [p for p, _ in pairs]
+    self.prompts = [tokenizer.decode(p) for p in self.prompt_ids]
+    self.human_ids = [h for _, h in pairs]
+    self.human = [tokenizer.decode(h) for h in self.human_ids]
+    self.human_repetition = repetition(self.human, self.human_ids)  # cached: the human side never changes
+
+  def due(self, step: int, eval_every: int, last_step: int) -> bool:
+    """Every `every`-th evaluation, and at the last step."""
+    index = step // eval_every if eval_every else 1
+    return bool(self.every) and (index % self.every == 0 or step == last_step)
+
+  def __call__(self, params) -> tuple[dict, list[dict]]:
+    """(the gen record: the model's metrics, human ones as human_*; a few samples) for `params`."""
+    from jaxlm import generate  # pylint: disable=g-import-not-at-top
+    eos = self.tokenizer.separator_id if self.tokenizer.separator_id >= 0 else None
+    out = generate.generate(self.model_cfg, params, self.prompt_ids, self.new_tokens, sampling=self.sampling,
+                            seed=self.seed, eos_id=eos, mesh=self.mesh, max_len=self.seq_len)
+    texts = [self.tokenizer.decode(t) for t in out.tokens]
+    scorer = Scorer(self.model_cfg, params, self.tokenizer, seq_len=self.seq_len, mesh=self.mesh)
+    result = score(self.prompts, texts, self.human, model_ids=out.tokens, human_ids=self.human_ids,
+                   scorer=scorer, mauve_seeds=self.mauve_seeds)
+    record = {k: v for k, v in result['model'].items() if isinstance(v, (int, float))}
+    record.update({f'human_{k}': v for k, v in result['human'].items() if isinstance(v, (int, float))})
+    samples = [{'prompt': p, 'completion': c, 'human': h} for p, c, h in zip(self.prompts, texts, self.human)][:3]
+    return record, samples

@@ -80,12 +80,12 @@ def test_cut_pairs_take_windows_inside_one_document():
 P, N, PROMPTS = 8, 24, 64  # prompt and continuation tokens, prompts (palm_tiny's sequences are 64 tokens)
 
 
-def _train(tmp_path_factory, data_cache, name, steps, seed):
+def _train(tmp_path_factory, data_cache, name, steps, seed, **overrides):
   from jaxlm import train
   from tests.helpers import load_config
   cfg = load_config('palm_tiny')
   cfg.data.cache_dir = str(data_cache)
-  cfg.train.update(steps=steps, seed=seed, eval_batches=8, log_every=steps)
+  cfg.train.update(steps=steps, seed=seed, eval_batches=8, log_every=steps, **overrides)
   cfg.optim.update(lr=1e-2, warmup_steps=10)
   cfg.checkpoint.update(every=0, async_save=False)
   cfg.log.update(tensorboard=False, compilation_cache='')
@@ -97,7 +97,9 @@ def _train(tmp_path_factory, data_cache, name, steps, seed):
 @pytest.fixture(scope='session')
 def textgen_runs(tmp_path_factory, data_cache):
   """(model workdir, judge workdir): palm_tiny on the stdlib corpus, the judge trained longer on another seed."""
-  return (_train(tmp_path_factory, data_cache, 'textgen_model', 200, 0),
+  # The model scores its own generations at steps 100 and 200 (train.gen_eval).
+  return (_train(tmp_path_factory, data_cache, 'textgen_model', 200, 0, eval_every=100, gen_eval=1,
+                 gen_eval_prompts=16, gen_eval_prompt_tokens=P, gen_eval_tokens=N),
           _train(tmp_path_factory, data_cache, 'textgen_judge', 300, 1))
 
 
@@ -221,22 +223,61 @@ def scored_human(model_dir, num):
   return [tok.decode(h) for _, h in textgen.cut_pairs(batches, num, P, N)]
 
 
-def test_generate_with_references_adds_sacrebleu_scores(textgen_runs, tmp_path):
+def test_generate_with_references_equals_sacrebleu_and_lm_eval_on_the_same_samples(textgen_runs, tmp_path,
+                                                                                   monkeypatch):
+  """A prompts jsonl: BLEU / chrF / TER / exact match as sacrebleu gives them, and as lm-eval's generate_until
+  through the shipped task (jaxlm_generations) scores the same samples."""
   import json
   sacrebleu = pytest.importorskip('sacrebleu')
   from jaxlm.tools import eval as eval_lib
   model_dir, _ = textgen_runs
-  lines = [{'prompt': 'import os\n', 'reference': 'import sys\n'}, {'prompt': 'def f(x):\n', 'reference': '    return x\n'},
-           {'prompt': 'class A:\n', 'reference': '    pass\n'}]
-  (tmp_path / 'p.jsonl').write_text(''.join(json.dumps(x) + '\n' for x in lines))
-  r = eval_lib.generate_and_score(model_dir, str(tmp_path / 'p.jsonl'), max_tokens=8, mauve_seeds=(),
-                                  samples_out=str(tmp_path / 's.jsonl'))
-  texts = [json.loads(x)['completion'] for x in (tmp_path / 's.jsonl').read_text().splitlines()]
-  refs = [x['reference'] for x in lines]
-  assert r['model']['bleu'] == sacrebleu.corpus_bleu(texts, [refs]).score
+  prompts = ['import os\n', 'def f(x):\n', 'class A:\n', 'for i in range(', 'if __name__', 'return self.']
+
+  def run(references, name):
+    (tmp_path / name).write_text(''.join(json.dumps({'prompt': p, 'reference': r}) + '\n'
+                                         for p, r in zip(prompts, references)))
+    r = eval_lib.generate_and_score(model_dir, str(tmp_path / name), max_tokens=16, mauve_seeds=(),
+                                    samples_out=str(tmp_path / 's.jsonl'))
+    return r, [json.loads(x)['completion'] for x in (tmp_path / 's.jsonl').read_text().splitlines()]
+
+  _, greedy = run(['x'] * len(prompts), 'first.jsonl')
+  # References that the greedy samples match exactly (even rows) or in part (odd rows: a word dropped).
+  refs = [g if i % 2 == 0 else ' '.join(g.split(' ')[1:]) for i, g in enumerate(greedy)]
+  r, texts = run(refs, 'prompts.jsonl')
+  assert texts == greedy  # greedy: the same samples again
+  assert r['model']['bleu'] == sacrebleu.corpus_bleu(texts, [refs]).score > 0
   assert r['model']['chrf'] == sacrebleu.corpus_chrf(texts, [refs]).score
-  # The references against themselves (BLEU needs 4-grams, which these short lines lack).
-  assert r['human']['chrf'] == 100.0 and r['human']['ter'] == 0.0 and r['human']['exact_match'] == 1.0
+  assert r['model']['ter'] == sacrebleu.corpus_ter(texts, [refs]).score
+  assert r['model']['exact_match'] == pytest.approx(sum(t == x for t, x in zip(texts, refs)) / len(refs))
+  assert r['human']['chrf'] == 100.0 and r['human']['exact_match'] == 1.0  # the references against themselves
+
+  # lm-eval, offline (its json builder), on the same samples: a model that answers generate_until with them.
+  monkeypatch.setenv('HF_DATASETS_OFFLINE', '1')
+  monkeypatch.setenv('HF_HUB_OFFLINE', '1')
+  monkeypatch.setenv('HF_DATASETS_CACHE', str(tmp_path / 'hf_datasets'))
+  lm_eval = pytest.importorskip('lm_eval', reason='pip install -e ".[eval]"')
+  from lm_eval.api.model import LM
+  from lm_eval.tasks import TaskManager
+  answers = dict(zip(prompts, texts))
+
+  class Samples(LM):
+    def generate_until(self, requests):
+      return [answers[req.args[0]] for req in requests]
+
+    def loglikelihood(self, requests):
+      raise NotImplementedError
+
+    def loglikelihood_rolling(self, requests):
+      raise NotImplementedError
+
+  monkeypatch.chdir(tmp_path)
+  out = lm_eval.simple_evaluate(model=Samples(), tasks=['jaxlm_generations'],
+                                task_manager=TaskManager(include_path=eval_lib.TASKS_DIR), bootstrap_iters=0)
+  theirs = out['results']['jaxlm_generations']
+  assert theirs['bleu,none'] == r['model']['bleu']
+  assert theirs['chrf,none'] == r['model']['chrf']
+  assert theirs['ter,none'] == r['model']['ter']
+  assert theirs['exact_match,none'] == r['model']['exact_match']
 
 
 def test_generate_refuses_a_bad_prompts_file_with_one_line(tmp_path):
@@ -244,3 +285,34 @@ def test_generate_refuses_a_bad_prompts_file_with_one_line(tmp_path):
   (tmp_path / 'p.jsonl').write_text('{"prompt": "x"}\n')
   out = run_cli('jaxlm.tools.eval', f'--workdir={tmp_path}', f'--generate={tmp_path}/p.jsonl', devices=1, timeout=120)
   assert_fails_with(out, 2, 'p.jsonl:1 needs a non-empty "prompt" string and a "reference" string')
+
+
+def test_gen_eval_logs_gen_records_that_equal_scoring_the_checkpoint(textgen_runs, capsys):
+  from jaxlm import checkpoint as checkpoint_lib
+  from jaxlm.data import pipeline as data_lib
+  from jaxlm.hf import export as export_lib
+  from jaxlm.tools import eval as eval_lib
+  from jaxlm.tools import report as report_lib
+  from tests.helpers import read_records
+  model_dir, _ = textgen_runs
+  gens = read_records(model_dir, 'gen')
+  assert [r['step'] for r in gens] == [100, 200]
+  assert gens[0]['samples'] == 16 and gens[0]['human_perplexity'] != gens[1]['human_perplexity']  # a moving scorer
+  assert gens[0]['human_token_rep_4'] == gens[1]['human_token_rep_4']  # the human side: the same prompts
+  samples = [r for r in read_records(model_dir, 'event') if r['event'] == 'gen_sample']
+  assert len(samples) == 6 and samples[-1]['step'] == 200
+  # The last record again, from the checkpoint, outside the trainer: the same numbers.
+  cfg = export_lib.read_config(export_lib.step_dir(model_dir))
+  own = eval_lib.load_scorer(model_dir)
+  batches = data_lib.eval_batches(cfg.data, batch_size=cfg.train.batch_size, num_batches=cfg.train.eval_batches,
+                                  vocab_size=cfg.model.vocab_size)
+  gen = textgen.GenEval(cfg.train, batches, own.tokenizer, own.model_cfg, seq_len=cfg.data.seq_len, mesh=own.mesh)
+  record, again = gen(own.params)
+  assert {k: v for k, v in gens[1].items() if k in record} == record
+  assert [s['completion'] for s in samples[-3:]] == [s['completion'] for s in again]
+  # Goodput counts it as evaluation: the eval bucket holds both evaluations' time.
+  system = [r for r in read_records(model_dir, 'system') if 'eval_s' in r]
+  assert system and system[-1]['eval_s'] > 0
+  report_lib.report(model_dir, str(model_dir) + '/report.png')
+  out = capsys.readouterr().out
+  assert 'Generations' in out and 'human' in out and samples[-1]['completion'][:10].strip() in out
