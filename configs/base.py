@@ -92,6 +92,13 @@ def get_config() -> ml_collections.ConfigDict:
   t.eval_batches = 8  # batches per evaluation
   t.sample_prompts = ()  # texts continued greedily at each evaluation, logged as `sample` events, e.g. ('def ',)
   t.sample_tokens = 32  # most new tokens per sample (fewer where the prompt leaves less of data.seq_len)
+  t.gen_eval = 0  # every N-th evaluation also scores generations (jaxlm/textgen.py: gen records); 0 = off
+  t.gen_eval_prompts = 32  # gen_eval: prompts cut once from the held-out batches
+  t.gen_eval_prompt_tokens = 16  # gen_eval: tokens per prompt; the next gen_eval_tokens are the human continuation
+  t.gen_eval_tokens = 32  # gen_eval: most new tokens per sample (prompt + these fit data.seq_len)
+  t.gen_eval_temperature = 1.0  # gen_eval: sampling temperature (0 = greedy)
+  t.gen_eval_top_p = 0.95  # gen_eval: nucleus sampling (the open-ended generation protocol's setting)
+  t.gen_eval_mauve = False  # gen_eval: MAUVE on the run's own features (needs jaxlm[textgen]; moves with training)
   t.deterministic = False  # GPU: deterministic XLA ops, so reruns and resumes are bit for bit (slower); CPU/TPU always are
 
   c.optim = o = ml_collections.ConfigDict()

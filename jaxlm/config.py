@@ -222,6 +222,13 @@ def batch_stages(train_cfg, seq_len: int) -> list[tuple[int, float]]:
   return stages + [(train_cfg.batch_size, math.inf)]
 
 
+def _gen_eval_errors(t, d) -> list[str]:
+  if t.get('gen_eval', 0) and t.gen_eval_prompt_tokens + t.gen_eval_tokens > d.seq_len:
+    return [f'train.gen_eval_prompt_tokens + train.gen_eval_tokens = {t.gen_eval_prompt_tokens + t.gen_eval_tokens} '
+            f'must fit data.seq_len={d.seq_len}; lower them.']
+  return []
+
+
 def _train_errors(t, o) -> list[str]:
   e = []
   if t.batch_ramp:
@@ -248,6 +255,12 @@ def _train_errors(t, o) -> list[str]:
     e.append(f'train.sample_prompts={prompts!r} must be a tuple of non-empty texts, e.g. "(\'def \',)".')
   if prompts and t.get('sample_tokens', 1) < 1:
     e.append(f'train.sample_tokens={t.sample_tokens} must be a positive integer.')
+  if t.get('gen_eval', 0) < 0:
+    e.append(f'train.gen_eval={t.gen_eval} must be >= 0 (every N-th evaluation; 0 = off).')
+  if t.get('gen_eval', 0) and (t.gen_eval_prompts < 1 or t.gen_eval_prompt_tokens < 1 or t.gen_eval_tokens < 1
+                               or t.gen_eval_temperature < 0 or not 0 < t.gen_eval_top_p <= 1):
+    e.append('train.gen_eval_prompts, gen_eval_prompt_tokens and gen_eval_tokens must be positive, '
+             'gen_eval_temperature >= 0 and gen_eval_top_p in (0, 1].')
   if o.lr <= 0:
     e.append(f'optim.lr={o.lr} must be positive.')
   if o.name not in optimizer.OPTIMIZERS:
@@ -441,8 +454,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int, num_processes: int 
   """Raises ConfigError listing every problem with `c` on `num_devices` devices in `num_processes` processes."""
   errors = (_model_errors(c.model) + _moe_errors(c, num_devices) + _fp8_errors(c) + _deterministic_errors(c)
             + _data_errors(c.data) + _stream_errors(c) + _train_errors(c.train, c.optim)
-            + _mesh_errors(c, num_devices, num_processes, num_slices) + distributed.dist_errors(c.dist)
-            + _other_errors(c))
+            + _gen_eval_errors(c.train, c.data) + _mesh_errors(c, num_devices, num_processes, num_slices)
+            + distributed.dist_errors(c.dist) + _other_errors(c))
   if errors:
     raise ConfigError('invalid config:\n  - ' + '\n  - '.join(errors))
 

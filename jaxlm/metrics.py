@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 TRAIN_KEYS = ('loss', 'lr', 'grad_norm', 'tokens_per_s')  # every train record has these (and 'step')
 EVAL_KEYS = ('eval_loss',)
-KINDS = ('train', 'eval', 'system')  # system: memory, time accounting, compile time: no stdout line
+KINDS = ('train', 'eval', 'system', 'gen')  # system: memory, time accounting, compile time: no stdout line; gen: train.gen_eval
 RESERVED = ('kind', 'step', 'time', 'event', 'message')  # keys every record sets itself; `time` is Unix time
 
 

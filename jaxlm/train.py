@@ -63,6 +63,7 @@ class Run:
   profiler: perf.Profiler
   slow: perf.SlowStepDetector
   env: dict
+  gen: Any = None  # train.gen_eval's prompts and cached human side (jaxlm/textgen.py), when on
   compiled: dict = dataclasses.field(default_factory=dict)
   stop: list = dataclasses.field(default_factory=list)  # names of the stop signals received
 
@@ -143,6 +144,10 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
           faults=faults_lib.Faults(cfg.faults, vocab, log.event), profiler=profiler,
           slow=perf.SlowStepDetector(cfg.log.slow_step_factor, cfg.log.slow_step_count),
           env=checkpoint_lib.environment(cfg, mesh))
+  if t.get('gen_eval'):  # prompts cut once from the held-out batches; the human side is cached
+    from jaxlm import textgen  # pylint: disable=g-import-not-at-top  # runs with gen_eval only
+    r.gen = textgen.GenEval(t, eval_data, data_lib.load_tokenizer(cfg.data, vocab), program.model.config,
+                            seq_len=cfg.data.seq_len, mesh=mesh)
   with acct.phase('compile train step'):
     memory = perf.compiled_memory(r.step_for(t.batch_size))
   say(f'compiled the train step in {acct.last_s:.1f}s; per device: {perf.format_memory(memory)}')
@@ -325,7 +330,13 @@ def evaluate_and_log(r: Run, step: int, state) -> float:
     if state.ema:
       record['eval_loss_ema'] = evaluate(r.program, state.ema, r.eval_data)
     texts = sample_prompts(r, params)
+    gen = r.gen(params) if r.gen is not None and r.gen.due(step, r.cfg.train.eval_every, r.cfg.train.steps) \
+        else None
   r.log.write(step, record, kind='eval')
+  if gen is not None:  # gen records (metrics.jsonl, TensorBoard as gen/*) and a few samples beside the human text
+    r.log.write(step, gen[0], kind='gen')
+    for s in gen[1]:
+      r.log.event(step, 'gen_sample', f'{s["prompt"]!r} -> {s["completion"]!r} (human: {s["human"]!r})', **s)
   for prompt, text in zip(r.cfg.train.sample_prompts, texts):  # one `sample` event per prompt
     r.log.event(step, 'sample', f'greedy: {prompt!r} -> {text!r}', prompt=prompt, completion=text)
   r.log.write(step, {**r.acct.summary(), **perf.device_memory_stats()}, kind='system')

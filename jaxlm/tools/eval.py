@@ -5,6 +5,9 @@
   python -m jaxlm.tools.eval --workdir=runs/palm_small --documents=FILE_DIR_OR_GLOB[,...] [--text_field=text]
                        [--txt_docs=file] [--max_documents=N]
   python -m jaxlm.tools.eval --workdir=runs/palm_small --write_jsonl=heldout.jsonl [--max_documents=N]
+  python -m jaxlm.tools.eval --workdir=runs/palm_small --generate=heldout|prompts.jsonl [--num_prompts=64]
+                       [--prompt_tokens=16] [--max_tokens=64] [--temperature=1 --top_p=0.95] [--seed=0]
+                       [--scorer=JUDGE_RUN] [--embedder=DIR] [--mauve_seeds=0,1,2] [--samples_out=FILE] [--json]
 
 The run's own config (saved with every checkpoint) says how to build the model and where its data and tokenizer
 are, so no --config is needed. Loss is on the held-out split the run used: the prepared `eval-*` shards, or the
@@ -21,9 +24,18 @@ them, each on its own exactly as lm-evaluation-harness's `loglikelihood_rolling`
 the start token the model was trained with (EOS) then the document's tokens, in windows of the run's sequence
 length. Bits per byte there use the documents' own UTF-8 bytes, so the shipped lm-eval task (TASKS_DIR) on the
 same jsonl gives the same number. --write_jsonl writes the run's held-out documents as such a jsonl.
+
+--generate scores what the model writes (jaxlm/textgen.py), beside a human row: `heldout` cuts --num_prompts
+prompts of --prompt_tokens tokens from the held-out batches and keeps the next --max_tokens tokens as the human
+continuation; a .jsonl of {"prompt": ..., "reference": ...} uses the references as the human side and adds BLEU,
+chrF, TER and exact match. The run's sampler (jaxlm/generate.py) continues every prompt on the run's mesh;
+perplexity and coherence are under --scorer (a jaxlm run or an import_llama import; default the run itself),
+features for MAUVE and the prompt-continuation cosine from --embedder (default the scorer). The samples go to
+--samples_out (default <workdir>/generations/step_<N>.jsonl), one JSON line each.
 """
 
 import collections
+import dataclasses
 import functools
 import json
 import math
@@ -46,6 +58,7 @@ from jaxlm import model as model_lib
 from jaxlm import sharding
 from jaxlm.data import readers as sources_lib
 from jaxlm import step as step_lib
+from jaxlm import textgen
 
 # lm-evaluation-harness tasks shipped with jaxlm (`lm_eval --include_path`): bits per byte of a jsonl of documents
 # and a small multiple-choice check.
@@ -296,6 +309,112 @@ def score_documents(workdir: str, texts: Sequence[str], *, step: int | None = No
   return result
 
 
+def load_scorer(workdir: str, *, step: int | None = None, batch_size: int = 8) -> textgen.Scorer:
+  """A run (or an import_llama import) as a textgen.Scorer: its checkpoint on its mesh, with its tokenizer."""
+  from jaxlm.tools import generate as generate_tool  # pylint: disable=g-import-not-at-top  # its tokenizer rule
+  path = export_lib.step_dir(workdir, step)
+  cfg = export_lib.read_config(path)
+  mesh = sharding.make_mesh(_mesh_cfg(cfg))
+  with sharding.activate(mesh):
+    program, params = _restore(path, cfg, mesh)
+  return textgen.Scorer(program.model.config, params, generate_tool.run_tokenizer(workdir, cfg),
+                        seq_len=cfg.data.seq_len, mesh=mesh, name=os.path.abspath(os.path.expanduser(workdir)),
+                        step=int(os.path.basename(path)), batch_size=batch_size)
+
+
+def read_prompt_references(path: str) -> tuple[list[str], list[str]]:
+  """(prompts, references) from a .jsonl of {"prompt": ..., "reference": ...} lines."""
+  prompts, references = [], []
+  try:
+    with open(os.path.expanduser(path), encoding='utf-8') as f:
+      lines = f.read().splitlines()
+  except OSError as e:
+    raise EvalError(f'cannot read --generate={path} ({e.strerror or e}); give "heldout" or a .jsonl of '
+                    f'{{"prompt": ..., "reference": ...}} lines') from e
+  for n, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise EvalError(f'{path}:{n} is not JSON ({e.msg}); write one {{"prompt": ..., "reference": ...}} object '
+                      f'per line') from e
+    if not (isinstance(record, dict) and isinstance(record.get('prompt'), str) and record['prompt'].strip()
+            and isinstance(record.get('reference'), str)):
+      raise EvalError(f'{path}:{n} needs a non-empty "prompt" string and a "reference" string; give both')
+    prompts.append(record['prompt'])
+    references.append(record['reference'])
+  if not prompts:
+    raise EvalError(f'{path} holds no prompts; give one {{"prompt": ..., "reference": ...}} object per line')
+  return prompts, references
+
+
+def generate_and_score(workdir: str, source: str = 'heldout', *, step: int | None = None, num_prompts: int = 64,
+                       prompt_tokens: int = 16, max_tokens: int = 64,
+                       sampling=None, seed: int = 0, scorer: str | None = None, embedder: str | None = None,
+                       mauve_seeds=(0, 1, 2), samples_out: str | None = None) -> dict:
+  """Continues held-out (or given) prompts with the run's sampler and scores them beside the human text.
+
+  Returns textgen.score's {'model', 'human', 'signature'}, plus where the samples were written.
+  """
+  from jaxlm import generate as generate_lib  # pylint: disable=g-import-not-at-top
+  sampling = sampling or generate_lib.Sampling()
+  references = None
+  if source != 'heldout':  # a bad file fails before any device work
+    prompts, references = read_prompt_references(source)
+    prompts, references = prompts[:num_prompts], references[:num_prompts]
+  own = load_scorer(workdir, step=step)
+  path = export_lib.step_dir(workdir, step)
+  cfg = export_lib.read_config(path)
+  tok, seq_len = own.tokenizer, cfg.data.seq_len
+  start = [tok.separator_id] if tok.separator_id >= 0 else []
+  if source == 'heldout':
+    if prompt_tokens < 1 or prompt_tokens + max_tokens > seq_len:
+      raise EvalError(f'--prompt_tokens={prompt_tokens} + --max_tokens={max_tokens} must fit the run\'s '
+                      f'{seq_len}-token sequences (prompt >= 1); lower them')
+    batches = data_lib.eval_batches(cfg.data, batch_size=cfg.train.batch_size,
+                                    num_batches=max(cfg.train.eval_batches, 1), vocab_size=cfg.model.vocab_size)
+    pairs = textgen.cut_pairs(batches, num_prompts, prompt_tokens, max_tokens)
+    if not pairs:
+      raise EvalError(f'no held-out document run holds {prompt_tokens + max_tokens} tokens; lower --prompt_tokens '
+                      f'or --max_tokens')
+    prompt_ids = [p for p, _ in pairs]
+    human_ids = [h for _, h in pairs]
+    prompts = [tok.decode(p) for p in prompt_ids]
+    human = [tok.decode(h) for h in human_ids]
+  else:
+    prompt_ids = [start + tok.encode(p) for p in prompts]
+    human, human_ids = references, [tok.encode(r) for r in references]
+  generate_lib.check_lengths(prompt_ids, max_tokens, seq_len)
+  eos = tok.separator_id if tok.separator_id >= 0 else None
+  out = generate_lib.generate(own.model_cfg, own.params, prompt_ids, max_tokens, sampling=sampling, seed=seed,
+                              eos_id=eos, mesh=own.mesh, max_len=seq_len)
+  texts = [tok.decode(t) for t in out.tokens]
+  judge = own if scorer is None else load_scorer(scorer)
+  features = judge if embedder is None else load_scorer(embedder)
+  sig = {'run': own.name, 'step': own.step, 'source': source if source == 'heldout' else os.path.abspath(source),
+         'sampling': dataclasses.asdict(sampling), 'seed': seed, 'prompt_tokens': prompt_tokens,
+         'max_new_tokens': max_tokens}
+  result = textgen.score(prompts, texts, human, model_ids=out.tokens, human_ids=human_ids, scorer=judge,
+                         embedder=features, mauve_seeds=tuple(mauve_seeds), references=references, sig=sig)
+  samples_out = samples_out or os.path.join(workdir, 'generations', f'step_{own.step}.jsonl')
+  records = [{'prompt': p, 'completion': c, 'human': h, 'finish_reason': r, 'completion_ids': ids}
+             for p, c, h, r, ids in zip(prompts, texts, human, out.finish_reasons, out.tokens)]
+  write_records(samples_out, records)
+  result['samples_out'] = samples_out
+  return result
+
+
+def write_records(path: str, records) -> None:
+  """One JSON line per record."""
+  path = os.path.expanduser(path)
+  if os.path.dirname(path):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, 'w', encoding='utf-8') as f:
+    for r in records:
+      f.write(json.dumps(r, ensure_ascii=False) + '\n')
+
+
 FLAGS = flags.FLAGS
 
 
@@ -317,6 +436,19 @@ def _define_flags() -> None:
   flags.DEFINE_string('text_field', 'text', 'Field (jsonl) or column (parquet) holding the document text.')
   flags.DEFINE_enum('txt_docs', 'file', sources_lib.TXT_DOCS, 'What one document is in a .txt file.')
   flags.DEFINE_integer('max_documents', None, 'Read at most this many documents (--documents, --write_jsonl).')
+  flags.DEFINE_string('generate', None, 'Score generations: "heldout" (prompts cut from the held-out split) or a '
+                      '.jsonl of {"prompt": ..., "reference": ...} lines.')
+  flags.DEFINE_integer('num_prompts', 64, '--generate: most prompts.')
+  flags.DEFINE_integer('prompt_tokens', 16, '--generate=heldout: tokens per prompt.')
+  flags.DEFINE_integer('top_k', 0, '--generate: sample from the k most likely tokens only; 0 = all.')
+  flags.DEFINE_float('top_p', 1.0, '--generate: nucleus sampling; 1 = all.')
+  flags.DEFINE_string('scorer', None, '--generate: the run (or import) whose perplexity scores the text; default '
+                      'the run itself.')
+  flags.DEFINE_string('embedder', None, '--generate: the run (or import) whose final hidden states are the MAUVE and '
+                      'cosine features; default the scorer.')
+  flags.DEFINE_list('mauve_seeds', ['0', '1', '2'], '--generate: k-means seeds MAUVE is averaged over.')
+  flags.DEFINE_string('samples_out', None, '--generate: where the samples go (default '
+                      '<workdir>/generations/step_<N>.jsonl).')
   flags.DEFINE_string('write_jsonl', None, 'Write the run\'s held-out documents to this jsonl ({"text": ...} per '
                       'line, what the shipped lm-eval task reads) and exit.')
 
@@ -330,6 +462,9 @@ def main(argv):
       num_bytes = write_jsonl(FLAGS.write_jsonl, texts)
       print(f'wrote {len(texts):,} held-out documents ({num_bytes:,} bytes) to {FLAGS.write_jsonl}; score them '
             f'with --documents={FLAGS.write_jsonl}')
+      return
+    if FLAGS.generate:
+      _generate_main()
       return
     if FLAGS.documents:
       texts = read_documents(FLAGS.documents, text_field=FLAGS.text_field, txt_docs=FLAGS.txt_docs,
@@ -359,6 +494,32 @@ def main(argv):
   if 'continuation' in r:
     print(f'sample ({"greedy" if FLAGS.temperature == 0 else f"temperature {FLAGS.temperature}"}):')
     print(r['prompt'] + r['continuation'])
+
+
+def _generate_main() -> None:
+  from jaxlm import generate as generate_lib  # pylint: disable=g-import-not-at-top
+  if FLAGS.temperature < 0 or FLAGS.top_k < 0 or not 0 < FLAGS.top_p <= 1:
+    raise EvalError(f'--temperature={FLAGS.temperature} --top_k={FLAGS.top_k} --top_p={FLAGS.top_p}: the '
+                    f'temperature and top_k must be >= 0 and top_p in (0, 1]')
+  try:
+    seeds = tuple(int(x) for x in FLAGS.mauve_seeds)
+  except ValueError as e:
+    raise EvalError(f'--mauve_seeds={",".join(FLAGS.mauve_seeds)}: give integers, comma-separated') from e
+  r = generate_and_score(FLAGS.workdir, FLAGS.generate, step=FLAGS.step, num_prompts=FLAGS.num_prompts,
+                         prompt_tokens=FLAGS.prompt_tokens, max_tokens=FLAGS.max_tokens,
+                         sampling=generate_lib.Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p),
+                         seed=FLAGS.seed, scorer=FLAGS.scorer, embedder=FLAGS.embedder, mauve_seeds=seeds,
+                         samples_out=FLAGS.samples_out)
+  if FLAGS.json:
+    print(json.dumps(r, sort_keys=True))
+    return
+  sig = r['signature']
+  print(f'step {sig["step"]}: {sig["samples"]} prompts ({sig["source"]}), sampling {sig["sampling"]}, seed '
+        f'{sig["seed"]}; scorer {sig.get("scorer")} step {sig.get("scorer_step")}')
+  print(textgen.table(r))
+  for warning in textgen.warnings(r['model'], r['human']):
+    print(f'WARNING {warning}')
+  print(f'samples: {r["samples_out"]}')
 
 
 def console() -> None:

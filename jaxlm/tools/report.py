@@ -74,6 +74,34 @@ def summary_table(s: dict) -> str:
   return metrics.format_table(rows)
 
 
+GEN_KEYS = ('perplexity', 'coherence_loglik', 'coherence_cosine', 'mauve', 'token_rep_4', 'token_diversity',
+            'token_seq_rep_4', 'rep_4', 'diversity', 'distinct_2')  # the Generations table's columns, when logged
+
+
+def generations(records: list[dict], samples: int = 3) -> str:
+  """The Generations section (train.gen_eval): metrics by step with the human row, a few samples of the last
+  step, and warnings where repetition or diversity leaves the human range; '' when the run logged none."""
+  from jaxlm import textgen  # pylint: disable=import-outside-toplevel
+  gens = _by_step(records, 'gen')
+  if not gens:
+    return ''
+  keys = [k for k in GEN_KEYS if any(k in r for r in gens)]
+  fmt = lambda v: '-' if v is None else f'{v:.4f}'  # noqa: E731
+  rows = [(str(r['step']), *(fmt(r.get(k)) for k in keys)) for r in gens]
+  rows.append(('human', *(fmt(gens[-1].get(f'human_{k}')) for k in keys)))
+  lines = ['Generations (train.gen_eval; scored by the run itself):',
+           metrics.format_table(rows, header=('step', *keys), right=(True,) * (len(keys) + 1), rule=True)]
+  last = gens[-1]['step']
+  shown = [r for r in records if r.get('kind') == 'event' and r.get('event') == 'gen_sample' and r['step'] == last]
+  for r in shown[:samples]:
+    lines.append(f'  step {last}: {r.get("prompt")!r} -> {r.get("completion")!r}')
+    lines.append(f'      human: {r.get("human")!r}')
+  model = {k: gens[-1].get(k) for k in gens[-1]}
+  human = {k[len('human_'):]: v for k, v in gens[-1].items() if k.startswith('human_')}
+  lines += [f'WARNING step {last}: {w}' for w in textgen.warnings(model, human)]
+  return '\n'.join(lines)
+
+
 def plot(records: list[dict], out: str) -> None:
   """Writes a PNG of loss (with eval loss), learning rate, gradient norm and tokens/s over steps."""
   import matplotlib  # pylint: disable=import-outside-toplevel
@@ -105,6 +133,8 @@ def report(workdir: str, out: str = '') -> str:
     raise rundir.RunDirError(f'no metrics.jsonl in {workdir}; give the --workdir of a run')
   records = read_metrics(workdir)
   print(summary_table(summarize(records)))
+  if section := generations(records):
+    print(section)
   out = out or rundir.path(workdir, 'report.png')
   try:
     plot(records, out)
