@@ -317,11 +317,10 @@ _COMPILED = {}  # (config without seed, mesh) -> (program, compiled train step):
 
 def program_for(cfg, mesh):
   """The program and its train step compiled ahead of time; one compile per config shape in a process."""
-  key_cfg = cfg.copy_and_resolve_references()
-  key_cfg.train.seed = 0  # the step draws from the state's key; init is rebuilt below
-  for k in ('poison_batches', 'lr_spike_steps'):  # drills act through the state's lr_scale, not the program
-    key_cfg.faults[k] = 'any' if key_cfg.faults[k] else ''
-  key = (key_cfg.to_json(), mesh)
+  # What the step depends on (the seed only reaches init, rebuilt below; drills act through the state's lr_scale).
+  t = cfg.train
+  key = (cfg.model.to_json(), cfg.optim.to_json(), t.steps, t.batch_size, t.microbatches, cfg.data.seq_len,
+         cfg.stability.policy, bool(cfg.faults.lr_spike_steps), objective_of(cfg.rl), mesh)
   if key not in _COMPILED:
     objective = objective_of(cfg.rl)
     program = step_lib.build_program(cfg, mesh, objective=objective)

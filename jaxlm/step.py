@@ -369,7 +369,8 @@ def policy_loss(logits, batch: dict, *, temperature: float, epsilon: float, epsi
   """The clipped surrogate -min(r·A, clip(r)·A) (+ beta·k3 KL) per token, weighted by batch['weights'].
 
   r = exp(logp - old_logp) with old_logp the sampler's (equal parameters: r is 1 up to rounding, and its
-  gradient is the policy gradient); k3 = exp(ref - logp) - (ref - logp) - 1 (Schulman's estimator, as TRL).
+  gradient is the policy gradient); k3 = exp(ref - logp) - (ref - logp) - 1 (Schulman's estimator), times r as TRL's
+  use_bias_correction_kl (DeepSeek-V3.2) does by default.
   """
   scaled = logits.astype(jnp.float32) / (temperature or 1.0)  # (B, T, V)
   log_z = jax.nn.logsumexp(scaled, axis=-1)  # (B, T)
@@ -382,7 +383,7 @@ def policy_loss(logits, batch: dict, *, temperature: float, epsilon: float, epsi
   aux = {}
   if beta:
     delta = batch['ref_logps'] - logps
-    kl = jnp.exp(delta) - delta - 1.0
+    kl = (jnp.exp(delta) - delta - 1.0) * ratio  # times the ratio: the unbiased reverse-KL gradient (TRL's default)
     per_token = per_token + beta * kl
     aux['kl'] = jnp.sum(share * kl)
   loss = jnp.sum(batch['weights'] * per_token)
