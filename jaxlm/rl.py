@@ -320,7 +320,8 @@ def program_for(cfg, mesh):
   # What the step depends on (the seed only reaches init, rebuilt below; drills act through the state's lr_scale).
   t = cfg.train
   key = (cfg.model.to_json(), cfg.optim.to_json(), t.steps, t.batch_size, t.microbatches, cfg.data.seq_len,
-         cfg.stability.policy, bool(cfg.faults.lr_spike_steps), objective_of(cfg.rl), mesh)
+         cfg.stability.policy != 'off', cfg.stability.policy == 'rollback' or bool(cfg.faults.lr_spike_steps),
+         objective_of(cfg.rl), mesh)
   if key not in _COMPILED:
     objective = objective_of(cfg.rl)
     program = step_lib.build_program(cfg, mesh, objective=objective)
@@ -524,8 +525,10 @@ def roll_back(r: Run, rollback: stability_lib.Rollback):
   skip = r.guard.rolled_back(to_step)
   abandoned = r.ckpt.delete_after(to_step)
   r.prompts.take(skip * (r.cfg.train.batch_size // r.cfg.rl.num_generations))
-  r.log.event(to_step, 'rollback', f'{rollback.reason}: restored checkpoint step {to_step}, skipped {skip} prompt '
-              f'batches, deleted checkpoints {abandoned} (rollback {r.guard.rollbacks}/'
+  first_skipped = int(state.batches) + 1  # batch numbers count skipped ones: a drill keyed on one is not replayed
+  state = state.replace(batches=jax.device_put(np.int32(first_skipped - 1 + skip), r.program.state_shardings.batches))
+  r.log.event(to_step, 'rollback', f'{rollback.reason}: restored checkpoint step {to_step}, skipped prompt batches '
+              f'{first_skipped}-{first_skipped + skip - 1}, deleted checkpoints {abandoned} (rollback {r.guard.rollbacks}/'
               f'{r.cfg.stability.max_rollbacks})', to_step=to_step, first_bad_step=rollback.first_bad_step)
   return state
 

@@ -131,18 +131,116 @@ def one_device(cfg):
   return cfg
 
 
+def events_of(workdir) -> list[dict]:
+  return [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()
+          if json.loads(line).get('kind') == 'event']
+
+
+@pytest.fixture(scope='session')
+def seed0_run(tmp_path_factory):
+  """The seed-0 run of the learning test (the kill -9 test resumes against it)."""
+  workdir = tmp_path_factory.mktemp('seed0')
+  cfg = one_device(tiny_config())
+  return cfg, workdir, rl_run(cfg, workdir)
+
+
 @pytest.mark.parametrize('seed', [0, 1, 2])
-def test_it_learns_a_task_that_needs_the_prompt(tmp_path, seed):
+def test_it_learns_a_task_that_needs_the_prompt(tmp_path, seed, seed0_run):
+  """100 steps: the last 10 steps' mean reward >= 0.9, greedy decoding scores 1.0; the guard stays quiet."""
   cfg = one_device(tiny_config())
   cfg.train.seed = seed
-  records = rl_run(cfg, tmp_path)
+  cfg, workdir, records = seed0_run if seed == 0 else (cfg, tmp_path, rl_run(cfg, tmp_path))
   rewards = [r['reward'] for r in records]
   assert np.mean(rewards[:10]) < 0.3 and np.mean(rewards[-10:]) >= 0.9, rewards
-  assert greedy_score(cfg, tmp_path) == 1.0
+  assert greedy_score(cfg, workdir) == 1.0
   assert max(r['logprob_mismatch'] for r in records) < 1e-5  # sampler vs trainer, every step
-  events = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()
-            if json.loads(line).get('kind') == 'event']
-  assert not [e for e in events if e['event'] in ('spike', 'rollback')]  # the RL guard leaves a correct run alone
+  assert not [e for e in events_of(workdir) if e['event'] in ('spike', 'rollback')]  # a correct run: untouched
+
+
+def test_learning_rate_zero_learns_nothing_and_negated_advantages_unlearn(tmp_path):
+  """Updates multiplied by 0 (the lr-spike drill with factor 0: lr 0 itself is refused by validation): the
+  reward stays at chance; training on the negated reward (logged with weight 0 beside it) drives it down."""
+  cfg = one_device(tiny_config())
+  cfg.faults.update(lr_spike_steps=','.join(str(i) for i in range(1, 101)), lr_spike_factor=0.0)
+  frozen = [r['reward'] for r in rl_run(cfg, tmp_path / 'lr0')]
+  assert max(np.mean(frozen[i:i + 10]) for i in range(0, 100, 10)) <= 0.2, frozen
+  cfg = one_device(tiny_config(reward_weights='1,0'))
+  records = rl_run(cfg, tmp_path / 'negated', rewards=(('negated', negated), ('match', match)))
+  matched = [r['rewards/match/mean'] for r in records]
+  assert np.mean(matched[-20:]) < min(0.5 * np.mean(matched[:10]), 0.02), matched
+
+
+def test_equal_rewards_leave_the_parameters_bitwise_unchanged(tmp_path):
+  """beta 0, every completion rewarded alike: every advantage is 0, so no update (no weight decay) moves them.
+
+  The run ends at step 4 the way a broken reward function ends it (one RewardError naming the function), after
+  the checkpoint of step 3."""
+  cfg = one_device(tiny_config())
+  cfg.train.steps = 100
+  cfg.checkpoint.every = 3
+  constant = lambda completion_ids, **_: [0.5] * len(completion_ids)  # noqa: E731
+  (tmp_path / 'run').mkdir()
+  stop_after = {'n': 0}
+
+  def counting(completion_ids, **fields):
+    stop_after['n'] += 1
+    if stop_after['n'] > 3:
+      raise RuntimeError('enough')
+    return constant(completion_ids)
+  with pytest.raises(rl.RewardError, match='reward function constant raised RuntimeError: enough; fix constant'):
+    rl_run(cfg, tmp_path / 'run', rewards=(('constant', counting),))
+  from jaxlm import checkpoint as checkpoint_lib
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+  program, _, _ = rl.program_for(cfg, mesh)
+  start = jax.device_get(program.init().params)
+  after = jax.device_get(checkpoint_lib.load_params(str(tmp_path / 'run' / 'checkpoints'),
+                                                    program.abstract_state.params, program.state_shardings.params))
+  records = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()
+             if '"train"' in line]
+  assert [r['step'] for r in records] == [1, 2, 3] and all(r['frac_reward_zero_std'] == 1.0 for r in records)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), start, after)
+
+
+def test_microbatches_and_devices_give_the_same_update():
+  """One step on one device in one piece == on 8 devices in 4 microbatches (the loss weights are global)."""
+  cfg_one = one_device(tiny_config())
+  cfg_eight = tiny_config()
+  cfg_eight.mesh.update(data=8, fsdp=1)
+  cfg_eight.train.microbatches = 4
+  one, eight = sharding.make_mesh(cfg_one.mesh, jax.devices()[:1]), sharding.make_mesh(cfg_eight.mesh)
+  p1, _, step1 = rl.program_for(cfg_one, one)
+  p8, _, step8 = rl.program_for(cfg_eight, eight)
+  s1 = p1.init()
+  s8 = jax.device_put(jax.device_get(s1), p8.state_shardings)
+  prompts = [[p] for p in TARGETS for _ in range(8)]
+  out = generate_lib.generate(p1.model.config, s1.params, prompts, 2, eos_id=0, mesh=one, max_len=12,
+                              sampling=generate_lib.Sampling(1.0), seed=0)
+  completions = [t + [0] * (why == 'eos') for t, why in zip(out.tokens, out.finish_reasons)]
+  adv, _, _ = rl.advantages(np.array(match(None, None, out.tokens, None, [TARGETS[p[0]] for p in prompts]))[:, None],
+                            np.ones(1), 8, 'group')
+  rows = np.array([len(c) for c in completions])
+  batch = rl.train_batch(prompts, completions, out.logprobs, adv, rows > 0, seq_len=12, max_new_tokens=2,
+                         loss_type='grpo')
+  s1, m1 = step1(s1, step_lib.global_batch(batch, p1.batch_sharding))
+  s8, m8 = step8(s8, step_lib.global_batch(batch, p8.batch_sharding))
+  assert float(m1['grad_norm']) > 0
+  for k in ('loss', 'grad_norm', 'entropy', 'logprob_mismatch'):
+    np.testing.assert_allclose(float(m8[k]), float(m1[k]), rtol=2e-5, atol=1e-7, err_msg=k)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+               jax.device_get(s8.params), jax.device_get(s1.params))
+
+
+def test_the_rl_guard_rolls_back_a_real_blow_up(tmp_path):
+  """An update multiplied by 1000 at step 40 (the lr-spike drill): one rollback to the checkpoint before it."""
+  cfg = one_device(tiny_config())
+  cfg.train.steps = 100
+  cfg.faults.update(lr_spike_steps='40', lr_spike_factor=1000.0)
+  cfg.checkpoint.update(every=10, keep=3)
+  rl_run(cfg, tmp_path)
+  events = events_of(tmp_path)
+  rollbacks = [e for e in events if e['event'] == 'rollback']
+  assert len(rollbacks) == 1 and rollbacks[0]['to_step'] == 30, events
+  assert [e['step'] for e in events if e['event'] == 'spike'] == [40]
 
 
 # ------------------------------------------------------------------------------------ TRL parity
