@@ -18,18 +18,21 @@ from tests.helpers import load_config
 VOCAB = 32  # ids: 0 the end of text, 1..31 words w1..w31
 
 
+# palm_tiny shrunk further (D 16, one layer, vocab 32, 12-token rows), as overrides a config file can carry too.
+TINY = dict(model=dict(vocab_size=VOCAB, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, mlp_dim=32,
+                       dtype='float32', z_loss=0.0),
+            data=dict(seq_len=12), train=dict(steps=100, batch_size=32, log_every=1, seed=0),
+            optim=dict(lr=2e-2, warmup_steps=5, weight_decay=0.0, schedule='constant'), mesh=dict(fsdp=1, data=-1),
+            checkpoint=dict(every=0, keep=2, async_save=False), log=dict(tensorboard=False),
+            rl=dict(num_generations=8, max_new_tokens=2, temperature=1.0, loss_type='dapo'))
+
+
 def tiny_config(**rl_overrides):
-  """palm_tiny shrunk further (D 16, one layer, vocab 32, 12-token rows) with an `rl` section."""
+  """The TINY config with an `rl` section (rl_overrides on top)."""
   c = load_config('palm_tiny')
-  c.model.update(vocab_size=VOCAB, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, mlp_dim=32,
-                 dtype='float32', z_loss=0.0)
-  c.data.seq_len = 12
-  c.train.update(steps=100, batch_size=32, log_every=1, seed=0)
-  c.optim.update(lr=2e-2, warmup_steps=5, weight_decay=0.0, schedule='constant')
-  c.mesh.update(fsdp=1, data=-1)
-  c.checkpoint.update(every=0, keep=2, async_save=False)
-  c.log.tensorboard = False
-  c.rl.update(**{**dict(num_generations=8, max_new_tokens=2, temperature=1.0, loss_type='dapo'), **rl_overrides})
+  for section, values in TINY.items():
+    c[section].update(values)
+  c.rl.update(rl_overrides)
   return c
 
 
@@ -356,3 +359,57 @@ def test_advantages_equal_trls(tmp_path, scale):
   np.testing.assert_allclose(ours, theirs.numpy(), atol=1e-6)
   assert np.all(np.isfinite(ours)) and ours[3] == 0.0 and np.all(ours[4:] == 0.0)
   assert zero_std[4:].all() == (scale != 'batch') and np.isnan(rewards[3])
+
+
+# ------------------------------------------------------------------------------------ kill -9
+
+def test_kill_9_then_resume_replays_the_same_samples(tmp_path, seed0_run):
+  """`python -m jaxlm.rl` killed with SIGKILL mid-run, resumed: every step's samples and metrics == the
+  uninterrupted run's (the seed-0 learning run), and so are the final parameters."""
+  import os
+  import signal
+  import subprocess
+  import sys
+  import time
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  from tests.helpers import train_env
+  from tests.conftest import ROOT
+  cfg, _, uninterrupted = seed0_run
+  words = Tokenizer(models.WordLevel({'<|endoftext|>': 0, **{f'w{i}': i for i in range(1, VOCAB)}},
+                                     unk_token='<|endoftext|>'))
+  words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  words.save(str(tmp_path / 'tokenizer.json'))
+  import inspect
+  (tmp_path / 'config.py').write_text(  # the tests' package is not imported there: its conftest sets 8 devices
+      f'from jaxlm.cli import load_file\n\ndef get_config():\n'
+      f'  c = load_file({str(ROOT / "configs" / "palm_tiny.py")!r})\n'
+      f'  for section, values in {TINY!r}.items():\n    c[section].update(values)\n'
+      f'  c.rl.update(tokenizer={str(tmp_path / "tokenizer.json")!r}, prompts={str(tmp_path / "prompts.jsonl")!r})\n'
+      f'  c.mesh.data = 1\n  c.checkpoint.update(every=5, keep=5)\n  return c\n')
+  (tmp_path / 'rewards.py').write_text(  # slow enough to be killed mid-run
+      f'import time\n\n{inspect.getsource(match)}\n\ndef slow_match(**kw):\n  time.sleep(0.05)\n'
+      f'  return match(**kw)\n')
+  prompts_file(tmp_path)
+  workdir = tmp_path / 'run'
+  proc = subprocess.Popen([sys.executable, '-m', 'jaxlm.rl', f'--config={tmp_path / "config.py"}',
+                           f'--rewards={tmp_path / "rewards.py"}:slow_match', f'--workdir={workdir}'],
+                          cwd=ROOT, env=train_env(devices=1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  deadline = time.time() + 300
+  while time.time() < deadline and proc.poll() is None:
+    logged = (workdir / 'metrics.jsonl').read_text() if (workdir / 'metrics.jsonl').exists() else ''
+    if any(json.loads(line).get('kind') == 'train' and json.loads(line)['step'] >= 12 for line in logged.splitlines()):
+      break
+    time.sleep(0.05)
+  os.kill(proc.pid, signal.SIGKILL)
+  proc.wait()
+  assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+  cfg = cfg.copy_and_resolve_references()
+  cfg.checkpoint.update(every=5, keep=5)
+  rl_run(cfg, workdir, rewards=(('slow_match', match),))
+  assert [e for e in events_of(workdir) if e['event'] == 'resumed']
+  resumed = {r['step']: r for r in [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+             if r.get('kind') == 'train'}  # a step redone after the kill: its later record
+  keys = ('reward', 'reward_std', 'completions/mean_length', 'loss', 'grad_norm', 'entropy', 'update_ratio')
+  assert sorted(resumed) == list(range(1, 101))
+  for want in uninterrupted:
+    assert {k: resumed[want['step']][k] for k in keys} == {k: want[k] for k in keys}, want['step']
