@@ -413,3 +413,31 @@ def test_kill_9_then_resume_replays_the_same_samples(tmp_path, seed0_run):
   assert sorted(resumed) == list(range(1, 101))
   for want in uninterrupted:
     assert {k: resumed[want['step']][k] for k in keys} == {k: want[k] for k in keys}, want['step']
+
+
+# ------------------------------------------------------------------------------------ config and rewards
+
+def test_rl_config_validation_names_each_bad_field():
+  from jaxlm import config as config_lib
+  config_lib.validate(load_config('grpo_example'), 8, rl=True)
+  cfg = tiny_config(loss_type='ppo', scale_rewards='std', num_generations=3, max_new_tokens=12)
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(cfg, 8, rl=True)
+  for field in ('rl.loss_type=', 'rl.scale_rewards=', 'rl.num_generations=3', 'rl.max_new_tokens=12'):
+    assert field in str(e.value)
+  config_lib.validate(cfg, 8)  # a training run does not read the rl section
+
+
+def test_a_reward_function_of_the_wrong_length_or_type_is_named(tmp_path):
+  short = lambda completions, **_: [1.0]  # noqa: E731
+  with pytest.raises(rl.RewardError, match=r'reward function short returned 1 values for 2 completions'):
+    rl.score([('short', short)], ['a', 'a'], ['x', 'y'], [[1], [2]], ['eos', 'eos'], {})
+  words = lambda completions, **_: ['yes', 'no']  # noqa: E731
+  with pytest.raises(rl.RewardError, match=r"reward function words returned 'yes' for completion 0"):
+    rl.score([('words', words)], ['a', 'a'], ['x', 'y'], [[1], [2]], ['eos', 'eos'], {})
+  (tmp_path / 'r.py').write_text('def f(**kw):\n  return [None, 2]\n')
+  [(name, fn)] = rl.load_rewards(f'{tmp_path / "r.py"}:f')
+  got = rl.score([(name, fn)], ['a', 'a'], ['x', 'y'], [[1], [2]], ['eos', 'length'], {'answer': [1, 2]})
+  assert np.isnan(got[0, 0]) and got[1, 0] == 2.0
+  with pytest.raises(rl.RewardError, match='has no function'):
+    rl.load_rewards(f'{tmp_path / "r.py"}:g')
