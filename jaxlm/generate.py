@@ -14,7 +14,8 @@ heads only (one under multi-query attention), (B, S, K, E) with S = P + max_new_
 rules table: rows over `act_batch` (data, fsdp), kv heads over `act_kv_heads` (tensor) where they divide it
 (multi-query's one head is replicated, as its weights are).
 
-Decoding runs inside one `lax.while_loop` that stops when every row has produced `eos_id`; a finished row keeps
+Decoding runs inside one `lax.while_loop` that stops when every row has produced one of the stop ids (`eos_id`:
+one id or the model's list, as generation_config.json's eos_token_id); a finished row keeps
 stepping (its outputs are dropped), as the batch shares one slot index. Programs are compiled once per bucket:
 the batch rounded up to a power of two (and to a multiple of the batch's mesh ways), P to a power of two (capped
 by `max_len`), and the sampling settings.
@@ -53,16 +54,17 @@ class Sampling:
 class Output:
   """What `generate` returns, one entry per prompt (in order)."""
   tokens: list[list[int]]  # generated ids, without the end-of-text token
-  finish_reasons: list[str]  # 'eos' (stopped at eos_id) or 'length' (max_new_tokens reached)
+  finish_reasons: list[str]  # 'eos' (stopped at a stop id) or 'length' (max_new_tokens reached)
   prompt_tokens: int  # real (unpadded) prompt tokens prefilled
   prefill_seconds: float
   decode_seconds: float  # the compiled loop, after the first token (which prefill's logits give)
   compile_seconds: float  # 0 when both programs came from the cache
   logits: np.ndarray | None = None  # (prompts, max_new_tokens, V) float32 with return_logits: each step's
   steps: int = 0  # tokens the loop wrote per row before every row had ended (<= max_new_tokens)
-  # Per row, the float32 log-probability of each token written, the end-of-text token included (one more entry
-  # than `tokens` when the row ended with 'eos'): `token_logprobs` of the step's logits.
+  # Per row, the float32 log-probability of each token written, the stop id included (one more entry than
+  # `tokens` when the row ended with 'eos'): `token_logprobs` of the step's logits, as the RL trainer scores them.
   logprobs: list[list[float]] = dataclasses.field(default_factory=list)
+  ends: list[int | None] = dataclasses.field(default_factory=list)  # the stop id each row ended with (None: length)
 
   @property
   def generated_tokens(self) -> int:
@@ -167,14 +169,15 @@ def _prefill(model, params, tokens, segment_ids, positions, shapes, shardings):
   return logits[:, -1].astype(jnp.float32), _constrain(variables['cache'], shardings)
 
 
-def _decode(model, sampling, eos_id, max_new, return_logits, params, cache, logits, next_positions, key,
+def _decode(model, sampling, stops, max_new, return_logits, params, cache, logits, next_positions, key,
             shardings):
-  """The compiled loop: (tokens, log-probs (B, max_new), steps run, [logits (B, max_new, V)]) after prefill's."""
+  """The compiled loop: (tokens, log-probs (B, max_new), steps run, [logits (B, max_new, V)]) after prefill's.
+  `stops`: (slots,) int32, the ids a row stops at, padded with -1 (never drawn)."""
   B, V = logits.shape
   first = sample(logits, jax.random.fold_in(key, 0), sampling)
   tokens = jnp.zeros((B, max_new), jnp.int32).at[:, 0].set(first)
   logprobs = jnp.zeros((B, max_new), jnp.float32).at[:, 0].set(token_logprobs(logits, first, sampling.temperature))
-  done = (first == eos_id) | (next_positions == 0)  # the batch's padding rows (no prompt) are done from the start
+  done = jnp.isin(first, stops) | (next_positions == 0)  # the batch's padding rows (no prompt) are done at once
   all_logits = jnp.zeros((B, max_new, V) if return_logits else (B, 0, V), jnp.float32)
   if return_logits:
     all_logits = all_logits.at[:, 0].set(logits)
@@ -190,14 +193,14 @@ def _decode(model, sampling, eos_id, max_new, return_logits, params, cache, logi
                                  positions, mutable=['cache'])
     step_logits = out[:, 0].astype(jnp.float32)  # (B, V)
     token = sample(step_logits, jax.random.fold_in(key, t), sampling)
-    token = jnp.where(done, eos_id, token)  # a finished row keeps its end of text
+    token = jnp.where(done, stops[0], token)  # a finished row keeps an end of text
     tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, t))
     logprob = token_logprobs(step_logits, token, sampling.temperature)[:, None]
     logprobs = jax.lax.dynamic_update_slice(logprobs, logprob, (0, t))
     if return_logits:
       all_logits = jax.lax.dynamic_update_slice(all_logits, step_logits[:, None], (0, t, 0))
-    return (t + 1, _constrain(variables['cache'], shardings), token, tokens, logprobs, done | (token == eos_id),
-            all_logits)
+    return (t + 1, _constrain(variables['cache'], shardings), token, tokens, logprobs,
+            done | jnp.isin(token, stops), all_logits)
 
   t, _, _, tokens, logprobs, _, all_logits = jax.lax.while_loop(
       cond, body, (jnp.int32(1), cache, first, tokens, logprobs, done, all_logits))
@@ -207,10 +210,10 @@ def _decode(model, sampling, eos_id, max_new, return_logits, params, cache, logi
 _COMPILED = {}  # (what decides the program) -> (prefill, decode) executables: one compile per bucket
 
 
-def _programs(model, sampling, eos_id, max_new, return_logits, params, batch, length, mesh):
+def _programs(model, sampling, stop_slots, max_new, return_logits, params, batch, length, mesh):
   """The compiled prefill and decode for one bucket, and the seconds compiling them took (0 if cached)."""
   param_shardings = tuple(getattr(x, 'sharding', None) for x in jax.tree.leaves(params))
-  key = (model, sampling, eos_id, max_new, return_logits, batch, length, mesh, param_shardings)
+  key = (model, sampling, stop_slots, max_new, return_logits, batch, length, mesh, param_shardings)
   if key in _COMPILED:
     return _COMPILED[key], 0.0
   start = time.perf_counter()
@@ -222,12 +225,13 @@ def _programs(model, sampling, eos_id, max_new, return_logits, params, batch, le
                     out_shardings=None if mesh is None else (rows, shardings))
   prompt = abstract((batch, length))
   prefill = prefill.lower(params, prompt, prompt, prompt).compile()
-  decode = jax.jit(lambda p, c, lg, pos, k: _decode(model, sampling, eos_id, max_new, return_logits, p, c, lg, pos,
-                                                    k, shardings))
+  decode = jax.jit(lambda p, c, lg, pos, k, stops: _decode(model, sampling, stops, max_new, return_logits, p, c, lg,
+                                                           pos, k, shardings))
   cache = shapes if shardings is None else jax.tree.map(lambda s, sh: abstract(s.shape, s.dtype, sh), shapes,
                                                         shardings)
   logits = abstract((batch, model.config.vocab_size), jnp.float32)
-  decode = decode.lower(params, cache, logits, abstract((batch,)), jax.random.PRNGKey(0)).compile()
+  decode = decode.lower(params, cache, logits, abstract((batch,)), jax.random.PRNGKey(0),
+                        jnp.full((stop_slots,), -1, jnp.int32)).compile()
   _COMPILED[key] = (prefill, decode)
   return (prefill, decode), time.perf_counter() - start
 
@@ -248,13 +252,14 @@ def check_lengths(prompts: list[list[int]], max_new_tokens: int, max_len: int | 
 
 
 def generate(model_cfg: model_lib.ModelConfig, params, prompts: list[list[int]], max_new_tokens: int, *,
-             sampling: Sampling = Sampling(), seed: int = 0, eos_id: int | None = None, pad_id: int = 0,
+             sampling: Sampling = Sampling(), seed: int = 0, eos_id: int | list[int] | None = None, pad_id: int = 0,
              mesh=None, max_len: int | None = None, return_logits: bool = False) -> Output:
   """Continues each prompt (token ids) by up to `max_new_tokens` tokens on `mesh` (None: the default device).
 
   `params` as the model stores them (placed on `mesh` as the program's shardings say, or anywhere without one).
   `max_len`: the longest sequence the model takes (the run's data.seq_len); prompt + max_new_tokens beyond it
-  is refused. `eos_id` None: every row runs `max_new_tokens`.
+  is refused. `eos_id`: the id, or ids, a row stops at (a tokenizer's `stop_ids`); None: every row runs
+  `max_new_tokens`.
   """
   check_lengths(prompts, max_new_tokens, max_len)
   longest = max(len(p) for p in prompts)
@@ -264,11 +269,14 @@ def generate(model_cfg: model_lib.ModelConfig, params, prompts: list[list[int]],
     length = min(length, max_len - max_new_tokens)
   ways = 1 if mesh is None else sharding.ways(mesh, _batch_axes(mesh))
   batch = math.ceil(_bucket(len(prompts)) / ways) * ways
-  eos = -1 if eos_id is None else int(eos_id)
+  stops = () if eos_id is None else tuple(int(i) for i in np.atleast_1d(eos_id))
+  # The stop ids are an input of the program, not part of it: any list of up to 8 ids shares one compile.
+  slots = np.full(max(8, _bucket(len(stops))), -1, np.int32)
+  slots[:len(stops)] = stops
   context = sharding.activate(mesh) if mesh is not None else nn.logical_axis_rules(())
   with context:
-    (prefill, decode), compile_seconds = _programs(model, sampling, eos, max_new_tokens, return_logits, params,
-                                                   batch, length, mesh)
+    (prefill, decode), compile_seconds = _programs(model, sampling, len(slots), max_new_tokens, return_logits,
+                                                   params, batch, length, mesh)
     tokens, segment_ids, positions = left_pad(prompts, length, batch, pad_id)
     if mesh is not None:  # rows over the batch's mesh axes, as the programs were compiled for
       rows = NamedSharding(mesh, P(_batch_axes(mesh)))
@@ -281,18 +289,24 @@ def generate(model_cfg: model_lib.ModelConfig, params, prompts: list[list[int]],
     logits, cache = prefill(params, tokens, segment_ids, positions)
     jax.block_until_ready(logits)
     prefilled = time.perf_counter()
-    out, logprobs, steps, all_logits = decode(params, cache, logits, lengths, jax.random.PRNGKey(seed))
+    out, logprobs, steps, all_logits = decode(params, cache, logits, lengths, jax.random.PRNGKey(seed),
+                                              jnp.asarray(slots))
     out, logprobs = np.asarray(out), np.asarray(logprobs)
     decoded = time.perf_counter()
   steps = int(steps)
-  result, reasons, scores = [], [], []
+  result, reasons, scores, ends = [], [], [], []
   for row, row_logprobs in zip(out[:len(prompts), :steps].tolist(), logprobs[:len(prompts), :steps].tolist()):
-    end = row.index(eos) if eos in row else len(row)
-    result.append(row[:end])
-    reasons.append('eos' if end < len(row) else 'length')
-    scores.append(row_logprobs[:end + 1])
+    end = next((i for i, token in enumerate(row) if token in stops), None)
+    if end is not None:
+      result.append(row[:end])
+      reasons.append('eos')
+    else:
+      result.append(row)
+      reasons.append('length')
+    scores.append(row_logprobs[:len(row) if end is None else end + 1])
+    ends.append(None if end is None else row[end])
   return Output(result, reasons, int(lengths.sum()), prefilled - start, decoded - prefilled, compile_seconds,
-                np.asarray(all_logits)[:len(prompts)] if return_logits else None, steps, scores)
+                np.asarray(all_logits)[:len(prompts)] if return_logits else None, steps, scores, ends)
 
 
 def generate_without_cache(model_cfg: model_lib.ModelConfig, params, prompts: list[list[int]],
@@ -331,13 +345,13 @@ def _no_cache(model, length, max_new, params, tokens, segment_ids, positions):
 def sample_texts(model_cfg: model_lib.ModelConfig, params, prompts, tokenizer, *, max_new_tokens: int,
                  max_len: int, mesh=None) -> list[str]:
   """Greedy continuations of text `prompts` (each after the separator training documents follow, and stopping
-  at the next one), as the training loop logs them at each evaluation; `max_new_tokens` shrinks to what the cache
-  holds."""
+  at the next one or any other of the model's stop ids), as the training loop logs them at each evaluation;
+  `max_new_tokens` shrinks to what the cache holds."""
   eos = tokenizer.separator_id if tokenizer.separator_id >= 0 else None
   ids = [([eos] if eos is not None else []) + tokenizer.encode(p) for p in prompts]
   new = min(max_new_tokens, max_len - max(map(len, ids)))
   if new < 1:
     raise GenerateError(f'the longest sample prompt is {max(map(len, ids))} tokens, which leaves no room in the '
                         f'{max_len}-token sequence; shorten train.sample_prompts')
-  out = generate(model_cfg, params, ids, new, eos_id=eos, mesh=mesh, max_len=max_len)
+  out = generate(model_cfg, params, ids, new, eos_id=tokenizer.stop_ids or eos, mesh=mesh, max_len=max_len)
   return [tokenizer.decode(t) for t in out.tokens]

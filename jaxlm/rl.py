@@ -285,7 +285,7 @@ class Run:
   prompts: Prompts
   tokenizer: Any
   rewards: list
-  end_id: int
+  end_id: int | list[int]
   ckpt: checkpoint_lib.Checkpointer
   guard: stability_lib.Guard
   faults: faults_lib.Faults
@@ -360,7 +360,9 @@ def start(cfg, workdir: str, rewards, shutdown: contextlib.ExitStack, tokenizer=
     from jaxlm.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
     tokenizer = (tokenizer_lib.load(os.path.expanduser(rl.tokenizer)) if rl.tokenizer
                  else data_lib.load_tokenizer(cfg.data, cfg.model.vocab_size))
-  end_id = tokenizer.eos_id if tokenizer.eos_id >= 0 else tokenizer.separator_id
+  # Every id the model stops at (main's Tokenizer.stop_ids: generation_config's list, eos, separator).
+  end_id = getattr(tokenizer, 'stop_ids', None) or (
+      tokenizer.eos_id if tokenizer.eos_id >= 0 else tokenizer.separator_id)
   with acct.phase('prompts'):
     records = read_prompts(rl, tokenizer, cfg.data.seq_len - rl.max_new_tokens)
   with acct.phase('program'), acct.track('compile'):
@@ -422,7 +424,7 @@ def rollout(r: Run, state, step: int) -> tuple[dict, dict]:
         r.program.model.config, state.params, prompt_ids, rl.max_new_tokens,
         sampling=generate_lib.Sampling(rl.temperature, rl.top_k, rl.top_p), seed=sample_seed(t.seed, step),
         eos_id=r.end_id, mesh=r.mesh, max_len=r.cfg.data.seq_len)
-  completions = [ids + [r.end_id] * (why == 'eos') for ids, why in zip(out.tokens, out.finish_reasons)]
+  completions = [ids + [end] * (end is not None) for ids, end in zip(out.tokens, out.ends)]  # the stop id scored
   texts = [r.tokenizer.decode(ids) for ids in out.tokens]
   fields = {k: [rec['fields'].get(k) for rec in records for _ in range(G)]
             for k in sorted({k for rec in records for k in rec['fields']})}

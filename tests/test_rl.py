@@ -71,7 +71,7 @@ def test_sampler_logprobs_equal_the_trainers(temperature):
   out = generate_lib.generate(program.model.config, params, prompts, 5, eos_id=0, mesh=mesh, max_len=12, seed=3,
                               sampling=generate_lib.Sampling(temperature=temperature))
   completions = [t + [0] * (why == 'eos') for t, why in zip(out.tokens, out.finish_reasons)]
-  assert {len(c) for c in completions} != {5} or temperature == 0.7  # some rows end early (eos scored too)
+  assert 'eos' in out.finish_reasons and 'length' in out.finish_reasons  # the end-of-text token is scored too
   batch = rl.train_batch(prompts, completions, out.logprobs, np.ones(8), np.ones(8, bool), seq_len=12,
                          max_new_tokens=5, loss_type='dapo')
   placed = step_lib.global_batch(batch, program.batch_sharding)
