@@ -181,6 +181,25 @@ def get_config() -> ml_collections.ConfigDict:
   f.lr_spike_steps = ''  # steps whose update is multiplied by lr_spike_factor, e.g. '60'
   f.lr_spike_factor = 1000.0  # the multiplier for lr_spike_steps
 
+  c.rl = r = ml_collections.ConfigDict()  # RL with verifiable rewards: read only by `python -m jaxlm.rl`
+  r.prompts = ''  # prompts jsonl: a `prompt` text or chat `messages` per line; every other field reaches the rewards
+  r.tokenizer = ''  # tokenizer file or directory ('' = the data's, found as training finds it)
+  r.chat_template = ''  # `messages` prompts: chatml | llama3 | '' (the tokenizer's own)
+  r.num_generations = 8  # G completions per prompt; train.batch_size counts completions (a multiple of G)
+  r.max_new_tokens = 64  # longest completion; a prompt may take data.seq_len - max_new_tokens tokens
+  r.temperature = 1.0  # sampling temperature (also divides the logits the loss scores, as TRL)
+  r.top_k = 0  # sample among the k most likely tokens (0 = all)
+  r.top_p = 1.0  # nucleus sampling (1 = off)
+  r.loss_type = 'dapo'  # grpo | bnpo | dr_grpo | dapo (TRL's default): how per-token losses are averaged
+  r.scale_rewards = 'group'  # advantages divided by the std of: group | batch | none (Dr.GRPO)
+  r.epsilon = 0.2  # policy ratio clipped below at 1 - epsilon ...
+  r.epsilon_high = 0.0  # ... and above at 1 + epsilon_high (0 = epsilon; DAPO's clip-higher uses 0.28)
+  r.beta = 0.0  # k3 KL penalty to the reference (the starting weights); 0 needs no reference
+  r.mask_truncated = False  # completions cut at max_new_tokens are left out of the loss (DAPO)
+  r.reward_weights = ''  # comma-separated weight per reward function ('' = all 1)
+  r.stability_watch = 'update_ratio'  # the guard's spike signals in RL (loss and grad_norm move while a policy learns)
+  r.stability_spikes = 1  # RL: rollback after this many spikes of those within stability.spike_window
+
   c.log = g = ml_collections.ConfigDict()
   g.tensorboard = True  # write TensorBoard event files to <workdir>/tb
   g.wandb = False  # also log to Weights & Biases (needs `pip install wandb`; WANDB_MODE=offline works)

@@ -450,12 +450,46 @@ def _stream_errors(c) -> list[str]:
   return []
 
 
-def validate(c: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1, num_slices: int = 1) -> None:
-  """Raises ConfigError listing every problem with `c` on `num_devices` devices in `num_processes` processes."""
+def _rl_errors(c) -> list[str]:
+  """The `rl` section (python -m jaxlm.rl); its choice lists live in jaxlm/rl.py, which acts on them."""
+  r = c.get('rl')
+  if r is None:
+    return []
+  from jaxlm import rl  # pylint: disable=import-outside-toplevel  # rl imports this module
+  e = []
+  if r.loss_type not in rl.LOSS_TYPES:
+    e.append(f'rl.loss_type={r.loss_type!r} is unknown; use one of {", ".join(rl.LOSS_TYPES)}.')
+  if r.scale_rewards not in rl.SCALE_REWARDS:
+    e.append(f'rl.scale_rewards={r.scale_rewards!r} is unknown; use one of {", ".join(rl.SCALE_REWARDS)}.')
+  if r.num_generations < 2 or c.train.batch_size % r.num_generations:
+    e.append(f'rl.num_generations={r.num_generations} must be >= 2 and divide train.batch_size='
+             f'{c.train.batch_size} (the completions of each step); group advantages need two or more.')
+  if not 0 < r.max_new_tokens < c.data.seq_len:
+    e.append(f'rl.max_new_tokens={r.max_new_tokens} must be positive and below data.seq_len={c.data.seq_len} '
+             f'(the prompt takes the rest).')
+  if r.temperature < 0 or r.top_k < 0 or not 0 < r.top_p <= 1:
+    e.append('rl.temperature and rl.top_k must be >= 0, rl.top_p in (0, 1].')
+  if not 0 <= r.epsilon < 1 or r.epsilon_high < 0 or r.beta < 0:
+    e.append(f'rl.epsilon={r.epsilon} must be in [0, 1), rl.epsilon_high and rl.beta >= 0.')
+  try:
+    [float(x) for x in str(r.reward_weights).split(',')] if r.reward_weights else []
+  except ValueError:
+    e.append(f'rl.reward_weights={r.reward_weights!r} must be comma-separated numbers, one per reward function.')
+  if r.stability_spikes < 1:
+    e.append(f'rl.stability_spikes={r.stability_spikes} must be >= 1.')
+  return e
+
+
+def validate(c: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1, num_slices: int = 1, *,
+             rl: bool = False) -> None:
+  """Raises ConfigError listing every problem with `c` on `num_devices` devices in `num_processes` processes.
+
+  rl: the config runs `python -m jaxlm.rl`, whose `rl` section is checked too.
+  """
   errors = (_model_errors(c.model) + _moe_errors(c, num_devices) + _fp8_errors(c) + _deterministic_errors(c)
             + _data_errors(c.data) + _stream_errors(c) + _train_errors(c.train, c.optim)
             + _gen_eval_errors(c.train, c.data) + _mesh_errors(c, num_devices, num_processes, num_slices)
-            + distributed.dist_errors(c.dist) + _other_errors(c))
+            + distributed.dist_errors(c.dist) + _other_errors(c) + (_rl_errors(c) if rl else []))
   if errors:
     raise ConfigError('invalid config:\n  - ' + '\n  - '.join(errors))
 

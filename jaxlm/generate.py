@@ -61,6 +61,10 @@ class Output:
   compile_seconds: float  # 0 when both programs came from the cache
   logits: np.ndarray | None = None  # (prompts, max_new_tokens, V) float32 with return_logits: each step's
   steps: int = 0  # tokens the loop wrote per row before every row had ended (<= max_new_tokens)
+  # Per row, the float32 log-probability of each token written, the stop id included (one more entry than
+  # `tokens` when the row ended with 'eos'): `token_logprobs` of the step's logits, as the RL trainer scores them.
+  logprobs: list[list[float]] = dataclasses.field(default_factory=list)
+  ends: list[int | None] = dataclasses.field(default_factory=list)  # the stop id each row ended with (None: length)
 
   @property
   def generated_tokens(self) -> int:
@@ -92,6 +96,17 @@ def filter_logits(logits, sampling: Sampling):
     threshold = jnp.take_along_axis(ordered, kept - 1, axis=-1)
     logits = jnp.where(logits < threshold, -jnp.inf, logits)
   return logits
+
+
+def token_logprobs(logits, tokens, temperature: float):
+  """log softmax(logits / temperature) at `tokens`, float32: (..., V), (...) -> (...); temperature 0 counts as 1.
+
+  The distribution before top-k / top-p, as TRL's GRPO trainer scores completions: the RL train step computes
+  the same function of the same logits (jaxlm.step.policy_loss), so the sampler's numbers are its old log-probs.
+  """
+  logits = logits.astype(jnp.float32) / (temperature or 1.0)
+  picked = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]
+  return picked - jax.nn.logsumexp(logits, axis=-1)
 
 
 def sample(logits, key, sampling: Sampling):
@@ -156,22 +171,23 @@ def _prefill(model, params, tokens, segment_ids, positions, shapes, shardings):
 
 def _decode(model, sampling, stops, max_new, return_logits, params, cache, logits, next_positions, key,
             shardings):
-  """The compiled loop: (tokens (B, max_new), steps run, [logits (B, max_new, V)]) after prefill's logits.
+  """The compiled loop: (tokens, log-probs (B, max_new), steps run, [logits (B, max_new, V)]) after prefill's.
   `stops`: (slots,) int32, the ids a row stops at, padded with -1 (never drawn)."""
   B, V = logits.shape
   first = sample(logits, jax.random.fold_in(key, 0), sampling)
   tokens = jnp.zeros((B, max_new), jnp.int32).at[:, 0].set(first)
+  logprobs = jnp.zeros((B, max_new), jnp.float32).at[:, 0].set(token_logprobs(logits, first, sampling.temperature))
   done = jnp.isin(first, stops) | (next_positions == 0)  # the batch's padding rows (no prompt) are done at once
   all_logits = jnp.zeros((B, max_new, V) if return_logits else (B, 0, V), jnp.float32)
   if return_logits:
     all_logits = all_logits.at[:, 0].set(logits)
 
   def cond(carry):
-    t, _, _, _, done, _ = carry
+    t, _, _, _, _, done, _ = carry
     return (t < max_new) & ~jnp.all(done)
 
   def body(carry):
-    t, cache, last, tokens, done, all_logits = carry
+    t, cache, last, tokens, logprobs, done, all_logits = carry
     positions = (next_positions + t - 1)[:, None]  # (B, 1): `last` is the row's (t-1)-th new token
     out, variables = model.apply({'params': params, 'cache': cache}, last[:, None], jnp.ones_like(positions),
                                  positions, mutable=['cache'])
@@ -179,13 +195,16 @@ def _decode(model, sampling, stops, max_new, return_logits, params, cache, logit
     token = sample(step_logits, jax.random.fold_in(key, t), sampling)
     token = jnp.where(done, stops[0], token)  # a finished row keeps an end of text
     tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, t))
+    logprob = token_logprobs(step_logits, token, sampling.temperature)[:, None]
+    logprobs = jax.lax.dynamic_update_slice(logprobs, logprob, (0, t))
     if return_logits:
       all_logits = jax.lax.dynamic_update_slice(all_logits, step_logits[:, None], (0, t, 0))
-    return t + 1, _constrain(variables['cache'], shardings), token, tokens, done | jnp.isin(token, stops), all_logits
+    return (t + 1, _constrain(variables['cache'], shardings), token, tokens, logprobs,
+            done | jnp.isin(token, stops), all_logits)
 
-  t, _, _, tokens, _, all_logits = jax.lax.while_loop(
-      cond, body, (jnp.int32(1), cache, first, tokens, done, all_logits))
-  return tokens, t, all_logits
+  t, _, _, tokens, logprobs, _, all_logits = jax.lax.while_loop(
+      cond, body, (jnp.int32(1), cache, first, tokens, logprobs, done, all_logits))
+  return tokens, logprobs, t, all_logits
 
 
 _COMPILED = {}  # (what decides the program) -> (prefill, decode) executables: one compile per bucket
@@ -270,12 +289,13 @@ def generate(model_cfg: model_lib.ModelConfig, params, prompts: list[list[int]],
     logits, cache = prefill(params, tokens, segment_ids, positions)
     jax.block_until_ready(logits)
     prefilled = time.perf_counter()
-    out, steps, all_logits = decode(params, cache, logits, lengths, jax.random.PRNGKey(seed), jnp.asarray(slots))
-    out = np.asarray(out)
+    out, logprobs, steps, all_logits = decode(params, cache, logits, lengths, jax.random.PRNGKey(seed),
+                                              jnp.asarray(slots))
+    out, logprobs = np.asarray(out), np.asarray(logprobs)
     decoded = time.perf_counter()
   steps = int(steps)
-  result, reasons = [], []
-  for row in out[:len(prompts), :steps].tolist():
+  result, reasons, scores, ends = [], [], [], []
+  for row, row_logprobs in zip(out[:len(prompts), :steps].tolist(), logprobs[:len(prompts), :steps].tolist()):
     end = next((i for i, token in enumerate(row) if token in stops), None)
     if end is not None:
       result.append(row[:end])
@@ -283,8 +303,10 @@ def generate(model_cfg: model_lib.ModelConfig, params, prompts: list[list[int]],
     else:
       result.append(row)
       reasons.append('length')
+    scores.append(row_logprobs[:len(row) if end is None else end + 1])
+    ends.append(None if end is None else row[end])
   return Output(result, reasons, int(lengths.sum()), prefilled - start, decoded - prefilled, compile_seconds,
-                np.asarray(all_logits)[:len(prompts)] if return_logits else None, steps)
+                np.asarray(all_logits)[:len(prompts)] if return_logits else None, steps, scores, ends)
 
 
 def generate_without_cache(model_cfg: model_lib.ModelConfig, params, prompts: list[list[int]],

@@ -83,6 +83,8 @@ def progress_line(step: int, total_steps: int | None, values: dict, eta_s: float
   if values.get('epoch') is not None:  # train.epochs
     parts.append(f'epoch {values["epoch"]:.2f}')
   parts += [f'loss {values["loss"]:.4f}', f'{_si(values["tokens_per_s"])} tok/s']
+  if values.get('reward') is not None:  # an RL run (jaxlm/rl.py): the mean reward of the step's completions
+    parts.append(f'reward {values["reward"]:.3f}')
   if values.get('mfu') is not None:
     parts.append(f'MFU {100 * values["mfu"]:.1f}%')
   if values.get('moe/max_load') is not None:  # a mixture of experts: the busiest expert over the mean, all layers

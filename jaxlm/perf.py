@@ -63,8 +63,10 @@ def mfu(tokens_per_s: float, flops_per_token: float, num_devices: int, device_ki
 # block the loop for, 'final_save' the wait for the last save to reach the disk at the end of a run (a cost
 # that does not grow with the run, so it is kept apart). 'startup' is untracked time before the first step
 # (imports, init, restore not otherwise tracked), 'redo' is steps computed again after a resume or a rollback,
-# 'other' is untracked time after the first step (logging, Python overhead).
-TRACKED = ('step', 'compile', 'data', 'checkpoint', 'final_save', 'eval')
+# 'other' is untracked time after the first step (logging, Python overhead). 'sample' is an RL run's sampling
+# (jaxlm/rl.py): productive, as its steps are, but kept apart so the two can be compared.
+TRACKED = ('step', 'compile', 'data', 'checkpoint', 'final_save', 'eval', 'sample')
+PRODUCTIVE = ('step', 'sample')
 BUCKETS = TRACKED + ('redo', 'startup', 'other')
 
 
@@ -152,9 +154,9 @@ class TimeAccounting:
     else:  # still starting up
       seconds['startup'] = max(0.0, self._untracked())
     wall = sum(seconds.values())
-    out = {'wall_s': wall, 'goodput': seconds['step'] / wall if wall > 0 else 0.0}
+    out = {'wall_s': wall, 'goodput': sum(seconds[k] for k in PRODUCTIVE) / wall if wall > 0 else 0.0}
     out.update({f'{k}_s': v for k, v in seconds.items()})
-    out.update({f'badput_{k}': (v / wall if wall > 0 else 0.0) for k, v in seconds.items() if k != 'step'})
+    out.update({f'badput_{k}': (v / wall if wall > 0 else 0.0) for k, v in seconds.items() if k not in PRODUCTIVE})
     return out
 
   def table(self) -> str:
@@ -162,7 +164,7 @@ class TimeAccounting:
     s = self.summary()
     rows = sorted(BUCKETS, key=lambda k: -s[f'{k}_s'])
     share = lambda k: s[f'{k}_s'] / s['wall_s'] if s['wall_s'] > 0 else 0.0  # noqa: E731
-    label = {'step': 'step (productive)', 'final_save': 'final save'}
+    label = {'step': 'step (productive)', 'sample': 'sample (productive)', 'final_save': 'final save'}
     body = [(label.get(k, k), f'{s[f"{k}_s"]:.1f}s', f'{100 * share(k):.1f}%') for k in rows]
     return (f'time accounting: wall {duration(s["wall_s"])}, goodput {100 * s["goodput"]:.1f}%\n'
             + format_table(body, right=(False, True, True), indent='  '))

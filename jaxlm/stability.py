@@ -87,12 +87,13 @@ class Guard:
   """
 
   def __init__(self, stability_cfg, event, *, log_every: int = 1, ledger: str | None = None,
-               writes_ledger: bool = True):
+               writes_ledger: bool = True, watch: tuple[str, ...] = ('loss', 'grad_norm')):
     self.cfg = stability_cfg
     self.event = event
     self.log_every = log_every  # a logged spike may have started anywhere in the steps since the last record
     self.ledger = ledger  # every process reads it (the workdir is shared); one writes it
     self.writes_ledger = writes_ledger
+    self.watch = watch  # the logged values judged for spikes (an RL run watches others: jaxlm/rl.py)
     self.detector = SpikeDetector(stability_cfg.window, stability_cfg.threshold, stability_cfg.min_history)
     self.spike_steps: list[int] = []
     self.skipped_total = 0
@@ -117,7 +118,7 @@ class Guard:
         raise StabilityError(f'{reason}: the model cannot recover by skipping updates. Fix: resume from an '
                              f'earlier checkpoint with a lower optim.lr, or use stability.policy=rollback.')
       return Rollback(step - run + 1, step, reason)
-    spikes = self.detector.update({k: values[k] for k in ('loss', 'grad_norm') if k in values})
+    spikes = self.detector.update({k: values[k] for k in self.watch if values.get(k) is not None})
     if spikes:
       self.spike_steps.append(step)
       self.event(step, 'spike', '; '.join(spikes.values()), metrics=','.join(sorted(spikes)))

@@ -1,0 +1,578 @@
+"""RL with verifiable rewards: `python -m jaxlm.rl --config=configs/grpo_example.py --rewards=my_rewards.py:fn[,fn2]
+[--workdir=DIR] [--config.a.b=v]`.
+
+One step: B prompts × G completions sampled with jaxlm.generate on the run's mesh (the sampled tokens' log-probs
+come back from the decode loop), scored by the user's reward functions, group advantages on the host, then the
+ONE train step (jaxlm.step.build_program with a `PolicyObjective`) on per-token weights that encode the loss
+type over the global batch. Sampler and trainer are the same Flax model on the same mesh: their log-probs of the
+same tokens agree (`logprob_mismatch`, ~0), so the sampler's are the clipped ratio's old log-probs.
+
+Reads like jaxlm/train.py: `start`, `restore_or_init`, `loop`, and a shutdown that always runs. Checkpoints hold
+the prompt position; samples are seeded by step, so a resumed run draws the samples the killed one would have.
+"""
+
+if __name__ == '__main__':  # the command runs in a child its watcher waits for; start it before JAX loads (cli.py)
+  from jaxlm import cli as _watch
+  _watch.run_watched()
+
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import os
+import signal
+from typing import Any, Callable
+
+from absl import flags
+import grain
+import jax
+import numpy as np
+
+from jaxlm import checkpoint as checkpoint_lib
+from jaxlm import cli
+from jaxlm import config as config_lib
+from jaxlm import distributed
+from jaxlm import errors
+from jaxlm import faults as faults_lib
+from jaxlm import generate as generate_lib
+from jaxlm import metrics as metrics_lib
+from jaxlm import perf
+from jaxlm import rundir
+from jaxlm import sharding
+from jaxlm import stability as stability_lib
+from jaxlm import step as step_lib
+
+LOSS_TYPES = ('grpo', 'bnpo', 'dr_grpo', 'dapo')  # rl.loss_type: how per-token losses are averaged
+SCALE_REWARDS = ('group', 'batch', 'none')  # rl.scale_rewards: advantages divided by the group's / batch's std
+STD_EPS = 1e-4  # added to the std before dividing (TRL's)
+
+
+class RewardError(errors.JaxlmError, ValueError):
+  """A reward function that cannot be loaded, raised, or returned the wrong thing."""
+  exit_code = 2
+
+
+# ---------------------------------------------------------------------------------------------------- rewards
+
+def load_rewards(spec: str) -> list[tuple[str, Callable]]:
+  """[(name, fn)] of `path.py:fn[,fn2]`: functions (prompts, completions, completion_ids, finish_reasons, **fields)."""
+  path, _, names = spec.rpartition(':')
+  if not path or not names:
+    raise RewardError(f'--rewards={spec!r} must read FILE.py:fn[,fn2]; name the file and its functions')
+  if not os.path.isfile(path):
+    raise RewardError(f'reward file {path} does not exist (working directory {os.getcwd()}); pass --rewards=FILE.py:fn')
+  module_spec = importlib.util.spec_from_file_location(f'jaxlm_rewards_{abs(hash(os.path.abspath(path)))}', path)
+  module = importlib.util.module_from_spec(module_spec)
+  try:
+    module_spec.loader.exec_module(module)
+  except Exception as e:  # pylint: disable=broad-except  -- the user's file: say which and why, in one line
+    raise RewardError(f'reward file {path} failed to import ({type(e).__name__}: {e}); fix the file') from e
+  out = []
+  for name in names.split(','):
+    fn = getattr(module, name.strip(), None)
+    if not callable(fn):
+      raise RewardError(f'reward file {path} has no function {name.strip()!r}; define it or fix --rewards')
+    out.append((name.strip(), fn))
+  return out
+
+
+def score(rewards: list[tuple[str, Callable]], prompts: list, completions: list[str], completion_ids: list[list[int]],
+          finish_reasons: list[str], fields: dict) -> np.ndarray:
+  """(N, F) float rewards, NaN where a function returned None (not scorable); a bad function is a RewardError."""
+  out = np.full((len(completions), len(rewards)), np.nan)
+  for j, (name, fn) in enumerate(rewards):
+    try:
+      values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                  finish_reasons=finish_reasons, **fields)
+    except Exception as e:  # pylint: disable=broad-except  -- the user's code: name it, stop the run cleanly
+      raise RewardError(f'reward function {name} raised {type(e).__name__}: {" ".join(str(e).split())[:200]}; '
+                        f'fix {name}') from e
+    if not isinstance(values, (list, tuple, np.ndarray)) or len(values) != len(completions):
+      got = f'{len(values)} values' if hasattr(values, '__len__') else type(values).__name__
+      raise RewardError(f'reward function {name} returned {got} for {len(completions)} completions; return one '
+                        f'float (or None) per completion')
+    for i, v in enumerate(values):
+      if v is not None:
+        try:
+          out[i, j] = float(v)
+        except (TypeError, ValueError):
+          raise RewardError(f'reward function {name} returned {v!r} for completion {i}; return a float or None '
+                            f'per completion') from None
+  return out
+
+
+def advantages(rewards_per_func: np.ndarray, weights: np.ndarray, num_generations: int, scale: str):
+  """(advantages (N,), rewards (N,), zero-std flags (N,)) as TRL's GRPOTrainer makes them (sum_then_normalize).
+
+  A completion whose every function returned None has a NaN reward, is left out of its group's mean and std, and
+  gets advantage 0; an all-equal group gets advantage 0 (not NaN).
+  """
+  unscorable = np.isnan(rewards_per_func).all(axis=1)
+  rewards = np.nansum(rewards_per_func * weights[None], axis=1)
+  rewards[unscorable] = np.nan
+  groups = rewards.reshape(-1, num_generations)
+  with np.errstate(invalid='ignore', divide='ignore'), _quiet_nan_warnings():
+    mean = np.repeat(np.nanmean(groups, axis=1), num_generations)
+    if scale == 'batch':
+      std = np.full_like(rewards, _nanstd(rewards))
+    else:  # group, and none (only to count the zero-std groups)
+      std = np.repeat(_nanstd(groups, axis=1), num_generations)
+    adv = rewards - mean
+    if scale != 'none':
+      adv = adv / (std + STD_EPS)
+  return np.nan_to_num(adv, nan=0.0), rewards, np.isclose(std, 0.0)
+
+
+def _nanstd(x: np.ndarray, axis=None):
+  """The unbiased std ignoring NaNs (NaN with fewer than two values), as trl.trainer.utils.nanstd."""
+  count = np.sum(~np.isnan(x), axis=axis)
+  with _quiet_nan_warnings():
+    squares = np.nansum((x - np.nanmean(x, axis=axis, keepdims=True)) ** 2, axis=axis)
+  return np.where(count > 1, np.sqrt(squares / np.maximum(count - 1, 1)), np.nan)
+
+
+@contextlib.contextmanager
+def _quiet_nan_warnings():
+  import warnings  # pylint: disable=import-outside-toplevel
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', RuntimeWarning)  # an all-None group's mean: NaN, handled above
+    yield
+
+
+def token_weights(mask: np.ndarray, loss_type: str, max_new_tokens: int) -> np.ndarray:
+  """Per-token weights (N, T) so that Σ weights · per-token loss is `loss_type`'s loss over the global batch.
+
+  grpo: each sequence's mean, averaged over sequences; bnpo and dapo: the mean over every completion token of the
+  batch (TRL's dapo divides by the generation batch's token count, which this batch is); dr_grpo: the sum over
+  tokens divided by sequences × max_new_tokens.
+  """
+  mask = mask.astype(np.float64)
+  if loss_type == 'grpo':
+    w = mask / np.maximum(mask.sum(1, keepdims=True), 1.0) / mask.shape[0]
+  elif loss_type in ('bnpo', 'dapo'):
+    w = mask / max(mask.sum(), 1.0)
+  elif loss_type == 'dr_grpo':
+    w = mask / (mask.shape[0] * max_new_tokens)
+  else:
+    raise ValueError(f'loss_type {loss_type!r}; use one of {LOSS_TYPES}')
+  return w.astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------------- batches
+
+def train_batch(prompts: list[list[int]], completions: list[list[int]], logprobs: list[list[float]],
+                adv: np.ndarray, mask_rows: np.ndarray, *, seq_len: int, max_new_tokens: int, loss_type: str) -> dict:
+  """The step's batch (N, T = seq_len): each prompt right-aligned at T - max_new_tokens, its completion after.
+
+  `completions` hold the end-of-text token where the row ended with it (it is scored, as TRL's completion mask
+  counts it). The completion's j-th token is the target at slot P - 1 + j, where its old log-prob sits too.
+  `mask_rows` False: a row left out of the loss (rl.mask_truncated).
+  """
+  n, P = len(prompts), seq_len - max_new_tokens
+  inputs = np.zeros((n, seq_len), np.int32)
+  targets = np.zeros((n, seq_len), np.int32)
+  segment_ids = np.zeros((n, seq_len), np.int32)
+  positions = np.zeros((n, seq_len), np.int32)
+  old = np.zeros((n, seq_len), np.float32)
+  mask = np.zeros((n, seq_len), np.float32)
+  for r, (p, c, lp) in enumerate(zip(prompts, completions, logprobs)):
+    row = list(p) + list(c)
+    start = P - len(p)
+    inputs[r, start:start + len(row)] = row
+    segment_ids[r, start:start + len(row)] = 1
+    positions[r, start:start + len(row)] = np.arange(len(row))
+    targets[r, P - 1:P - 1 + len(c)] = c
+    old[r, P - 1:P - 1 + len(c)] = lp
+    mask[r, P - 1:P - 1 + len(c)] = float(mask_rows[r])
+  share = mask / max(mask.sum(), 1.0)
+  return dict(inputs=inputs, targets=targets, segment_ids=segment_ids, positions=positions,
+              weights=token_weights(mask, loss_type, max_new_tokens), old_logps=old,
+              advantages=np.repeat(np.asarray(adv, np.float32)[:, None], seq_len, axis=1) * (mask > 0),
+              token_share=share.astype(np.float32))
+
+
+def abstract_batch(batch_size: int, seq_len: int, batch_sharding, objective: step_lib.PolicyObjective) -> dict:
+  """Shapes of one RL batch, for compiling the step ahead of time."""
+  out = step_lib.abstract_batch(batch_size, seq_len, batch_sharding)
+  spec = jax.ShapeDtypeStruct((batch_size, seq_len), np.float32, sharding=batch_sharding)
+  return {**out, **{k: spec for k in objective.batch_keys}}
+
+
+# ---------------------------------------------------------------------------------------------------- prompts
+
+class Prompts(grain.DatasetIterator):
+  """The prompts file as an endless stream of records, each epoch in a seeded order; its state is one counter."""
+
+  def __init__(self, records: list[dict], seed: int):
+    super().__init__()
+    self.records, self.seed = records, seed
+    self.position = 0  # records drawn so far
+
+  def _order(self, epoch: int) -> np.ndarray:
+    return np.random.default_rng([self.seed, epoch]).permutation(len(self.records))
+
+  def take(self, n: int) -> list[dict]:
+    """The next `n` records."""
+    out = []
+    for i in range(self.position, self.position + n):
+      epoch, k = divmod(i, len(self.records))
+      out.append(self.records[self._order(epoch)[k]])
+    self.position += n
+    return out
+
+  def __next__(self) -> dict:
+    return self.take(1)[0]
+
+  def get_state(self) -> dict:
+    return {'prompts_drawn': self.position, 'prompts': len(self.records)}
+
+  def set_state(self, state: dict) -> None:
+    self.position = int(state['prompts_drawn'])
+
+
+def read_prompts(rl_cfg, tokenizer, prompt_slots: int) -> list[dict]:
+  """Records of the prompts file, each with `ids` (its tokens), `prompt` (text or messages) and its other fields."""
+  from jaxlm.data import chat  # pylint: disable=import-outside-toplevel
+  path = os.path.expanduser(rl_cfg.prompts)
+  if not os.path.isfile(path):
+    raise errors.DataError(f'rl.prompts={path} does not exist; give a jsonl file with a `prompt` or `messages` '
+                           f'field per line')
+  template = None
+  records = []
+  with open(path) as f:
+    for line_no, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise errors.DataError(f'{path}:{line_no} is not JSON ({e}); one object per line') from None
+      if 'messages' in record:
+        template = template or chat.template_of(tokenizer, rl_cfg.chat_template or None)
+        if template is None:
+          raise errors.DataError(f'{path}:{line_no} has `messages` but the tokenizer has no chat template; set '
+                                 f'rl.chat_template=chatml (or llama3)')
+        text = chat.render(record['messages'], template, add_generation_prompt=True,
+                           special_tokens=tokenizer.special_tokens)
+        ids = tokenizer.encode(text)
+        prompt = record['messages']
+      elif isinstance(record.get('prompt'), str):
+        ids, prompt = tokenizer.encode(record['prompt']), record['prompt']
+      else:
+        raise errors.DataError(f'{path}:{line_no} has neither a `prompt` text nor `messages`; give one of them')
+      if not ids or len(ids) > prompt_slots:
+        raise errors.DataError(f'{path}:{line_no}: the prompt is {len(ids)} tokens; data.seq_len - rl.max_new_tokens '
+                               f'leaves {prompt_slots}; raise data.seq_len or shorten the prompt')
+      fields = {k: v for k, v in record.items() if k not in ('prompt', 'messages')}
+      records.append({'ids': ids, 'prompt': prompt, 'fields': fields})
+  if not records:
+    raise errors.DataError(f'rl.prompts={path} holds no prompts')
+  return records
+
+
+# ---------------------------------------------------------------------------------------------------- the run
+
+@dataclasses.dataclass
+class Run:
+  """What start() sets up for the loop."""
+  cfg: Any
+  workdir: str
+  mesh: jax.sharding.Mesh
+  program: step_lib.Program
+  objective: step_lib.PolicyObjective
+  log: metrics_lib.MetricsLogger
+  acct: perf.TimeAccounting
+  prompts: Prompts
+  tokenizer: Any
+  rewards: list
+  end_id: int | list[int]
+  ckpt: checkpoint_lib.Checkpointer
+  guard: stability_lib.Guard
+  faults: faults_lib.Faults
+  env: dict
+  train_step: Any = None
+  reference: Any = None  # beta > 0: the frozen reference's parameters
+  stop: list = dataclasses.field(default_factory=list)
+
+
+def objective_of(rl_cfg) -> step_lib.PolicyObjective:
+  """The train step's objective for the `rl` section."""
+  return step_lib.PolicyObjective(temperature=rl_cfg.temperature, epsilon=rl_cfg.epsilon,
+                                  epsilon_high=rl_cfg.epsilon_high or rl_cfg.epsilon, beta=rl_cfg.beta)
+
+
+def rl_stability(cfg):
+  """The stability section an RL run judges by: rl.stability_watch and rl.stability_spikes replace the spike rule.
+
+  While a policy learns its loss moves around 0 and its gradient norm rises several-fold; Adam's update size
+  relative to the parameters (update_ratio) does not, and jumps when an update blows up.
+  """
+  y = cfg.stability.copy_and_resolve_references()
+  y.spikes = cfg.rl.stability_spikes
+  return y
+
+
+_COMPILED = {}  # (config without seed, mesh) -> (program, compiled train step): reused by runs in one process
+
+
+def program_for(cfg, mesh):
+  """The program and its train step compiled ahead of time; one compile per config shape in a process."""
+  # What the step depends on (the seed only reaches init, rebuilt below; drills act through the state's lr_scale).
+  t = cfg.train
+  key = (cfg.model.to_json(), cfg.optim.to_json(), t.steps, t.batch_size, t.microbatches, cfg.data.seq_len,
+         cfg.stability.policy != 'off', cfg.stability.policy == 'rollback' or bool(cfg.faults.lr_spike_steps),
+         objective_of(cfg.rl), mesh)
+  if key not in _COMPILED:
+    objective = objective_of(cfg.rl)
+    program = step_lib.build_program(cfg, mesh, objective=objective)
+    compiled = program.train_step.lower(program.abstract_state, abstract_batch(
+        cfg.train.batch_size, cfg.data.seq_len, program.batch_sharding, objective)).compile()
+    _COMPILED[key] = (program, objective, compiled)
+  program, objective, compiled = _COMPILED[key]
+  if cfg.train.seed != 0:  # init draws from train.seed: only it is rebuilt
+    program = dataclasses.replace(program, init=step_lib.build_program(cfg, mesh, objective=objective).init)
+  return program, objective, compiled
+
+
+def run(cfg, workdir: str, rewards: list[tuple[str, Callable]], tokenizer=None, devices=None) -> dict:
+  """Trains the policy as `cfg` says, writing to `workdir`; returns the last logged metrics.
+
+  tokenizer: any with encode / decode / eos_id (default: rl.tokenizer, else the data's); devices: the mesh's
+  (default: all).
+  """
+  with contextlib.ExitStack() as shutdown:
+    r = start(cfg, workdir, rewards, shutdown, tokenizer, devices)
+    state = restore_or_init(r)
+    return loop(r, state)
+
+
+def start(cfg, workdir: str, rewards, shutdown: contextlib.ExitStack, tokenizer=None, devices=None) -> Run:
+  """Everything before the first step; each piece registers its own shutdown on `shutdown`."""
+  acct = perf.TimeAccounting()
+  t, rl = cfg.train, cfg.rl
+  with acct.phase('devices, mesh'):
+    mesh = sharding.make_mesh(cfg.mesh, devices)
+  primary = jax.process_index() == 0
+  log = metrics_lib.MetricsLogger(workdir, cfg.log, total_steps=t.steps, is_primary=primary, config=cfg)
+  shutdown.callback(_quietly, log.close)
+  if tokenizer is None:
+    from jaxlm.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
+    from jaxlm.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+    tokenizer = (tokenizer_lib.load(os.path.expanduser(rl.tokenizer)) if rl.tokenizer
+                 else data_lib.load_tokenizer(cfg.data, cfg.model.vocab_size))
+  # Every id the model stops at (main's Tokenizer.stop_ids: generation_config's list, eos, separator).
+  end_id = getattr(tokenizer, 'stop_ids', None) or (
+      tokenizer.eos_id if tokenizer.eos_id >= 0 else tokenizer.separator_id)
+  with acct.phase('prompts'):
+    records = read_prompts(rl, tokenizer, cfg.data.seq_len - rl.max_new_tokens)
+  with acct.phase('program'), acct.track('compile'):
+    program, objective, compiled = program_for(cfg, mesh)
+  ckpt = checkpoint_lib.Checkpointer(rundir.path(workdir, rundir.CHECKPOINTS), cfg.checkpoint, log.event)
+  shutdown.callback(_quietly, ckpt.close)
+  guard = stability_lib.Guard(rl_stability(cfg), log.event, log_every=t.log_every,
+                              ledger=rundir.path(workdir, rundir.ROLLBACKS), writes_ledger=primary,
+                              watch=tuple(k.strip() for k in rl.stability_watch.split(',') if k.strip()))
+  r = Run(cfg=cfg, workdir=workdir, mesh=mesh, program=program, objective=objective, log=log, acct=acct,
+          prompts=Prompts(records, t.seed), tokenizer=tokenizer, rewards=rewards, end_id=end_id, ckpt=ckpt,
+          guard=guard, faults=faults_lib.Faults(cfg.faults, cfg.model.vocab_size, log.event),
+          env=checkpoint_lib.environment(cfg, mesh), train_step=compiled)
+  for sig in (signal.SIGTERM, signal.SIGINT):  # preemption: finish the step, save, exit
+    previous = signal.signal(sig, lambda signum, _: r.stop.append(signal.Signals(signum).name))
+    shutdown.callback(signal.signal, sig, previous)
+  return r
+
+
+def restore_or_init(r: Run):
+  """The newest intact checkpoint (with its prompt position and guard state), else a fresh or warm start."""
+  program = r.program
+  with r.acct.track('checkpoint'):
+    state, guard_state = r.ckpt.restore(program.abstract_state, program.state_shardings, r.prompts)
+  fresh = jax.block_until_ready(program.init()) if state is None or r.cfg.rl.beta else None
+  if r.cfg.checkpoint.init_from and fresh is not None:
+    params = checkpoint_lib.load_params(r.cfg.checkpoint.init_from, program.abstract_state.params,
+                                        program.state_shardings.params)
+    fresh = fresh.replace(params=params)
+  if r.cfg.rl.beta:
+    r.reference = reference_params(fresh)
+  if state is not None:
+    r.guard.load(guard_state)
+    r.log.event(int(state.step), 'resumed', f'resumed from checkpoint step {int(state.step)} in {r.ckpt.directory} '
+                f'at prompt {r.prompts.position}')
+    return state
+  r.guard.reset_ledger()
+  return fresh
+
+
+def reference_params(initial_state):
+  """The KL's reference policy: a frozen copy of the starting parameters (the LoRA base will take its place)."""
+  return jax.tree.map(lambda x: x.copy(), initial_state.params)
+
+
+def sample_seed(seed: int, step: int) -> int:
+  """The sampler's seed for `step`: a resumed run draws the same samples."""
+  return int(jax.random.randint(jax.random.fold_in(jax.random.PRNGKey(seed), step), (), 0, 2**31 - 1))
+
+
+def rollout(r: Run, state, step: int) -> tuple[dict, dict]:
+  """Samples, scores and batches one step: (the global batch, host metrics)."""
+  rl, t = r.cfg.rl, r.cfg.train
+  G = rl.num_generations
+  records = r.prompts.take(t.batch_size // G)
+  prompt_ids = [rec['ids'] for rec in records for _ in range(G)]
+  with r.acct.track('sample'):
+    out = generate_lib.generate(
+        r.program.model.config, state.params, prompt_ids, rl.max_new_tokens,
+        sampling=generate_lib.Sampling(rl.temperature, rl.top_k, rl.top_p), seed=sample_seed(t.seed, step),
+        eos_id=r.end_id, mesh=r.mesh, max_len=r.cfg.data.seq_len)
+  completions = [ids + [end] * (end is not None) for ids, end in zip(out.tokens, out.ends)]  # the stop id scored
+  texts = [r.tokenizer.decode(ids) for ids in out.tokens]
+  fields = {k: [rec['fields'].get(k) for rec in records for _ in range(G)]
+            for k in sorted({k for rec in records for k in rec['fields']})}
+  prompts = [rec['prompt'] for rec in records for _ in range(G)]
+  per_func = score(r.rewards, prompts, texts, [list(c) for c in out.tokens], out.finish_reasons, fields)
+  weights = reward_weights(rl, len(r.rewards))
+  adv, rewards, zero_std = advantages(per_func, weights, G, rl.scale_rewards)
+  truncated = np.array([why == 'length' for why in out.finish_reasons])
+  keep = ~truncated if rl.mask_truncated else np.ones_like(truncated)
+  local = train_batch(prompt_ids, completions, out.logprobs, adv, keep, seq_len=r.cfg.data.seq_len,
+                      max_new_tokens=rl.max_new_tokens, loss_type=rl.loss_type)
+  batch = step_lib.global_batch(local, r.program.batch_sharding)
+  if r.reference is not None:
+    batch['ref_logps'] = r.program.score(r.reference, batch)
+  lengths = np.array([len(c) for c in completions])
+  host = {'reward': _nan_none(np.nanmean(rewards)), 'reward_std': _nan_none(_nanstd(rewards)),
+          'frac_reward_zero_std': float(zero_std.mean()),
+          'completions/mean_length': float(lengths.mean()), 'completions/min_length': float(lengths.min()),
+          'completions/max_length': float(lengths.max()), 'completions/clipped_ratio': float(truncated.mean()),
+          'sample_s': r.acct.last_s, 'sampled_tokens': int(lengths.sum())}
+  for j, (name, _) in enumerate(r.rewards):
+    host[f'rewards/{name}/mean'] = _nan_none(np.nanmean(per_func[:, j]) if np.any(~np.isnan(per_func[:, j]))
+                                             else np.nan)
+    host[f'rewards/{name}/std'] = _nan_none(_nanstd(per_func[:, j]))
+  return batch, host
+
+
+def reward_weights(rl_cfg, n: int) -> np.ndarray:
+  """rl.reward_weights as an array (all 1 when empty)."""
+  if not rl_cfg.reward_weights:
+    return np.ones(n)
+  return np.array([float(x) for x in str(rl_cfg.reward_weights).split(',')])
+
+
+def _nan_none(x) -> float | None:
+  x = float(x)
+  return None if np.isnan(x) else x
+
+
+def loop(r: Run, state) -> dict:
+  """`for step: sample -> reward -> advantages -> train_step -> log / save` until train.steps or a stop signal."""
+  t, acct = r.cfg.train, r.acct
+  last, metrics, step = {}, None, int(state.step)
+  while step < t.steps:
+    batch, host = rollout(r, state, step)
+    state = set_lr_scale(r, state, step)
+    with acct.track('step'):
+      state, metrics = r.train_step(state, batch)
+      jax.block_until_ready(metrics)
+    step_s = acct.last_s
+    step += 1
+    distributed.beat(step)
+    if step % t.log_every == 0 or step == t.steps:
+      values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+      tokens = host.pop('sampled_tokens')
+      values.update(host, train_s=step_s, tokens_per_s=tokens / max(host['sample_s'] + step_s, 1e-9))
+      r.log.write(step, values)
+      last = values
+      if rollback := r.guard.observe(step, values):
+        with acct.track('checkpoint'):
+          state = roll_back(r, rollback)
+        step = int(state.step)
+        continue
+    stopping = distributed.any_process(bool(r.stop))
+    with acct.track('checkpoint'):
+      r.ckpt.on_step(step, t.steps, state, r.prompts, r.env, r.guard.state(), stopping=stopping)
+    if stopping:
+      r.log.event(step, 'preempted', f'{r.stop[0] if r.stop else "a stop signal"} received: stopped after step '
+                  f'{step}, checkpoint {"saved" if r.ckpt.last_good == step else "NOT saved"}; run the same '
+                  f'command to resume.')
+      break
+  with acct.track('final_save'):
+    r.ckpt.close()
+  r.log.write(int(state.step), {**acct.summary(), **r.ckpt.stats()}, kind='system')
+  if jax.process_index() == 0:
+    print(acct.table(), flush=True)
+  return last
+
+
+def set_lr_scale(r: Run, state, step: int):
+  """The update multiplier for this step: a fault drill's (faults.lr_spike_steps), the post-rollback one, or 1."""
+  drill = r.faults.lr_scale(int(state.batches) + 1)
+  lr_scale = drill if drill is not None else r.guard.lr_scale(step)
+  if lr_scale == float(state.lr_scale):
+    return state
+  r.log.event(step + 1, 'lr_scale', f'learning rate multiplied by {lr_scale:g} from step {step + 1}',
+              lr_scale=lr_scale)
+  return state.replace(lr_scale=jax.device_put(np.float32(lr_scale), r.program.state_shardings.lr_scale))
+
+
+def roll_back(r: Run, rollback: stability_lib.Rollback):
+  """Restores the newest checkpoint before the update that may have caused the trouble; skips its prompts."""
+  r.ckpt.wait()
+  state, _ = r.ckpt.restore(r.program.abstract_state, r.program.state_shardings, r.prompts,
+                            before=rollback.restore_before)
+  if state is None:
+    raise stability_lib.StabilityError(f'{rollback.reason}, but no checkpoint predates update '
+                                       f'{rollback.restore_before}; lower checkpoint.every or raise checkpoint.keep')
+  to_step = int(state.step)
+  skip = r.guard.rolled_back(to_step)
+  abandoned = r.ckpt.delete_after(to_step)
+  r.prompts.take(skip * (r.cfg.train.batch_size // r.cfg.rl.num_generations))
+  first_skipped = int(state.batches) + 1  # batch numbers count skipped ones: a drill keyed on one is not replayed
+  state = state.replace(batches=jax.device_put(np.int32(first_skipped - 1 + skip), r.program.state_shardings.batches))
+  r.log.event(to_step, 'rollback', f'{rollback.reason}: restored checkpoint step {to_step}, skipped prompt batches '
+              f'{first_skipped}-{first_skipped + skip - 1}, deleted checkpoints {abandoned} (rollback {r.guard.rollbacks}/'
+              f'{r.cfg.stability.max_rollbacks})', to_step=to_step, first_bad_step=rollback.first_bad_step)
+  return state
+
+
+def _quietly(close, *args) -> None:
+  try:
+    close(*args)
+  except Exception:  # pylint: disable=broad-except  -- shutdown must not mask the error that ended the run
+    pass
+
+
+# ---------------------------------------------------------------------------------------------------- command
+
+def _define() -> None:
+  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+  config_flags.DEFINE_config_file('config', None, 'Config file, e.g. configs/grpo_example.py.', lock_config=True)
+  flags.DEFINE_string('rewards', None, 'Reward functions: FILE.py:fn[,fn2].')
+  flags.DEFINE_string('workdir', None, 'Run directory (checkpoints, metrics). Default: runs/<name>.')
+
+
+def main(argv):
+  del argv
+  cfg = flags.FLAGS.config
+  distributed.initialize(cfg.dist)
+  config_lib.validate(cfg, jax.device_count(), sharding.num_processes(), sharding.num_slices(), rl=True)
+  rewards = load_rewards(flags.FLAGS.rewards)
+  if cfg.rl.reward_weights and len(reward_weights(cfg.rl, 0)) != len(rewards):
+    raise errors.ConfigError(f'rl.reward_weights has {len(reward_weights(cfg.rl, 0))} entries for {len(rewards)} '
+                             f'reward functions; give one weight per function')
+  workdir = flags.FLAGS.workdir or os.path.join('runs', cfg.name)
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:
+    raise metrics_lib.storage_error(workdir, e) from e
+  run(cfg, workdir, rewards)
+
+
+def console() -> None:
+  """The command line (also the console script `jaxlm-rl`), in a child that a watcher process waits for."""
+  cli.run_watched()
+  cli.run(main, define=_define, required=('config', 'rewards'))
+
+
+if __name__ == '__main__':
+  console()

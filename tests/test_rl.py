@@ -1,0 +1,443 @@
+"""RL with verifiable rewards (jaxlm/rl.py): the sampler's log-probs == the trainer's, the loss and advantages ==
+TRL's GRPOTrainer, exact microbatch / device equivalence, a policy that learns a prompt-dependent task, and a
+resume after kill -9 that replays the same samples."""
+
+import functools
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jaxlm import generate as generate_lib
+from jaxlm import rl
+from jaxlm import sharding
+from jaxlm import step as step_lib
+from tests.helpers import load_config
+
+VOCAB = 32  # ids: 0 the end of text, 1..31 words w1..w31
+
+
+# palm_tiny shrunk further (D 16, one layer, vocab 32, 12-token rows), as overrides a config file can carry too.
+TINY = dict(model=dict(vocab_size=VOCAB, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, mlp_dim=32,
+                       dtype='float32', z_loss=0.0),
+            data=dict(seq_len=12), train=dict(steps=100, batch_size=32, log_every=1, seed=0),
+            optim=dict(lr=2e-2, warmup_steps=5, weight_decay=0.0, schedule='constant'), mesh=dict(fsdp=1, data=-1),
+            checkpoint=dict(every=0, keep=2, async_save=False), log=dict(tensorboard=False),
+            rl=dict(num_generations=8, max_new_tokens=2, temperature=1.0, loss_type='dapo'))
+
+
+def tiny_config(**rl_overrides):
+  """The TINY config with an `rl` section (rl_overrides on top)."""
+  c = load_config('palm_tiny')
+  for section, values in TINY.items():
+    c[section].update(values)
+  c.rl.update(rl_overrides)
+  return c
+
+
+class Words:
+  """A tokenizer for the tests: word i is 'w<i>', id 0 ends the text (jaxlm.data.tokenizer's interface)."""
+  eos_id = separator_id = 0
+  special_tokens = {}
+  vocab_size = VOCAB
+
+  def encode(self, text: str) -> list[int]:
+    return [int(w[1:]) for w in text.split()]
+
+  def decode(self, ids) -> str:
+    return ' '.join(f'w{i}' for i in ids)
+
+
+def mesh_of(devices: int):
+  cfg = tiny_config()
+  cfg.mesh.update(data=devices, fsdp=1)
+  return sharding.make_mesh(cfg.mesh, jax.devices()[:devices])
+
+
+# ------------------------------------------------------------------------------------ sampler == trainer
+
+@pytest.mark.parametrize('temperature', [1.0, 0.7])
+def test_sampler_logprobs_equal_the_trainers(temperature):
+  """Left-padded prompts of different lengths: the decode loop's log-probs of its tokens == the train step's."""
+  cfg = tiny_config(temperature=temperature, max_new_tokens=5)
+  cfg.model.update(num_layers=2, d_model=32)
+  cfg.train.batch_size = 8
+  mesh = mesh_of(8)
+  program = step_lib.build_program(cfg, mesh, objective=rl.objective_of(cfg.rl))
+  state = program.init()
+  params = jax.tree.map(lambda x: x * 4.0, state.params)  # a peaked distribution: log-probs far from uniform
+  prompts = [[3, 17, 5, 9, 2], [11], [7, 8, 9, 10, 11, 12, 2], [4, 30, 1]] * 2
+  out = generate_lib.generate(program.model.config, params, prompts, 5, eos_id=0, mesh=mesh, max_len=12, seed=3,
+                              sampling=generate_lib.Sampling(temperature=temperature))
+  completions = [t + [0] * (why == 'eos') for t, why in zip(out.tokens, out.finish_reasons)]
+  assert 'eos' in out.finish_reasons and 'length' in out.finish_reasons  # the end-of-text token is scored too
+  batch = rl.train_batch(prompts, completions, out.logprobs, np.ones(8), np.ones(8, bool), seq_len=12,
+                         max_new_tokens=5, loss_type='dapo')
+  placed = step_lib.global_batch(batch, program.batch_sharding)
+  trainer = np.asarray(program.score(params, placed))
+  mask = batch['token_share'] > 0
+  assert mask.sum() == sum(map(len, completions))
+  np.testing.assert_allclose(trainer[mask], batch['old_logps'][mask], atol=1e-5, rtol=0)
+  assert np.abs(batch['old_logps'][mask]).max() > 0.5  # not trivially ~0
+  # The train step's own forward (the training model, sharded as trained) sees the same numbers.
+  state = state.replace(params=params)
+  _, metrics = program.train_step(state, placed)
+  assert float(metrics['logprob_mismatch']) < 1e-5
+
+
+# ------------------------------------------------------------------------------------ a task that needs the prompt
+
+TARGETS = {p: [8 + 2 * p, 9 + 2 * p] for p in range(1, 5)}  # prompt 'w<p>' is rewarded for its own two words
+
+
+def prompts_file(tmp_path) -> str:
+  path = tmp_path / 'prompts.jsonl'
+  path.write_text(''.join(json.dumps({'prompt': f'w{p}', 'targets': t}) + '\n' for p, t in TARGETS.items()))
+  return str(path)
+
+
+def match(prompts, completions, completion_ids, finish_reasons, targets, **fields):
+  """The share of the two completion slots holding one of the prompt's target words (the end of text scores 0).
+
+  The four prompts' target sets are disjoint: a policy blind to the prompt scores at most 1/4 on average.
+  """
+  return [sum(t in want for t in ids) / 2 for ids, want in zip(completion_ids, targets)]
+
+
+def negated(prompts, completions, completion_ids, finish_reasons, targets, **fields):
+  return [-x for x in match(prompts, completions, completion_ids, finish_reasons, targets)]
+
+
+def rl_run(cfg, workdir, rewards=(('match', match),)):
+  """A run in this process (programs compiled once per session: rl.program_for); its train records."""
+  cfg.rl.prompts = prompts_file(workdir)
+  rl.run(cfg, str(workdir), list(rewards), tokenizer=Words(), devices=jax.devices()[:cfg.mesh.data])
+  return [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()
+          if json.loads(line).get('kind') == 'train']
+
+
+def greedy_score(cfg, workdir) -> float:
+  """Greedy decoding's mean reward over the four prompts with the run's final parameters."""
+  from jaxlm import checkpoint as checkpoint_lib
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+  program, _, _ = rl.program_for(cfg, mesh)
+  params = checkpoint_lib.load_params(str(workdir / 'checkpoints'), program.abstract_state.params,
+                                      program.state_shardings.params)
+  prompts = [[p] for p in TARGETS]
+  out = generate_lib.generate(program.model.config, params, prompts, 2, eos_id=0, mesh=mesh, max_len=12)
+  return float(np.mean(match(None, None, out.tokens, None, list(TARGETS.values()))))
+
+
+def one_device(cfg):
+  cfg.mesh.update(data=1, fsdp=1)
+  return cfg
+
+
+def events_of(workdir) -> list[dict]:
+  return [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()
+          if json.loads(line).get('kind') == 'event']
+
+
+@pytest.fixture(scope='session')
+def seed0_run(tmp_path_factory):
+  """The seed-0 run of the learning test (the kill -9 test resumes against it)."""
+  workdir = tmp_path_factory.mktemp('seed0')
+  cfg = one_device(tiny_config())
+  return cfg, workdir, rl_run(cfg, workdir)
+
+
+@pytest.mark.parametrize('seed', [0, 1, 2])
+def test_it_learns_a_task_that_needs_the_prompt(tmp_path, seed, seed0_run):
+  """100 steps: the last 10 steps' mean reward >= 0.9, greedy decoding scores 1.0; the guard stays quiet."""
+  cfg = one_device(tiny_config())
+  cfg.train.seed = seed
+  cfg, workdir, records = seed0_run if seed == 0 else (cfg, tmp_path, rl_run(cfg, tmp_path))
+  rewards = [r['reward'] for r in records]
+  assert np.mean(rewards[:10]) < 0.3 and np.mean(rewards[-10:]) >= 0.9, rewards
+  assert greedy_score(cfg, workdir) == 1.0
+  assert max(r['logprob_mismatch'] for r in records) < 1e-5  # sampler vs trainer, every step
+  assert not [e for e in events_of(workdir) if e['event'] in ('spike', 'rollback')]  # a correct run: untouched
+
+
+def test_learning_rate_zero_learns_nothing_and_negated_advantages_unlearn(tmp_path):
+  """Updates multiplied by 0 (the lr-spike drill with factor 0: lr 0 itself is refused by validation): the
+  reward stays at chance; training on the negated reward (logged with weight 0 beside it) drives it down."""
+  cfg = one_device(tiny_config())
+  cfg.faults.update(lr_spike_steps=','.join(str(i) for i in range(1, 101)), lr_spike_factor=0.0)
+  frozen = [r['reward'] for r in rl_run(cfg, tmp_path / 'lr0')]
+  assert max(np.mean(frozen[i:i + 10]) for i in range(0, 100, 10)) <= 0.2, frozen
+  cfg = one_device(tiny_config(reward_weights='1,0'))
+  records = rl_run(cfg, tmp_path / 'negated', rewards=(('negated', negated), ('match', match)))
+  matched = [r['rewards/match/mean'] for r in records]
+  assert np.mean(matched[-20:]) < min(0.5 * np.mean(matched[:10]), 0.02), matched
+
+
+def test_equal_rewards_leave_the_parameters_bitwise_unchanged(tmp_path):
+  """beta 0, every completion rewarded alike: every advantage is 0, so no update (no weight decay) moves them.
+
+  The run ends at step 4 the way a broken reward function ends it (one RewardError naming the function), after
+  the checkpoint of step 3."""
+  cfg = one_device(tiny_config())
+  cfg.train.steps = 100
+  cfg.checkpoint.every = 3
+  constant = lambda completion_ids, **_: [0.5] * len(completion_ids)  # noqa: E731
+  (tmp_path / 'run').mkdir()
+  stop_after = {'n': 0}
+
+  def counting(completion_ids, **fields):
+    stop_after['n'] += 1
+    if stop_after['n'] > 3:
+      raise RuntimeError('enough')
+    return constant(completion_ids)
+  with pytest.raises(rl.RewardError, match='reward function constant raised RuntimeError: enough; fix constant'):
+    rl_run(cfg, tmp_path / 'run', rewards=(('constant', counting),))
+  from jaxlm import checkpoint as checkpoint_lib
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+  program, _, _ = rl.program_for(cfg, mesh)
+  start = jax.device_get(program.init().params)
+  after = jax.device_get(checkpoint_lib.load_params(str(tmp_path / 'run' / 'checkpoints'),
+                                                    program.abstract_state.params, program.state_shardings.params))
+  records = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()
+             if '"train"' in line]
+  assert [r['step'] for r in records] == [1, 2, 3] and all(r['frac_reward_zero_std'] == 1.0 for r in records)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), start, after)
+
+
+def test_microbatches_and_devices_give_the_same_update():
+  """One step on one device in one piece == on 8 devices in 4 microbatches (the loss weights are global)."""
+  cfg_one = one_device(tiny_config())
+  cfg_eight = tiny_config()
+  cfg_eight.mesh.update(data=8, fsdp=1)
+  cfg_eight.train.microbatches = 4
+  one, eight = sharding.make_mesh(cfg_one.mesh, jax.devices()[:1]), sharding.make_mesh(cfg_eight.mesh)
+  p1, _, step1 = rl.program_for(cfg_one, one)
+  p8, _, step8 = rl.program_for(cfg_eight, eight)
+  s1 = p1.init()
+  s8 = jax.device_put(jax.device_get(s1), p8.state_shardings)
+  prompts = [[p] for p in TARGETS for _ in range(8)]
+  out = generate_lib.generate(p1.model.config, s1.params, prompts, 2, eos_id=0, mesh=one, max_len=12,
+                              sampling=generate_lib.Sampling(1.0), seed=0)
+  completions = [t + [0] * (why == 'eos') for t, why in zip(out.tokens, out.finish_reasons)]
+  adv, _, _ = rl.advantages(np.array(match(None, None, out.tokens, None, [TARGETS[p[0]] for p in prompts]))[:, None],
+                            np.ones(1), 8, 'group')
+  rows = np.array([len(c) for c in completions])
+  batch = rl.train_batch(prompts, completions, out.logprobs, adv, rows > 0, seq_len=12, max_new_tokens=2,
+                         loss_type='grpo')
+  s1, m1 = step1(s1, step_lib.global_batch(batch, p1.batch_sharding))
+  s8, m8 = step8(s8, step_lib.global_batch(batch, p8.batch_sharding))
+  assert float(m1['grad_norm']) > 0
+  for k in ('loss', 'grad_norm', 'entropy', 'logprob_mismatch'):
+    np.testing.assert_allclose(float(m8[k]), float(m1[k]), rtol=2e-5, atol=1e-7, err_msg=k)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+               jax.device_get(s8.params), jax.device_get(s1.params))
+
+
+def test_the_rl_guard_rolls_back_a_real_blow_up(tmp_path):
+  """An update multiplied by 1000 at step 40 (the lr-spike drill): one rollback to the checkpoint before it."""
+  cfg = one_device(tiny_config())
+  cfg.train.steps = 100
+  cfg.faults.update(lr_spike_steps='40', lr_spike_factor=1000.0)
+  cfg.checkpoint.update(every=10, keep=3)
+  rl_run(cfg, tmp_path)
+  events = events_of(tmp_path)
+  rollbacks = [e for e in events if e['event'] == 'rollback']
+  assert len(rollbacks) == 1 and rollbacks[0]['to_step'] == 30, events
+  assert [e['step'] for e in events if e['event'] == 'spike'] == [40]
+
+
+# ------------------------------------------------------------------------------------ TRL parity
+
+@functools.cache
+def hf_policy():
+  """A tiny random Llama (saved and read back, so TRL can build its reference from the path) and a word tokenizer."""
+  import tempfile
+  import torch
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+  words = Tokenizer(models.WordLevel({'<eos>': 0, **{f'w{i}': i for i in range(1, VOCAB)}}, unk_token='<eos>'))
+  words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, eos_token='<eos>', pad_token='<eos>')
+  torch.manual_seed(0)
+  model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64))
+  path = tempfile.mkdtemp()
+  model.save_pretrained(path)
+  model = LlamaForCausalLM.from_pretrained(path).eval()
+  with torch.no_grad():  # larger weights: peaked distributions, log-probs far from uniform
+    for p in model.parameters():
+      p.mul_(8.0)
+  return model, tokenizer
+
+
+def trl_trainer(tmp_path, **args):
+  from datasets import Dataset
+  from trl import GRPOConfig, GRPOTrainer
+  model, tokenizer = hf_policy()
+  config = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=5, bf16=False, report_to=[], use_cpu=True, **args)
+  return GRPOTrainer(model=model, reward_funcs=[lambda completions, **_: [0.0] * len(completions)], args=config,
+                     train_dataset=Dataset.from_list([{'prompt': 'w1'}] * 8), processing_class=tokenizer)
+
+
+def fixed_inputs():
+  """8 rows: left-padded prompts of 1-3 tokens, completions of 2-5 tokens (some ending at eos), ratios off 1."""
+  import torch
+  rng = np.random.default_rng(0)
+  prompt_lens, completion_lens = [3, 1, 2, 3, 1, 2, 3, 2], [5, 2, 4, 5, 3, 5, 2, 4]
+  prompt_ids, prompt_mask = np.zeros((8, 3), np.int64), np.zeros((8, 3), np.int64)
+  completion_ids, completion_mask = np.zeros((8, 5), np.int64), np.zeros((8, 5), np.int64)
+  for r, (p, c) in enumerate(zip(prompt_lens, completion_lens)):
+    prompt_ids[r, 3 - p:] = rng.integers(1, VOCAB, p)
+    prompt_mask[r, 3 - p:] = 1
+    completion_ids[r, :c] = rng.integers(1, VOCAB, c)
+    completion_ids[r, c - 1] = 0 if c < 5 else completion_ids[r, c - 1]  # ended at eos, or cut at 5
+    completion_mask[r, :c] = 1
+  advantages = rng.standard_normal(8).astype(np.float32)
+  shift = rng.uniform(-0.6, 0.6, (8, 5)).astype(np.float32)  # old = new + shift: ratios in [0.55, 1.8]
+  ref_shift = rng.uniform(-1.0, 1.0, (8, 5)).astype(np.float32)
+  t = lambda x: torch.from_numpy(x)  # noqa: E731
+  return dict(prompt_ids=t(prompt_ids), prompt_mask=t(prompt_mask), completion_ids=t(completion_ids),
+              completion_mask=t(completion_mask), advantages=t(advantages)), shift, ref_shift
+
+
+@pytest.mark.parametrize('beta', [0.0, 0.04])
+@pytest.mark.parametrize('loss_type', rl.LOSS_TYPES)
+def test_loss_equals_trls(tmp_path, loss_type, beta):
+  """jaxlm's per-token weights and PolicyObjective == GRPOTrainer.compute_loss on the same logits and inputs."""
+  import torch
+  temperature, epsilon, epsilon_high = 0.7, 0.2, 0.28
+  trainer = trl_trainer(tmp_path, loss_type=loss_type, beta=beta, temperature=temperature, epsilon=epsilon,
+                        epsilon_high=epsilon_high)
+  model, _ = hf_policy()
+  inputs, shift, ref_shift = fixed_inputs()
+  ids = torch.cat([inputs['prompt_ids'], inputs['completion_ids']], 1)
+  with torch.no_grad():
+    logits = model(input_ids=ids, attention_mask=torch.cat([inputs['prompt_mask'], inputs['completion_mask']], 1)
+                   ).logits[:, 2:-1].numpy()  # (8, 5, V): the completion's predicting positions
+  objective = step_lib.PolicyObjective(temperature=temperature, epsilon=epsilon, epsilon_high=epsilon_high, beta=beta)
+  targets = inputs['completion_ids'].numpy().astype(np.int32)
+  logps = np.asarray(objective.logprobs(logits, targets))
+  mask = inputs['completion_mask'].numpy().astype(np.float32)
+  old, ref = logps + shift, logps + ref_shift
+  inputs.update(old_per_token_logps=torch.from_numpy(old), ref_per_token_logps=torch.from_numpy(ref),
+                num_items_in_batch=torch.tensor(mask.sum()))
+  theirs = float(trainer.compute_loss(model, inputs))
+  batch = dict(targets=targets, segment_ids=np.ones_like(targets), weights=rl.token_weights(mask, loss_type, 5),
+               old_logps=old, advantages=inputs['advantages'].numpy()[:, None] * mask, token_share=mask / mask.sum(),
+               ref_logps=ref)
+  ours, aux = objective.loss(logits, batch)
+  np.testing.assert_allclose(float(ours), theirs, atol=1e-6, rtol=0)
+  ratio = np.exp(logps - old)[mask > 0]
+  assert ratio.min() < 1 - epsilon and ratio.max() > 1 + epsilon_high  # clipping acts on both sides
+  logged = {k: v[-1] for k, v in trainer._metrics['eval'].items()}  # what TRL logs for this call
+  for name in ('entropy', 'clip_ratio/low_mean', 'clip_ratio/high_mean', 'clip_ratio/region_mean') + (
+      ('kl',) if beta else ()):
+    np.testing.assert_allclose(float(aux[name]), logged[name], atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize('scale', rl.SCALE_REWARDS)
+def test_advantages_equal_trls(tmp_path, scale):
+  """Two weighted reward functions, None (unscorable) entries and an all-equal group: jaxlm's == TRL's."""
+  from datasets import Dataset
+  from trl import GRPOConfig, GRPOTrainer
+  first = [1.0, 0.0, 0.5, None, 2.0, 2.0, 2.0, 2.0]  # groups of 4: the second is all equal
+  second = [0.3, None, 0.1, None, 1.0, 1.0, 1.0, 1.0]  # row 3: unscorable by both
+  model, tokenizer = hf_policy()
+  config = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=3, bf16=False, report_to=[], use_cpu=True, scale_rewards=scale,
+                      reward_weights=[1.0, 0.5])
+  fns = [lambda completions, **_: first, lambda completions, **_: second]
+  for fn, name in zip(fns, ('first', 'second')):
+    fn.__name__ = name
+  trainer = GRPOTrainer(model=model, reward_funcs=fns, args=config, processing_class=tokenizer,
+                        train_dataset=Dataset.from_list([{'prompt': 'w1'}] * 8))
+  trainer.model.eval()
+  theirs = trainer._generate_and_score_completions([{'prompt': 'w1'}] * 4 + [{'prompt': 'w2'}] * 4)['advantages']
+  per_func = np.array([[np.nan if v is None else v for v in first], [np.nan if v is None else v for v in second]]).T
+  ours, rewards, zero_std = rl.advantages(per_func, np.array([1.0, 0.5]), 4, scale)
+  np.testing.assert_allclose(ours, theirs.numpy(), atol=1e-6)
+  assert np.all(np.isfinite(ours)) and ours[3] == 0.0 and np.all(ours[4:] == 0.0)
+  assert zero_std[4:].all() == (scale != 'batch') and np.isnan(rewards[3])
+
+
+# ------------------------------------------------------------------------------------ kill -9
+
+def test_kill_9_then_resume_replays_the_same_samples(tmp_path, seed0_run):
+  """`python -m jaxlm.rl` killed with SIGKILL mid-run, resumed: every step's samples and metrics == the
+  uninterrupted run's (the seed-0 learning run), and so are the final parameters."""
+  import os
+  import signal
+  import subprocess
+  import sys
+  import time
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  from tests.helpers import train_env
+  from tests.conftest import ROOT
+  cfg, _, uninterrupted = seed0_run
+  words = Tokenizer(models.WordLevel({'<|endoftext|>': 0, **{f'w{i}': i for i in range(1, VOCAB)}},
+                                     unk_token='<|endoftext|>'))
+  words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  words.save(str(tmp_path / 'tokenizer.json'))
+  import inspect
+  (tmp_path / 'config.py').write_text(  # the tests' package is not imported there: its conftest sets 8 devices
+      f'from jaxlm.cli import load_file\n\ndef get_config():\n'
+      f'  c = load_file({str(ROOT / "configs" / "palm_tiny.py")!r})\n'
+      f'  for section, values in {TINY!r}.items():\n    c[section].update(values)\n'
+      f'  c.rl.update(tokenizer={str(tmp_path / "tokenizer.json")!r}, prompts={str(tmp_path / "prompts.jsonl")!r})\n'
+      f'  c.mesh.data = 1\n  c.checkpoint.update(every=5, keep=5)\n  return c\n')
+  (tmp_path / 'rewards.py').write_text(  # slow enough to be killed mid-run
+      f'import time\n\n{inspect.getsource(match)}\n\ndef slow_match(**kw):\n  time.sleep(0.05)\n'
+      f'  return match(**kw)\n')
+  prompts_file(tmp_path)
+  workdir = tmp_path / 'run'
+  proc = subprocess.Popen([sys.executable, '-m', 'jaxlm.rl', f'--config={tmp_path / "config.py"}',
+                           f'--rewards={tmp_path / "rewards.py"}:slow_match', f'--workdir={workdir}'],
+                          cwd=ROOT, env=train_env(devices=1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  deadline = time.time() + 300
+  while time.time() < deadline and proc.poll() is None:
+    logged = (workdir / 'metrics.jsonl').read_text() if (workdir / 'metrics.jsonl').exists() else ''
+    if any(json.loads(line).get('kind') == 'train' and json.loads(line)['step'] >= 12 for line in logged.splitlines()):
+      break
+    time.sleep(0.05)
+  os.kill(proc.pid, signal.SIGKILL)
+  proc.wait()
+  assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+  cfg = cfg.copy_and_resolve_references()
+  cfg.checkpoint.update(every=5, keep=5)
+  rl_run(cfg, workdir, rewards=(('slow_match', match),))
+  assert [e for e in events_of(workdir) if e['event'] == 'resumed']
+  resumed = {r['step']: r for r in [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+             if r.get('kind') == 'train'}  # a step redone after the kill: its later record
+  keys = ('reward', 'reward_std', 'completions/mean_length', 'loss', 'grad_norm', 'entropy', 'update_ratio')
+  assert sorted(resumed) == list(range(1, 101))
+  for want in uninterrupted:
+    assert {k: resumed[want['step']][k] for k in keys} == {k: want[k] for k in keys}, want['step']
+
+
+# ------------------------------------------------------------------------------------ config and rewards
+
+def test_rl_config_validation_names_each_bad_field():
+  from jaxlm import config as config_lib
+  config_lib.validate(load_config('grpo_example'), 8, rl=True)
+  cfg = tiny_config(loss_type='ppo', scale_rewards='std', num_generations=3, max_new_tokens=12)
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(cfg, 8, rl=True)
+  for field in ('rl.loss_type=', 'rl.scale_rewards=', 'rl.num_generations=3', 'rl.max_new_tokens=12'):
+    assert field in str(e.value)
+  config_lib.validate(cfg, 8)  # a training run does not read the rl section
+
+
+def test_a_reward_function_of_the_wrong_length_or_type_is_named(tmp_path):
+  short = lambda completions, **_: [1.0]  # noqa: E731
+  with pytest.raises(rl.RewardError, match=r'reward function short returned 1 values for 2 completions'):
+    rl.score([('short', short)], ['a', 'a'], ['x', 'y'], [[1], [2]], ['eos', 'eos'], {})
+  words = lambda completions, **_: ['yes', 'no']  # noqa: E731
+  with pytest.raises(rl.RewardError, match=r"reward function words returned 'yes' for completion 0"):
+    rl.score([('words', words)], ['a', 'a'], ['x', 'y'], [[1], [2]], ['eos', 'eos'], {})
+  (tmp_path / 'r.py').write_text('def f(**kw):\n  return [None, 2]\n')
+  [(name, fn)] = rl.load_rewards(f'{tmp_path / "r.py"}:f')
+  got = rl.score([(name, fn)], ['a', 'a'], ['x', 'y'], [[1], [2]], ['eos', 'length'], {'answer': [1, 2]})
+  assert np.isnan(got[0, 0]) and got[1, 0] == 2.0
+  with pytest.raises(rl.RewardError, match='has no function'):
+    rl.load_rewards(f'{tmp_path / "r.py"}:g')
