@@ -248,6 +248,8 @@ class Checkpointer:
 
   def __init__(self, directory: str, ckpt_cfg, event: EventFn):
     self.directory = storage.normalize(directory)
+    if problem := storage.checkpoints_unsupported(self.directory):
+      raise ConfigError(problem)
     self.cfg = ckpt_cfg
     self.event = event
     self.failures = 0  # consecutive failed saves

@@ -111,10 +111,7 @@ def store_env(kind: str, gcs: str | None = None, s3: str | None = None) -> dict:
   return {}
 
 
-@pytest.fixture(params=STORES)
-def store(request, tmp_path, monkeypatch):
-  """A fresh, empty base location: a local directory, gs://BUCKET/<id> or s3://BUCKET/<id>; its emulator's
-  variables are set for the test."""
+def _location(request, tmp_path, monkeypatch) -> str:
   kind = request.param
   if kind == 'local':
     return str(tmp_path / 'store')
@@ -122,3 +119,16 @@ def store(request, tmp_path, monkeypatch):
   for name, value in store_env(kind, gcs=url, s3=url).items():
     monkeypatch.setenv(name, value)
   return f'{kind}://{BUCKET}/{uuid.uuid4().hex[:12]}'
+
+
+@pytest.fixture(params=STORES)
+def store(request, tmp_path, monkeypatch):
+  """A fresh, empty base location: a local directory, gs://BUCKET/<id> or s3://BUCKET/<id>; its emulator's
+  variables are set for the test."""
+  return _location(request, tmp_path, monkeypatch)
+
+
+@pytest.fixture(params=('local', 'gs'))
+def checkpoint_store(request, tmp_path, monkeypatch):
+  """`store` where Orbax can write checkpoints: a local directory and gs:// (s3:// needs a mount: README)."""
+  return _location(request, tmp_path, monkeypatch)

@@ -16,7 +16,9 @@ from jaxlm import metrics as metrics_lib
 from jaxlm import rundir, sharding
 from jaxlm.data import storage
 from tests.helpers import load_config
-from tests.stores import gcs_emulator, s3_emulator, store  # noqa: F401  pylint: disable=unused-import
+from tests.helpers import assert_fails_with, run_cli, train_env
+from tests.stores import checkpoint_store, gcs_emulator, s3_emulator, store  # noqa: F401  pylint: disable=unused-import
+from tests.stores import BUCKET, free_port, store_env
 
 
 def _state(seed: int):
@@ -68,13 +70,13 @@ def _save_steps(directory, steps, keep=2):
   ckpt.close()
 
 
-def test_three_async_saves_keep_two_and_restore_bit_exact(store):
-  directory = storage.join(store, 'checkpoints')
+def test_three_async_saves_keep_two_and_restore_bit_exact(checkpoint_store):
+  directory = storage.join(checkpoint_store, 'checkpoints')
   _save_steps(directory, (2, 4, 6))
-  assert rundir.checkpoint_steps(store) == [4, 6]
+  assert rundir.checkpoint_steps(checkpoint_store) == [4, 6]
   for step in (4, 6):  # checksums from the store's own hashes (local: sha256 of the bytes)
     recorded = storage.read_json(storage.join(directory, str(step), checkpoint_lib.CHECKSUMS))
-    algorithm = {'local': 'sha256', 'gs': 'crc32c', 's3': 'etag'}[storage.scheme(store) or 'local']
+    algorithm = {'local': 'sha256', 'gs': 'crc32c', 's3': 'etag'}[storage.scheme(checkpoint_store) or 'local']
     assert recorded[algorithm] and checkpoint_lib.verify_checksums(storage.join(directory, str(step))) is None
   ckpt = _checkpointer(directory)
   data = _data(0)
@@ -85,19 +87,19 @@ def test_three_async_saves_keep_two_and_restore_bit_exact(store):
   assert jax.tree.leaves(state)[0].sharding == jax.tree.leaves(_state(6))[0].sharding
 
 
-def test_a_save_killed_half_way_is_never_listed_then_cleared_and_saved_again(store):
-  directory = storage.join(store, 'checkpoints')
+def test_a_save_killed_half_way_is_never_listed_then_cleared_and_saved_again(checkpoint_store):
+  directory = storage.join(checkpoint_store, 'checkpoints')
   _save_steps(directory, (2, 4), keep=3)
   # What a kill -9 in the middle of saving step 4 leaves: every file but the marker that commits it (a bucket),
   # or the temporary directory Orbax renames only when complete (a local disk).
   step_dir = storage.join(directory, '4')
-  if storage.is_url(store):
+  if storage.is_url(checkpoint_store):
     for name, _ in storage.hashes(step_dir)[1].items():
       if name.endswith('commit_success.txt'):
         storage.remove(storage.join(step_dir, name))
   else:
     storage.move(step_dir, storage.join(directory, '4.orbax-checkpoint-tmp-1234'))
-  assert rundir.checkpoint_steps(store) == [2] if storage.is_url(store) else True
+  assert rundir.checkpoint_steps(checkpoint_store) == [2]
   ckpt = _checkpointer(directory)
   assert ckpt.manager.all_steps() == [2]
   assert storage.listdir(directory) == ['2']  # the half-saved step is cleared before it is saved again
@@ -110,11 +112,11 @@ def test_a_save_killed_half_way_is_never_listed_then_cleared_and_saved_again(sto
   state, _ = ckpt.restore(*_abstract(_state(4)), data)
   ckpt.close()
   _equal(state, _state(4))
-  assert next(data) == 40 and rundir.checkpoint_steps(store) == [2, 4]
+  assert next(data) == 40 and rundir.checkpoint_steps(checkpoint_store) == [2, 4]
 
 
-def test_a_replaced_object_is_reported_moved_aside_and_the_step_before_used(store):
-  directory = storage.join(store, 'checkpoints')
+def test_a_replaced_object_is_reported_moved_aside_and_the_step_before_used(checkpoint_store):
+  directory = storage.join(checkpoint_store, 'checkpoints')
   _save_steps(directory, (2, 4))
   step_dir = storage.join(directory, '4')
   _, sums = storage.hashes(step_dir)
@@ -133,4 +135,65 @@ def test_a_replaced_object_is_reported_moved_aside_and_the_step_before_used(stor
   aside = storage.listdir(f'{directory}.unreadable')
   assert len(aside) == 1 and aside[0].startswith('4-')  # kept for inspection, out of the listing
   assert storage.read_bytes(storage.join(f'{directory}.unreadable', aside[0], victim)) != original
-  assert rundir.checkpoint_steps(store) == [2] and storage.listdir(directory) == ['2']
+  assert rundir.checkpoint_steps(checkpoint_store) == [2] and storage.listdir(directory) == ['2']
+
+
+def test_checkpoints_on_s3_are_refused_with_the_route_to_take(s3_emulator, monkeypatch):
+  for name, value in store_env('s3', s3=s3_emulator).items():
+    monkeypatch.setenv(name, value)
+  with pytest.raises(checkpoint_lib.ConfigError, match='mount the bucket') as e:
+    _checkpointer(f's3://{BUCKET}/run/checkpoints')
+  assert 'Orbax writes checkpoints to gs:// and local paths only' in str(e.value)
+
+
+def _records(logger, steps):
+  for step in steps:
+    logger.write(step, {'loss': 1.0 / step, 'lr': 0.1, 'grad_norm': 2.0, 'tokens_per_s': 10.0})
+
+
+def test_metrics_and_tensorboard_survive_a_crash_and_a_resume(store, tmp_path):
+  """A logger that dies without closing (a kill -9 runs no close), then a resumed one redoing steps 4-5: every
+  record written is read back once, by rundir.read_metrics and by TensorBoard's event loader."""
+  from tensorboard.backend.event_processing import event_accumulator  # pylint: disable=import-outside-toplevel
+  cfg = load_config('palm_tiny').log
+  crashed = metrics_lib.MetricsLogger(store, cfg, total_steps=8)
+  _records(crashed, range(1, 6))
+  crashed.event(5, 'checkpoint_failed', 'a warning before the crash')
+  # No close(): what is on the store now is what a kill -9 would leave.
+  resumed = metrics_lib.MetricsLogger(store, cfg, total_steps=8)
+  _records(resumed, range(4, 9))
+  resumed.close()
+  records = rundir.read_metrics(store)
+  assert [r['step'] for r in records if r['kind'] == 'train'] == [1, 2, 3, 4, 5, 4, 5, 6, 7, 8]
+  assert [r['message'] for r in records if r['kind'] == 'event'] == ['a warning before the crash']
+  assert [r['step'] for r in rundir.latest_by_step(records, 'train')] == list(range(1, 9))
+  if storage.is_url(store):
+    assert not storage.exists(storage.join(store, rundir.METRICS))  # segments only: a bucket cannot append
+    assert len(storage.listdir(storage.join(store, rundir.METRICS + '.d'))) == 2  # one per process
+  local = tmp_path / 'tb'
+  local.mkdir()
+  for name in storage.listdir(storage.join(store, 'tb')):
+    (local / name).write_bytes(storage.read_bytes(storage.join(store, 'tb', name)))
+  steps = []
+  for name in sorted(p.name for p in local.iterdir()):  # one event file per process, in the order written
+    acc = event_accumulator.EventAccumulator(str(local / name))
+    acc.Reload()
+    steps += [e.step for e in acc.Scalars('train/loss')]
+  assert steps == [1, 2, 3, 4, 5, 4, 5, 6, 7, 8]
+
+
+def test_a_closed_port_as_endpoint_stops_in_seconds_with_exit_3(tmp_path):
+  port = free_port()  # bound and released: nothing listens there
+  env = {**train_env(), 'STORAGE_EMULATOR_HOST': f'http://127.0.0.1:{port}'}
+  start = time.monotonic()
+  out = run_cli('jaxlm.train', '--config=configs/palm_tiny.py', f'--workdir=gs://{BUCKET}/run', env=env, timeout=60)
+  elapsed = time.monotonic() - start
+  assert_fails_with(out, 3, f'cannot reach 127.0.0.1:{port}', 'STORAGE_EMULATOR_HOST')
+  assert elapsed < 15, elapsed
+
+
+def test_a_missing_bucket_stops_with_exit_3(gcs_emulator):
+  env = {**train_env(), **store_env('gs', gcs=gcs_emulator)}
+  out = run_cli('jaxlm.train', '--config=configs/palm_tiny.py', '--workdir=gs://no-such-bucket/run', env=env,
+                timeout=60)
+  assert_fails_with(out, 3, 'bucket no-such-bucket does not exist')

@@ -162,6 +162,20 @@ def tensorstore_kvstore(path: str) -> dict:
   return spec
 
 
+def checkpoints_unsupported(path: str) -> str | None:
+  """Why Orbax cannot write checkpoints under `path`, or None.
+
+  Orbax (0.12) builds the TensorStore spec of every array itself and takes `gs://` URLs and absolute local paths
+  only: an `s3://` path is refused ("Checkpoint path should be absolute"), and its public API takes no kvstore
+  spec. Logs, small files and data reach S3 through s3fs; checkpoints need a mount of the bucket.
+  """
+  if scheme(path) == 's3':
+    return (f'{path}: Orbax writes checkpoints to gs:// and local paths only, not s3:// (it builds the '
+            f'TensorStore specs itself); mount the bucket (mountpoint-s3, s3fs-fuse) and pass the mount point as '
+            f'--workdir, or use a gs:// bucket (README "Object storage")')
+  return None
+
+
 # ---------------------------------------------------------------- reachability: seconds, not minutes
 
 def check(path: str, what: str = '--workdir') -> None:
