@@ -3,8 +3,10 @@
 Each test runs for the three stores with the same assertions, against emulators on 127.0.0.1 (tests/stores.py).
 """
 
-import json
+import signal
+import subprocess
 import time
+import uuid
 
 import grain
 import jax
@@ -15,6 +17,7 @@ from jaxlm import checkpoint as checkpoint_lib
 from jaxlm import metrics as metrics_lib
 from jaxlm import rundir, sharding
 from jaxlm.data import storage
+from tests.conftest import ROOT
 from tests.helpers import load_config
 from tests.helpers import assert_fails_with, run_cli, train_env
 from tests.stores import checkpoint_store, gcs_emulator, s3_emulator, store  # noqa: F401  pylint: disable=unused-import
@@ -197,3 +200,76 @@ def test_a_missing_bucket_stops_with_exit_3(gcs_emulator):
   out = run_cli('jaxlm.train', '--config=configs/palm_tiny.py', '--workdir=gs://no-such-bucket/run', env=env,
                 timeout=60)
   assert_fails_with(out, 3, 'bucket no-such-bucket does not exist')
+
+
+E2E = ('--config.train.steps=8', '--config.train.log_every=1', '--config.checkpoint.every=4',
+       '--config.stability.spike_window=4')
+
+
+def test_sigterm_and_resume_with_a_bucket_workdir_match_an_uninterrupted_local_run(gcs_emulator, tmp_path,
+                                                                                    data_cache, monkeypatch):
+  from tests.helpers import train_command  # pylint: disable=import-outside-toplevel
+  args = (*E2E, f'--config.data.cache_dir={data_cache}')
+  reference = subprocess.run(train_command(tmp_path / 'local', *args), cwd=ROOT, env=train_env(),
+                             capture_output=True, text=True, timeout=600)
+  assert reference.returncode == 0, reference.stderr[-3000:]
+  for name, value in store_env('gs', gcs=gcs_emulator).items():
+    monkeypatch.setenv(name, value)
+  workdir = f'gs://{BUCKET}/{uuid.uuid4().hex[:12]}/run'
+  env = {**train_env(), **store_env('gs', gcs=gcs_emulator)}
+  proc = subprocess.Popen(train_command(workdir, *args), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  deadline = time.time() + 300
+  while not any(r.get('kind') == 'train' and r['step'] >= 3 for r in rundir.read_metrics(workdir)):
+    assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGTERM)  # a preemption notice: the step finishes, a checkpoint is saved, exit 0
+  output = proc.communicate(timeout=300)[0]
+  assert proc.returncode == 0, output[-3000:]
+  stopped = [r for r in rundir.read_metrics(workdir) if r.get('event') == 'preempted'][-1]['step']
+  assert stopped in rundir.checkpoint_steps(workdir) and stopped < 8
+  again = subprocess.run(train_command(workdir, *args), cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+  assert again.returncode == 0 and 'resumed from checkpoint step' in again.stdout, again.stderr[-3000:]
+  want = {r['step']: r['loss'] for r in rundir.read_metrics(tmp_path / 'local') if r['kind'] == 'train'}
+  got = [(r['step'], r['loss']) for r in rundir.read_metrics(workdir) if r['kind'] == 'train']
+  assert sorted({s for s, _ in got}) == list(range(1, 9))
+  for step, loss in got:  # every logged loss, bit for bit the uninterrupted local run's
+    assert loss == want[step], step
+  assert rundir.checkpoint_steps(workdir) == [4, 8]
+
+
+@pytest.fixture(scope='module')
+def prepared(tmp_path_factory):
+  """A small dataset prepared on a local disk (the staging directory of `prepare --out=<bucket>`)."""
+  from jaxlm.data import prepare as prepare_lib  # pylint: disable=import-outside-toplevel
+  from tests.data.test_prepare import TEXTS, VOCAB  # pylint: disable=import-outside-toplevel
+  corpus = tmp_path_factory.mktemp('corpus')
+  for i, text in enumerate(TEXTS * 3):
+    (corpus / f'{i}.txt').write_text(text)
+  out = tmp_path_factory.mktemp('prepared')
+  prepare_lib.prepare(prepare_lib.expand_inputs([str(corpus)]), str(out), vocab_size=VOCAB, workers=1,
+                      shard_docs=8, eval_fraction=0.2, progress=False)
+  return out
+
+
+def test_data_prepared_to_a_bucket_is_read_back_verified_and_the_same(store, prepared, tmp_path):
+  from jaxlm.data import pipeline, prepare as prepare_lib  # pylint: disable=import-outside-toplevel
+  from tests.data.test_prepare import VOCAB  # pylint: disable=import-outside-toplevel
+  url = storage.join(store, 'data')
+  cfg = load_config('palm_tiny').data
+  cfg.update(source='prepared', paths=url, cache_dir=str(tmp_path / 'cache'))
+  if storage.is_url(store):
+    with pytest.raises(pipeline.DataError, match='no metadata.json'):  # nothing uploaded yet: not a dataset
+      pipeline.dataset_dirs(cfg, VOCAB)
+  prepare_lib.upload_prepared(str(prepared), url)
+  [local] = pipeline.dataset_dirs(cfg, VOCAB)
+  a, b = pipeline.open_prepared(str(prepared), VOCAB), pipeline.open_prepared(local, VOCAB)
+  assert a.meta == b.meta and a.shards('train') and len(a.shards('train')) == len(b.shards('train'))
+  for x, y in zip(a.shards('train') + a.shards('eval'), b.shards('train') + b.shards('eval')):
+    assert open(x, 'rb').read() == open(y, 'rb').read()
+  if storage.is_url(store):  # a shard replaced on the bucket is fetched again (its store hash changed)
+    shard = storage.basename(b.shards('train')[0])
+    storage.write_bytes(storage.join(url, shard), b'replaced')
+    [again] = pipeline.dataset_dirs(cfg, VOCAB)
+    assert again == local and open(storage.join(local, shard), 'rb').read() == b'replaced'

@@ -326,6 +326,7 @@ def upload(local: str, url: str) -> None:
     if os.path.isdir(local):
       shutil.copytree(local, url, dirs_exist_ok=True)
     else:
+      os.makedirs(os.path.dirname(os.path.abspath(url)), exist_ok=True)
       shutil.copyfile(local, url)
     return
   fs, key = filesystem(url)
