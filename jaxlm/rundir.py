@@ -115,6 +115,7 @@ def read_params(step_path: str, weights: str = 'raw') -> dict:
 
 def read_metrics(workdir_or_file: str) -> list[dict]:
   """The records of a run's metrics.jsonl ([] if none); a torn last line (a crash mid-write) is skipped."""
+  workdir_or_file = str(workdir_or_file)
   file = workdir_or_file if workdir_or_file.endswith('.jsonl') else path(workdir_or_file, METRICS)
   records = []
   for line in storage.read_log(file).decode().splitlines():
