@@ -88,6 +88,10 @@ def test_three_async_saves_keep_two_and_restore_bit_exact(checkpoint_store):
   _equal(state, _state(6))
   assert guard == {'history': [6.0]} and next(data) == 60  # the data position and the guard, as saved
   assert jax.tree.leaves(state)[0].sharding == jax.tree.leaves(_state(6))[0].sharding
+  # What checkpoint.init_from, eval, generate and export read: the newest step's parameters, from the store.
+  abstract, shardings = _abstract(_state(6)['params'])
+  _equal(checkpoint_lib.load_params(directory, abstract, shardings), _state(6)['params'])
+  _equal(rundir.read_params(rundir.step_dir(checkpoint_store)), _state(6)['params'])
 
 
 def test_a_save_killed_half_way_is_never_listed_then_cleared_and_saved_again(checkpoint_store):
