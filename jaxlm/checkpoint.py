@@ -303,7 +303,8 @@ class Checkpointer:
     _orbax_blocking.clear()
     try:
       storage.makedirs(self.directory)
-      self._clear_uncommitted(step)
+      # force: a step's leftovers (a save killed half-way on a bucket) are removed by process 0 and the others
+      # synchronised with it before anything is written.
       self.manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), env=ocp.args.JsonSave(env),
           guard=ocp.args.JsonSave(guard or {}), **self._data_args(data_iter)),
@@ -439,11 +440,6 @@ class Checkpointer:
       uncommitted = storage.is_url(self.directory) and name.isdigit() and int(name) not in committed
       if '.orbax-checkpoint-tmp' in name or uncommitted:
         storage.rmtree(storage.join(self.directory, name))
-
-  def _clear_uncommitted(self, step: int) -> None:
-    """Clears an uncommitted `step` (a save killed half-way on a bucket) before it is saved again."""
-    if self.is_primary and storage.is_url(self.directory) and storage.isdir(storage.join(self.directory, str(step))):
-      storage.rmtree(storage.join(self.directory, str(step)))
 
   def restore(self, abstract_state, shardings, data_iter, before: int | None = None,
               identity: dict | None = None) -> tuple[Any, dict]:
