@@ -499,7 +499,7 @@ def local_copy(url: str, cache_dir: str) -> str:
   os.makedirs(local, exist_ok=True)
   algorithm, want = hashes(url)
   record = os.path.join(local, '.jaxlm-hashes.json')
-  have = json.load(open(record)) if os.path.exists(record) else {}
+  have = read_json(record) if os.path.exists(record) else {}  # what was verified before: not fetched again
   for rel, value in sorted(want.items()):
     target = os.path.join(local, rel)
     if have.get(rel) == value and os.path.exists(target):
