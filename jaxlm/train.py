@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import sys
 from typing import Any
 
 from absl import flags
@@ -450,6 +451,12 @@ def main(argv):
 
 def console() -> None:
   """The command line (also the console script in pyproject.toml), in a child that a watcher process waits for."""
+  workdir = next((a.split('=', 1)[1] for a in sys.argv[1:] if a.startswith('--workdir=')), None)
+  if workdir and not os.environ.get(cli.WATCHED):
+    try:  # a bucket's endpoint that cannot be reached: said before the trainer starts (main checks the rest)
+      storage.check_endpoint(workdir)
+    except errors.JaxlmError as e:
+      cli.fail(e)
   cli.run_watched()
   cli.run(main, required=('config',))
 

@@ -183,6 +183,23 @@ def check(path: str, what: str = '--workdir') -> None:
   wrong endpoint, missing credentials, or no such bucket. Local paths pass (their errors come when written)."""
   if not is_url(path):
     return
+  check_endpoint(path, what)
+  kind = scheme(path)
+  fs, _ = filesystem(path)
+  try:
+    found = fs.exists(bucket(path))
+  except Exception as e:  # pylint: disable=broad-except  -- credentials, permissions: each client its own class
+    raise StorageError(f'{what}={path}: {type(e).__name__}: {" ".join(str(e).split())[:200]}; check the '
+                       f'credentials ({_credentials_hint(kind)})') from None
+  if not found:
+    raise StorageError(f'{what}={path}: bucket {bucket(path)} does not exist (or these credentials cannot see '
+                       f'it); create it or fix the URL')
+
+
+def check_endpoint(path: str, what: str = '--workdir') -> None:
+  """The network part of `check`: one TCP connect to the store's endpoint (no client library imported)."""
+  if not is_url(path):
+    return
   kind = scheme(path)
   url = endpoint(kind)
   host, port = ((urllib.parse.urlparse(url).hostname, urllib.parse.urlparse(url).port
@@ -194,15 +211,6 @@ def check(path: str, what: str = '--workdir') -> None:
   except OSError as e:
     raise StorageError(f'{what}={path}: cannot reach {host}:{port} ({e.strerror or e}); check {variable} and '
                        f'the network') from None
-  fs, _ = filesystem(path)
-  try:
-    found = fs.exists(bucket(path))
-  except Exception as e:  # pylint: disable=broad-except  -- credentials, permissions: each client its own class
-    raise StorageError(f'{what}={path}: {type(e).__name__}: {" ".join(str(e).split())[:200]}; check the '
-                       f'credentials ({_credentials_hint(kind)})') from None
-  if not found:
-    raise StorageError(f'{what}={path}: bucket {bucket(path)} does not exist (or these credentials cannot see '
-                       f'it); create it or fix the URL')
 
 
 def _credentials_hint(kind: str) -> str:
