@@ -3,14 +3,17 @@
 One checkpoint step holds four items: `state` (params, optimizer state, step, RNG), `data` (the training
 stream's global row position, readable on any number of processes), `guard` (the stability guard's history,
 so a resume judges spikes as the run it continues)
-and `env` (a JSON record of how the run was made). Orbax writes each step to a temporary directory and renames it
-only when complete, so a partial save is never listed as a step.
+and `env` (a JSON record of how the run was made). On a local disk Orbax writes each step to a temporary directory
+and renames it only when complete; on a bucket (`gs://`), which has no atomic rename, it writes the step in place
+and a commit marker last. Either way a partial save is never listed as a step, and its leftovers are cleared
+before that step is saved again. Every path operation goes through `jaxlm.data.storage`, local or bucket alike.
 
-Integrity: once a save is confirmed, process 0 writes `checksums.json` into the step directory (SHA-256 of every
-file); a restore verifies it first. Orbax 0.12's TensorStore specs checksum only the zarr3 shard index, not the
+Integrity: once a save is confirmed, process 0 writes `checksums.json` into the step directory (locally SHA-256 of
+every file; on a bucket the store's own hash of each object, from one listing); a restore verifies it first. Orbax 0.12's TensorStore specs checksum only the zarr3 shard index, not the
 chunk data, so flipped bytes inside an array file would otherwise restore silently. A checkpoint that fails
 the check, or cannot be read, is moved aside to `<directory>.unreadable/` (kept for inspection, never resumed
-from, and out of the way of the step number being saved again) and the one before it is used.
+from, and out of the way of the step number being saved again; copy then delete on a bucket) and the one before it
+is used.
 
 Async saves block the loop only for the device-to-host copy: Orbax writes, finalizes and renames in the
 background, and the checksums are hashed on a thread of their own. A save that comes due while the previous one is
@@ -23,13 +26,10 @@ event with the directory and its free space, the save is retried on the next ste
 """
 
 import concurrent.futures
-import hashlib
 import importlib.metadata
-import json
 import logging as py_logging
 import math
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -48,7 +48,7 @@ EventFn = Callable[..., None]  # event(step, name, message, **fields), e.g. Metr
 
 from jaxlm.errors import CheckpointError, ConfigError  # noqa: F401
 from jaxlm import metrics as metrics_lib
-from jaxlm.data import format as format_lib
+from jaxlm.data import storage
 
 def environment(cfg, mesh) -> dict:
   """A JSON record of the training environment, saved with every checkpoint."""
@@ -70,42 +70,24 @@ def environment(cfg, mesh) -> dict:
           'process_count': jax.process_count()}
 
 
-def _dir_bytes(path: str) -> int:
-  total = 0
-  for base, _, files in os.walk(path):
-    for f in files:
-      try:
-        total += os.path.getsize(os.path.join(base, f))
-      except OSError:
-        pass
-  return total
-
-
 CHECKSUMS = 'checksums.json'
 
 
-def file_checksums(step_dir: str) -> dict[str, str]:
-  """SHA-256 of every file under a step directory, by relative path."""
-  sums = {}
-  for base, _, files in os.walk(step_dir):
-    for name in files:
-      path = os.path.join(base, name)
-      rel = os.path.relpath(path, step_dir)
-      if rel == CHECKSUMS:
-        continue
-      with open(path, 'rb') as f:
-        sums[rel] = hashlib.file_digest(f, 'sha256').hexdigest()
-  return sums
+def file_checksums(step_dir: str) -> tuple[str, dict[str, str]]:
+  """(algorithm, {relative path: hash}) of every file under a step directory but checksums.json itself."""
+  return storage.hashes(step_dir, skip=(CHECKSUMS,))
 
 
 def verify_checksums(step_dir: str) -> str | None:
   """None if every file matches its recorded checksum (or none were recorded); else what is wrong."""
-  path = os.path.join(step_dir, CHECKSUMS)
-  if not os.path.exists(path):
+  path = storage.join(step_dir, CHECKSUMS)
+  if not storage.exists(path):
     return None
-  with open(path) as f:
-    want = json.load(f)['sha256']
-  got = file_checksums(step_dir)
+  recorded = storage.read_json(path)
+  algorithm, got = file_checksums(step_dir)
+  if algorithm not in recorded:  # copied between a disk and a bucket: the hashes are of another kind
+    return None
+  want = recorded[algorithm]
   bad = sorted(k for k in want if got.get(k) != want[k])
   if bad:
     missing = [k for k in bad if k not in got]
@@ -194,16 +176,13 @@ def misfit(step_dir: str, target, identity: dict | None) -> str | None:
   Read from the saved optimizer identity (`environment`) and the state's metadata, before any array is restored;
   an unreadable checkpoint raises (it is corrupt, not a misfit). Layout (mesh, shardings) never misfits.
   """
-  env_file = os.path.join(step_dir, 'env', 'metadata')
-  saved_env = {}
-  if os.path.isfile(env_file):
-    with open(env_file) as f:
-      saved_env = json.load(f)
+  env_file = storage.join(step_dir, 'env', 'metadata')
+  saved_env = storage.read_json(env_file) if storage.isfile(env_file) else {}
   saved_id = saved_env.get('optimizer') or {'name': saved_env.get('config', {}).get('optim', {}).get('name')}
   if identity and saved_id.get('name') and any(saved_id.get(k, v) != v for k, v in identity.items()):
     show = lambda i: f"optim.name={i.get('name')}" + (', optim.ema on' if i.get('ema') else '')
     return f'it was written by {show(saved_id)}, this run has {show(identity)}'
-  tree = ocp.StandardCheckpointHandler().metadata(epath.Path(os.path.join(step_dir, 'state')))
+  tree = ocp.StandardCheckpointHandler().metadata(epath.Path(storage.join(step_dir, 'state')))
   flat = lambda t: {'.'.join(map(_leaf_name, k)): (tuple(v.shape), np.dtype(v.dtype).name)
                     for k, v in jax.tree_util.tree_flatten_with_path(t)[0]}
   saved, want = flat(tree), flat(target)
@@ -268,7 +247,9 @@ class Checkpointer:
   """Saves and restores training state in `<workdir>/checkpoints`, and refuses to fail quietly."""
 
   def __init__(self, directory: str, ckpt_cfg, event: EventFn):
-    self.directory = os.path.abspath(directory)
+    self.directory = storage.normalize(directory)
+    if problem := storage.checkpoints_unsupported(self.directory):
+      raise ConfigError(problem)
     self.cfg = ckpt_cfg
     self.event = event
     self.failures = 0  # consecutive failed saves
@@ -290,6 +271,8 @@ class Checkpointer:
         enable_async_checkpointing=ckpt_cfg.async_save, create=False)
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_names=('state', 'data', 'guard', 'env'))
+    if self.is_primary:
+      self._clean_partial()  # a save that died half-way (kill -9) is cleared before its step is saved again
 
   def due(self, step: int, last_step: int) -> bool:
     """Whether to save after `step`: on the interval, at the end, or to retry a failed save."""
@@ -319,7 +302,9 @@ class Checkpointer:
     self._warn_if_low_space(step)
     _orbax_blocking.clear()
     try:
-      os.makedirs(self.directory, exist_ok=True)
+      storage.makedirs(self.directory)
+      # force: a step's leftovers (a save killed half-way on a bucket) are removed by process 0 and the others
+      # synchronised with it before anything is written.
       self.manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), env=ocp.args.JsonSave(env),
           guard=ocp.args.JsonSave(guard or {}), **self._data_args(data_iter)),
@@ -390,10 +375,10 @@ class Checkpointer:
 
   def _write_checksums(self, step: int) -> None:
     """Runs beside training: hashes the confirmed step's files and writes checksums.json atomically."""
-    step_dir = os.path.join(self.directory, str(step))
+    step_dir = storage.join(self.directory, str(step))
     try:
-      sums = file_checksums(step_dir)
-      format_lib.write_json(os.path.join(step_dir, CHECKSUMS), {'sha256': sums, 'written': time.time()})
+      algorithm, sums = file_checksums(step_dir)
+      storage.write_json(storage.join(step_dir, CHECKSUMS), {algorithm: sums, 'written': time.time()})
     except OSError as e:  # deleted meanwhile (keep policy, rollback) or disk full: the step stays unverified
       logging.warning('checksums of checkpoint %d not written: %s', step, e)
 
@@ -408,20 +393,14 @@ class Checkpointer:
     self.poll(wait=True)
 
   def _free_bytes(self) -> int | None:
-    path = self.directory
-    while not os.path.exists(path):
-      path = os.path.dirname(path)
-    try:
-      return shutil.disk_usage(path).free
-    except OSError:
-      return None
+    return storage.free_bytes(self.directory)  # None on a bucket: it reports no free space
 
   def _warn_if_low_space(self, step: int) -> None:
     steps = self.manager.all_steps()
-    if not steps:
-      return
-    previous = _dir_bytes(os.path.join(self.directory, str(max(steps))))
     free = self._free_bytes()
+    if not steps or free is None:
+      return
+    previous = storage.tree_bytes(storage.join(self.directory, str(max(steps))))
     if free is not None and free < 2 * previous:
       self.event(step, 'checkpoint_low_space',
                  f'{free / 2**20:.1f} MiB free in {self.directory}, the last checkpoint took '
@@ -453,12 +432,14 @@ class Checkpointer:
           f'space or use a writable --workdir, then rerun to resume', self.directory))
 
   def _clean_partial(self) -> None:
-    """Removes temporary directories left by failed saves so they cannot fill the disk further."""
-    if not os.path.isdir(self.directory):
-      return
-    for name in os.listdir(self.directory):
-      if '.orbax-checkpoint-tmp' in name:
-        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+    """Removes what failed or killed saves left (temporary directories; on a bucket, steps without their commit
+    marker) so they cannot fill the disk further nor be mistaken for a step."""
+    self.manager.reload()
+    committed = set(self.manager.all_steps())
+    for name in storage.listdir(self.directory):
+      uncommitted = storage.is_url(self.directory) and name.isdigit() and int(name) not in committed
+      if '.orbax-checkpoint-tmp' in name or uncommitted:
+        storage.rmtree(storage.join(self.directory, name))
 
   def restore(self, abstract_state, shardings, data_iter, before: int | None = None,
               identity: dict | None = None) -> tuple[Any, dict]:
@@ -476,15 +457,15 @@ class Checkpointer:
     for step in sorted(self.manager.all_steps(), reverse=True):
       if before is not None and step >= before:
         continue
-      step_dir = os.path.join(self.directory, str(step))
+      step_dir = storage.join(self.directory, str(step))
       try:
         if problem := verify_checksums(step_dir):
           raise CheckpointError(problem)
         if problem := misfit(step_dir, target, identity):
           raise _Misfit(problem)
-        state_target, rebuild = _without_absent_empty_fields(target, os.path.join(step_dir, 'state'))
+        state_target, rebuild = _without_absent_empty_fields(target, storage.join(step_dir, 'state'))
         items = dict(state=ocp.args.StandardRestore(state_target))
-        if os.path.isdir(os.path.join(step_dir, 'guard')):  # absent in checkpoints older than the guard item
+        if storage.isdir(storage.join(step_dir, 'guard')):  # absent in checkpoints older than the guard item
           items['guard'] = ocp.args.JsonRestore()
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         data_state = self._read_data(step_dir) if data_iter is not None else None
@@ -512,11 +493,10 @@ class Checkpointer:
   def _move_aside(self, step: int) -> str:
     """Moves an unusable step out of the listing (process 0; the others wait for it)."""
     aside = f'{self.directory}.unreadable'
-    target = os.path.join(aside, f'{step}-{int(time.time())}')
+    target = storage.join(aside, f'{step}-{int(time.time())}')
     if self.is_primary:
-      os.makedirs(aside, exist_ok=True)
       try:
-        os.rename(os.path.join(self.directory, str(step)), target)
+        storage.move(storage.join(self.directory, str(step)), target)  # copy then delete on a bucket
       except OSError as e:
         logging.warning('could not move checkpoint %d aside: %s', step, e)
     if jax.process_count() > 1:
@@ -539,21 +519,18 @@ class Checkpointer:
   @staticmethod
   def _read_data(step_dir: str) -> dict:
     """The saved data position: this process's file if the process count is unchanged, else process 0's."""
-    directory = os.path.join(step_dir, 'data')
-    names = sorted(n for n in os.listdir(directory) if n.startswith('process_') and n.endswith('.json')) \
-        if os.path.isdir(directory) else []
+    directory = storage.join(step_dir, 'data')
+    names = [n for n in storage.listdir(directory) if n.startswith('process_') and n.endswith('.json')]
     if not names:
       raise CheckpointError(f'{directory} holds no data position')
     mine = f'process_{jax.process_index()}-of-{jax.process_count()}.json'
     name = mine if mine in names else next((n for n in names if n.startswith('process_0-of-')), names[0])
-    with open(os.path.join(directory, name)) as f:
-      state = json.load(f)
+    state = storage.read_json(storage.join(directory, name))
     if 'lanes' in state:  # streaming: each process saved the cursors of its own lanes; together they are all
       lanes = {}
       for other in names:
         if other.endswith(name[name.index('-of-'):]):  # the files of the same save (same process count)
-          with open(os.path.join(directory, other)) as f:
-            lanes.update(json.load(f).get('lanes', {}))
+          lanes.update(storage.read_json(storage.join(directory, other)).get('lanes', {}))
       state['lanes'] = lanes
     # Global positions are the same in every file; per-process ones (older checkpoints) only fit their process.
     return state
@@ -585,17 +562,17 @@ def load_params(path: str, abstract_params, shardings, weights: str = 'raw'):
   weights='ema' reads the exponential moving average of the parameters (optim.ema) instead.
   """
   item = 'ema' if weights == 'ema' else 'params'
-  path = os.path.abspath(os.path.expanduser(path))
-  if os.path.isdir(os.path.join(path, 'state')):  # a step directory
+  path = storage.normalize(path)
+  if storage.isdir(storage.join(path, 'state')):  # a step directory
     step_dir = path
   else:
-    steps = [int(n) for n in os.listdir(path) if n.isdigit()] if os.path.isdir(path) else []
+    steps = [int(n) for n in storage.listdir(path) if n.isdigit()]
     if not steps:
       raise CheckpointError(f'checkpoint.init_from={path} holds no checkpoint; give a run\'s checkpoints '
                             f'directory or one of its step directories.')
-    step_dir = os.path.join(path, str(max(steps)))
+    step_dir = storage.join(path, str(max(steps)))
   checkpointer = ocp.StandardCheckpointer()
-  saved = checkpointer.metadata(os.path.join(step_dir, 'state'))
+  saved = checkpointer.metadata(storage.join(step_dir, 'state'))
   saved = getattr(saved, 'item_metadata', saved)
   saved_tree = saved if isinstance(saved, dict) else saved.tree
   if item not in saved_tree or not jax.tree.leaves(saved_tree[item]):
@@ -616,7 +593,7 @@ def load_params(path: str, abstract_params, shardings, weights: str = 'raw'):
                                            sharding=s),
       abstract_params, shardings)
   # StandardCheckpointer.restore takes no `args`; the PyTree checkpointer does the partial (params-only) restore.
-  state = ocp.PyTreeCheckpointer().restore(os.path.join(step_dir, 'state'), args=ocp.args.PyTreeRestore(
+  state = ocp.PyTreeCheckpointer().restore(storage.join(step_dir, 'state'), args=ocp.args.PyTreeRestore(
       item={item: target}, restore_args=ocp.checkpoint_utils.construct_restore_args({item: target}),
       partial_restore=True))
   return jax.tree.map(lambda x, w: x.astype(w.dtype), state[item], abstract_params)

@@ -15,13 +15,12 @@ import logging
 import os
 import re
 import secrets
-import shutil
 import threading
 import time
 
 import numpy as np
 
-from jaxlm.data import format as format_lib
+from jaxlm.data import storage
 from jaxlm.errors import ConfigError, StorageError
 
 log = logging.getLogger(__name__)
@@ -121,12 +120,8 @@ def _is_storage_error(e: BaseException) -> bool:
 
 def free_space(path: str) -> str:
   """Free space of the file system holding `path` (or its nearest existing parent), for error messages."""
-  while path and not os.path.exists(path):
-    path = os.path.dirname(path)
-  try:
-    return f'{shutil.disk_usage(path or ".").free / 2**20:.1f} MiB'
-  except OSError:
-    return 'unknown'
+  free = storage.free_bytes(path)  # None on a bucket: it has no such number
+  return 'unknown' if free is None else f'{free / 2**20:.1f} MiB'
 
 
 LAST_LINE = 300  # characters of a storage error's `jaxlm:` line: the library's own message goes to the log
@@ -204,6 +199,10 @@ class _TensorBoard:
   """Scalars and text in TensorBoard event files, through tensorboard's own writer (no TensorFlow)."""
 
   def __init__(self, logdir: str):
+    # On a bucket the writer writes a local directory that `storage.Mirror` uploads at each flush: the event
+    # writer only knows local files, and a bucket cannot append. Files are rotated so each upload stays small.
+    self._mirror = storage.Mirror(logdir, prefix='jaxlm-tb-') if storage.is_url(logdir) else None
+    self._logdir = self._mirror.local if self._mirror else logdir
     # Imported here so a run with log.tensorboard=False does not pay for the import.
     from tensorboard.compat.proto import summary_pb2
     from tensorboard.compat.proto import event_pb2
@@ -213,8 +212,22 @@ class _TensorBoard:
     self._summary_pb2, self._event_pb2, self._tensor_util = summary_pb2, event_pb2, tensor_util
     self._text_metadata = text_metadata.create_summary_metadata(display_name='events', description='')
     # A background thread writes; flush_secs bounds what a crash (not a clean close) can lose.
-    self._writer = EventFileWriter(logdir, flush_secs=10)
+    self._writer_class = EventFileWriter
+    self._writer = EventFileWriter(self._logdir, flush_secs=10)
     _quiet_writer_thread()
+
+  def _uploaded(self) -> None:
+    """On a bucket: flushes and uploads what changed, so a kill -9 loses no event written before it."""
+    if self._mirror is None:
+      return
+    self._writer.flush()
+    self._mirror.sync()
+    if os.path.getsize(self._newest()) > storage.SEGMENT_BYTES:  # a new file (its name has a per-process count)
+      self._writer.close()
+      self._writer = self._writer_class(self._logdir, flush_secs=10)
+
+  def _newest(self) -> str:
+    return max((os.path.join(self._logdir, n) for n in os.listdir(self._logdir)), key=os.path.getmtime)
 
   def scalars(self, step: int, values: dict, prefix: str) -> None:
     summary = self._summary_pb2.Summary()
@@ -223,6 +236,7 @@ class _TensorBoard:
         summary.value.add(tag=f'{prefix}/{key}', simple_value=float(value))
     if summary.value:
       self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
+      self._uploaded()
 
   def text(self, step: int, tag: str, text: str) -> None:
     summary = self._summary_pb2.Summary()
@@ -230,9 +244,12 @@ class _TensorBoard:
                       tensor=self._tensor_util.make_tensor_proto([text.encode()]))
     self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
     self._writer.flush()  # events are rare and are what one looks for after a crash
+    self._uploaded()
 
   def close(self) -> None:
     self._writer.close()
+    if self._mirror is not None:
+      self._mirror.close()
 
 
 def _start_wandb(workdir: str, log_cfg, config):
@@ -243,16 +260,15 @@ def _start_wandb(workdir: str, log_cfg, config):
     raise ConfigError('log.wandb=True but the wandb package is not installed: `pip install wandb` (or '
                       'jaxlm[wandb]), or set --config.log.wandb=False. WANDB_MODE=offline logs without an '
                       'account.') from e
-  id_path = os.path.join(workdir, 'wandb_id')
-  if os.path.exists(id_path):
-    with open(id_path) as f:
-      run_id = f.read().strip()
+  id_path = storage.join(workdir, 'wandb_id')
+  if storage.exists(id_path):
+    run_id = storage.read_text(id_path).strip()
   else:
     run_id = secrets.token_hex(4)
-    format_lib.write_atomic(id_path, run_id)
+    storage.write_bytes(id_path, run_id)
   name = config.get('name') if config is not None else None
-  run = wandb.init(project=log_cfg.wandb_project, name=name or os.path.basename(os.path.abspath(workdir)),
-                   id=run_id, resume='allow', dir=workdir,
+  run = wandb.init(project=log_cfg.wandb_project, name=name or storage.basename(storage.normalize(workdir)),
+                   id=run_id, resume='allow', dir=None if storage.is_url(workdir) else workdir,  # W&B's own files
                    config=config.to_dict() if hasattr(config, 'to_dict') else config)
   # Our own step axis: W&B drops any log whose internal step goes backwards, which a rollback or a resume
   # from an older checkpoint does.
@@ -281,11 +297,12 @@ class MetricsLogger:
       return
     self._workdir = workdir
     with self._writing('metrics.jsonl'):
-      os.makedirs(workdir, exist_ok=True)
-      self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a', buffering=1)  # line-buffered
+      storage.makedirs(workdir)
+      # Line-buffered locally; on a bucket each record is uploaded before write returns (storage.Segments).
+      self._jsonl = storage.open_log(storage.join(workdir, 'metrics.jsonl'))
     if log_cfg.tensorboard:
       with self._writing('tb'):
-        self._tb = _TensorBoard(os.path.join(workdir, 'tb'))
+        self._tb = _TensorBoard(storage.join(workdir, 'tb'))
     if log_cfg.wandb:
       self._wandb = _start_wandb(workdir, log_cfg, config)
 
@@ -350,10 +367,11 @@ class MetricsLogger:
     try:
       yield
     except Exception as e:  # pylint: disable=broad-except  -- TensorBoard's writer thread re-raises anything
-      if isinstance(e, StorageError) or not _is_storage_error(e):
+      # On a bucket any error of a write is the store's (quota, throttling, permissions): the same loud stop.
+      if isinstance(e, StorageError) or not (_is_storage_error(e) or storage.is_url(self._workdir)):
         raise
       self._jsonl = self._tb = None  # a sink that failed once is not written (or flushed) again
-      raise storage_error(os.path.join(self._workdir, name), e) from e
+      raise storage_error(storage.join(self._workdir, name), e) from e
 
   def close(self) -> None:
     """Flushes and closes every sink."""

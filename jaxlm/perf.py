@@ -8,11 +8,13 @@ import logging
 import os
 import re
 import statistics
+import tempfile
 import time
 
 import jax
 
 from jaxlm import malloc
+from jaxlm.data import storage
 from jaxlm.metrics import duration, format_table
 
 
@@ -246,10 +248,12 @@ class Profiler:
   """Traces steps `log.profile_steps` = 'first,last' with jax.profiler into <workdir>/profile."""
 
   def __init__(self, log_cfg, workdir: str, *, is_primary: bool = True):
-    self.dir = os.path.join(workdir, 'profile')
     self._range = tuple(int(x) for x in log_cfg.profile_steps.split(',')) if log_cfg.profile_steps else None
     if not is_primary:
       self._range = None
+    # The profiler writes local files only: on a bucket it writes a local directory, uploaded when it stops.
+    self.url = storage.join(workdir, 'profile') if storage.is_url(workdir) and self._range else None
+    self.dir = tempfile.mkdtemp(prefix='jaxlm-profile-') if self.url else os.path.join(workdir, 'profile')
     self.active = False
     self._done = False
 
@@ -273,6 +277,8 @@ class Profiler:
       jax.profiler.stop_trace()
       self.active = False
       self._done = True
+      if self.url:
+        storage.upload(self.dir, self.url)
 
 
 def compiled_memory(compiled) -> dict:

@@ -6,10 +6,13 @@
   <workdir>/checkpoints.unreadable/  steps that failed their checksums or could not be read, kept for inspection
   <workdir>/rollbacks.json           the stability guard's rollback count, across restarts
   <workdir>/profile/                 profiler traces (log.profile_steps)
+
+A workdir may be a bucket URL (gs://, s3://; jaxlm.data.storage): the same names, except that metrics.jsonl, which a
+bucket cannot append to, is kept as numbered segments under metrics.jsonl.d/ (`read_metrics` reads either), and
+the TensorBoard files are uploaded as they grow.
 """
 
 import json
-import os
 
 import jax
 import ml_collections
@@ -17,9 +20,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxlm import errors
+from jaxlm.data import storage
 
 METRICS = 'metrics.jsonl'
 CHECKPOINTS = 'checkpoints'
+COMMIT_MARKER = 'commit_success.txt'  # Orbax's marker of a finished step on a bucket (no atomic rename there)
 ROLLBACKS = 'rollbacks.json'
 TENSORBOARD = 'tb'
 PROFILE = 'profile'
@@ -30,19 +35,23 @@ class RunDirError(errors.ConfigError):
 
 
 def path(workdir: str, name: str) -> str:
-  """<workdir>/<name>, with ~ expanded."""
-  return os.path.join(os.path.expanduser(workdir), name)
+  """<workdir>/<name>, with ~ expanded (a bucket URL as it is)."""
+  return storage.join(workdir, name)
 
 
 def checkpoint_steps(workdir: str) -> list[int]:
-  """The saved steps in <workdir>/checkpoints, oldest first (finished saves only: Orbax renames when done)."""
+  """The saved steps in <workdir>/checkpoints, oldest first (finished saves only: Orbax renames when done on a
+  disk; on a bucket a step counts once its commit marker is written)."""
   root = path(workdir, CHECKPOINTS)
-  return sorted(int(n) for n in os.listdir(root) if n.isdigit()) if os.path.isdir(root) else []
+  names = storage.listdir(root)
+  if storage.is_url(root):
+    return sorted(int(n) for n in names if n.isdigit() and storage.exists(storage.join(root, n, COMMIT_MARKER)))
+  return sorted(int(n) for n in names if n.isdigit())
 
 
 def step_dir(workdir: str, step: int | None = None) -> str:
   """<workdir>/checkpoints/<step>, the newest step when `step` is None."""
-  root = os.path.abspath(path(workdir, CHECKPOINTS))
+  root = storage.normalize(path(workdir, CHECKPOINTS))
   steps = checkpoint_steps(workdir)
   if not steps:
     raise RunDirError(f'{root} holds no checkpoint; give the --workdir of a run that saved one.')
@@ -50,13 +59,13 @@ def step_dir(workdir: str, step: int | None = None) -> str:
     step = steps[-1]
   elif step not in steps:
     raise RunDirError(f'step {step} is not in {root}; saved steps: {", ".join(map(str, steps))}.')
-  return os.path.join(root, str(step))
+  return storage.join(root, str(step))
 
 
 def read_config(step_path: str) -> ml_collections.ConfigDict:
   """The resolved config a run saved in a step directory's `env` item."""
   try:
-    env = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(os.path.join(step_path, 'env'))
+    env = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(storage.join(step_path, 'env'))
     return ml_collections.ConfigDict(env['config'])
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise RunDirError(f'{step_path} has no readable env item with the run\'s config ({type(e).__name__}: {e}); '
@@ -81,7 +90,7 @@ def read_params(step_path: str, weights: str = 'raw') -> dict:
   never read, except under optim.name=sf_adamw: there the raw weights are schedule-free's averaged point x (the
   point it is evaluated at), computed from the saved params y and the state's z."""
   item = 'ema' if weights == 'ema' else 'params'
-  state_path = os.path.join(step_path, 'state')
+  state_path = storage.join(step_path, 'state')
   checkpointer = ocp.PyTreeCheckpointer()
   meta = checkpointer.metadata(state_path)
   tree = getattr(getattr(meta, 'item_metadata', meta), 'tree', meta)
@@ -106,16 +115,14 @@ def read_params(step_path: str, weights: str = 'raw') -> dict:
 
 def read_metrics(workdir_or_file: str) -> list[dict]:
   """The records of a run's metrics.jsonl ([] if none); a torn last line (a crash mid-write) is skipped."""
+  workdir_or_file = str(workdir_or_file)
   file = workdir_or_file if workdir_or_file.endswith('.jsonl') else path(workdir_or_file, METRICS)
-  if not os.path.exists(file):
-    return []
   records = []
-  with open(file) as f:
-    for line in f:
-      try:
-        records.append(json.loads(line))
-      except json.JSONDecodeError:
-        continue
+  for line in storage.read_log(file).decode().splitlines():
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError:
+      continue
   return records
 
 

@@ -10,15 +10,13 @@ for a while.
 
 import collections
 import dataclasses
-import json
 import math
-import os
 import statistics
 
 
 
 from jaxlm.errors import StabilityError  # noqa: F401  (raised here, re-exported for callers)
-from jaxlm.data import format as format_lib
+from jaxlm.data import storage
 
 POLICIES = ('off', 'skip', 'rollback')  # stability.policy
 
@@ -152,8 +150,8 @@ class Guard:
 
   def reset_ledger(self) -> None:
     """A fresh run (no checkpoint to resume) starts with no rollbacks."""
-    if self.ledger and self.writes_ledger and os.path.exists(self.ledger):
-      os.remove(self.ledger)
+    if self.ledger and self.writes_ledger:
+      storage.remove(self.ledger)
 
   def rolled_back(self, to_step: int) -> int:
     """Counts a rollback to `to_step` (raising past the cap); returns how many batches to skip.
@@ -164,7 +162,7 @@ class Guard:
     self.rollbacks += 1
     self.restores[to_step] = self.restores.get(to_step, 0) + 1
     if self.ledger and self.writes_ledger:
-      format_lib.write_json(self.ledger, {'rollbacks': self.rollbacks,
+      storage.write_json(self.ledger, {'rollbacks': self.rollbacks,
                                       'restores': {str(k): v for k, v in self.restores.items()}})
     if self.rollbacks > self.cfg.max_rollbacks:
       raise StabilityError(f'{self.rollbacks - 1} rollbacks already (stability.max_rollbacks); instability keeps '
@@ -182,8 +180,7 @@ class Guard:
 
 def _read_json(path: str) -> dict | None:
   try:
-    with open(path) as f:
-      return json.load(f)
+    return storage.read_json(path)
   except (OSError, ValueError):
     return None
 

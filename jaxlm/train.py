@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import sys
 from typing import Any
 
 from absl import flags
@@ -26,6 +27,7 @@ from jaxlm import cli
 from jaxlm import config as config_lib
 from jaxlm.data import pipeline as data_lib
 from jaxlm import distributed
+from jaxlm import errors
 from jaxlm import faults as faults_lib
 from jaxlm import perf
 from jaxlm import pipeline as pipeline_lib
@@ -35,6 +37,7 @@ from jaxlm import model as model_lib
 from jaxlm import moe as moe_lib
 from jaxlm import optimizer as optimizer_lib
 from jaxlm import rundir
+from jaxlm.data import storage
 from jaxlm import sharding
 from jaxlm import stability as stability_lib
 from jaxlm import step as step_lib
@@ -445,8 +448,13 @@ def main(argv):
             f'{cfg.train.batch_size} -> train.steps={cfg.train.steps}', flush=True)
   config_lib.validate(cfg, jax.device_count(), sharding.num_processes(), sharding.num_slices())
   workdir = _WORKDIR.value or os.path.join('runs', cfg.name)
+  if storage.is_url(workdir):
+    workdir = storage.normalize(workdir)
+    storage.check(workdir)  # a wrong endpoint, missing credentials or bucket: one line, exit 3, in seconds
+    if problem := storage.checkpoints_unsupported(workdir):
+      raise errors.ConfigError(problem)
   try:
-    os.makedirs(workdir, exist_ok=True)
+    storage.makedirs(workdir)
   except OSError as e:
     raise metrics_lib.storage_error(workdir, e) from e
   run(cfg, workdir)
@@ -454,6 +462,12 @@ def main(argv):
 
 def console() -> None:
   """The command line (also the console script in pyproject.toml), in a child that a watcher process waits for."""
+  workdir = next((a.split('=', 1)[1] for a in sys.argv[1:] if a.startswith('--workdir=')), None)
+  if workdir and not os.environ.get(cli.WATCHED):
+    try:  # a bucket's endpoint that cannot be reached: said before the trainer starts (main checks the rest)
+      storage.check_endpoint(workdir)
+    except errors.JaxlmError as e:
+      cli.fail(e)
   cli.run_watched()
   cli.run(main, required=('config',))
 

@@ -2,15 +2,16 @@
 # Train on every worker of a Cloud TPU VM slice (v4-32, v5p-128, v6e-64, ...): copy this checkout to all workers,
 # install it, and start the same supervised command on each, detached from the SSH session.
 #
-#   launch/tpu_pod.sh run  TPU_NAME ZONE -- --config=configs/palm_1b.py --workdir=/mnt/runs/palm_1b [--config.x=y]
+#   launch/tpu_pod.sh run  TPU_NAME ZONE -- --config=configs/palm_1b.py --workdir=gs://BUCKET/runs/palm_1b [--config.x=y]
 #   launch/tpu_pod.sh logs TPU_NAME ZONE [WORKER]   # follow one worker's log (default: worker 0, which logs metrics)
 #   launch/tpu_pod.sh stop TPU_NAME ZONE            # SIGTERM everywhere: the job checkpoints and exits
 #
 # Environment: PROJECT (gcloud project; default: gcloud's), REMOTE_DIR (default: jaxlm, in each worker's home),
 # JAX_SPEC (pip requirement for JAX on TPU; default: jax[tpu]), SUPERVISE_ARGS (default: --max_restarts=10).
 #
-# The workdir must be one directory shared by every worker (Filestore / NFS, or a gcsfuse mount of a bucket):
-# Orbax writes each checkpoint from all workers together and all of them restore from it.
+# The workdir is a gs:// bucket URL (no shared disk needed: every worker writes its part of each checkpoint to the
+# bucket, worker 0 the markers, checksums and logs; README "Object storage"), or one directory shared by every
+# worker (Filestore / NFS): Orbax writes each checkpoint from all workers together and all of them restore from it.
 # Each worker runs its own supervisor: a lost worker ends every process (jaxlm.distributed), every supervisor
 # restarts its own, and they meet again at worker 0's coordinator. Before each restart all workers run the health
 # check together; one failing it names the bad chip or host: replace it (or recreate the slice), then `run` again.
@@ -41,7 +42,7 @@ case "${action}" in
     # setsid + nohup: the job outlives this SSH session; its output goes to ~/jaxlm.log on each worker.
     on_all_workers "set -e
       mkdir -p ~/${remote_dir} && tar -xzf /tmp/jaxlm.tar.gz -C ~/${remote_dir} && cd ~/${remote_dir}
-      pip install -q -e . '${JAX_SPEC:-jax[tpu]}'
+      pip install -q -e '.[cloud]' '${JAX_SPEC:-jax[tpu]}'
       setsid nohup python3 -m jaxlm.cluster.supervise ${supervise_args} \
         --healthcheck_cmd 'python3 -m jaxlm.cluster.healthcheck --initialize=always' \
         -- python3 -m jaxlm.train ${train_args} --config.dist.initialize=always > ~/jaxlm.log 2>&1 < /dev/null &

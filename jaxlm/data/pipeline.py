@@ -37,6 +37,7 @@ from grain.experimental import ConcatThenSplitIterDataset
 
 from jaxlm.data import lanes as lanes_lib
 from jaxlm.data import prepare as prepare_lib
+from jaxlm.data import storage
 from jaxlm.data import stream as stream_lib
 from jaxlm.data import tokenizer as tokenizer_lib
 
@@ -67,10 +68,26 @@ def dataset_dirs(data_cfg, vocab_size: int) -> list[str]:
     raise DataError('data.source=stream reads data.paths directly; there is no prepared directory.')
   if data_cfg.source != 'prepared':
     raise DataError(f'data.source={data_cfg.source!r} is unknown; use stdlib, prepared or stream.')
-  paths = [os.path.expanduser(p.strip()) for p in data_cfg.paths.split(',') if p.strip()]
+  paths = [p.strip() if storage.is_url(p.strip()) else os.path.expanduser(p.strip())
+           for p in data_cfg.paths.split(',') if p.strip()]
   if not paths:
     raise DataError('data.source=prepared needs data.paths: directories written by `python -m jaxlm.data.prepare`.')
-  return paths
+  return [_local(p, data_cfg.cache_dir) for p in paths]
+
+
+def _local(path: str, cache_dir: str) -> str:
+  """A prepared dataset on a bucket as a verified local copy under `cache_dir` (ArrayRecord readers read local
+  files only); files whose store hash is unchanged are not downloaded again. Local paths as they are."""
+  if not storage.is_url(path):
+    return path
+  storage.check(path, what='data.paths')
+  if not storage.exists(storage.join(path, 'metadata.json')):  # the dataset's commit marker, uploaded last
+    raise DataError(f'{path} has no metadata.json: it is not a prepared dataset, or its upload did not finish; '
+                    f'run `python -m jaxlm.data.prepare --out={path}` (again).')
+  start = time.time()
+  local = storage.local_copy(path, cache_dir)
+  logging.info('data: %s verified in %s (%.1fs)', path, local, time.time() - start)
+  return local
 
 
 def open_prepared(path: str, vocab_size: int) -> Prepared:

@@ -56,6 +56,7 @@ from jaxlm.data import engine as engine_lib
 from jaxlm.data import format as format_lib
 from jaxlm.data import plan as plan_lib
 from jaxlm.data import readers
+from jaxlm.data import storage
 from jaxlm.data import tokenizer as tokenizer_lib
 from jaxlm.data.plan import SPLITS, is_eval
 from jaxlm.data.readers import TXT_DOCS, PrepareError, Source, expand_inputs, read_documents
@@ -558,7 +559,9 @@ def _define_flags() -> None:
   # Defined only when run as a program: data.py imports this module into the trainer, whose flags they would
   # otherwise collide with.
   flags.DEFINE_list('inputs', [], 'Files, directories and globs of .txt / .jsonl / .parquet, comma-separated.')
-  flags.DEFINE_string('out', '', 'Output directory (created; an interrupted run there is resumed).')
+  flags.DEFINE_string('out', '', 'Output directory (created; an interrupted run there is resumed), or a gs:// or '
+                      's3:// URL: prepared under --cache_dir, then uploaded with metadata.json last.')
+  flags.DEFINE_string('cache_dir', '~/.cache/jaxlm', 'Where a bucket --out is prepared before it is uploaded.')
   flags.DEFINE_integer('vocab_size', 8192, 'SentencePiece vocabulary size to train (<= the model vocab_size).')
   flags.DEFINE_enum('model_type', 'bpe', tokenizer_lib.MODEL_TYPES, 'SentencePiece algorithm to train.')
   flags.DEFINE_string('tokenizer', '', 'Use this tokenizer instead of training one: a SentencePiece .model, a '
@@ -590,14 +593,27 @@ def _define_flags() -> None:
   flags.DEFINE_integer('seed', 0, 'Seed of the tokenizer trainer.')
 
 
+def upload_prepared(local: str, url: str) -> None:
+  """Uploads a prepared directory, metadata.json last: a reader that finds it finds every shard in place."""
+  storage.remove(storage.join(url, 'metadata.json'))  # a re-upload is incomplete until the marker is back
+  for name in sorted(os.listdir(local)):
+    if name not in ('metadata.json', 'plan.json'):
+      storage.upload(os.path.join(local, name), storage.join(url, name))
+  storage.upload(os.path.join(local, 'metadata.json'), storage.join(url, 'metadata.json'))
+
+
 def main(argv: Sequence[str]) -> None:
   """`python -m jaxlm.data.prepare`: exit 0 when done, 2 on input or settings it cannot use."""
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   if not FLAGS.inputs or not FLAGS.out:
     raise PrepareError('--inputs and --out are required; e.g. --inputs=corpus/,more/*.jsonl --out=data/mine')
+  out = FLAGS.out
+  if storage.is_url(out):  # prepared here, then uploaded (metadata.json last: the dataset's commit marker)
+    storage.check(out, what='--out')
+    out = os.path.join(os.path.expanduser(FLAGS.cache_dir), 'upload', hashlib.sha256(out.encode()).hexdigest()[:16])
   try:
-    meta = prepare(expand_inputs(FLAGS.inputs), FLAGS.out, vocab_size=FLAGS.vocab_size,
+    meta = prepare(expand_inputs(FLAGS.inputs), out, vocab_size=FLAGS.vocab_size,
                    model_type=FLAGS.model_type, tokenizer=FLAGS.tokenizer, text_field=FLAGS.text_field,
                    txt_docs=FLAGS.txt_docs, eval_fraction=FLAGS.eval_fraction, shard_docs=FLAGS.shard_docs,
                    workers=FLAGS.workers, sample_mb=FLAGS.sample_mb, max_sentences=FLAGS.max_sentences,
@@ -609,6 +625,8 @@ def main(argv: Sequence[str]) -> None:
     print('\nprepare: interrupted; run the same command again to resume (completed shards are kept).',
           file=sys.stderr)
     sys.exit(130)
+  if out != FLAGS.out:
+    upload_prepared(out, FLAGS.out)
   print(json.dumps({k: meta[k] for k in ('documents', 'tokens', 'vocab_size', 'dropped')}))
 
 

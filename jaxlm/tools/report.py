@@ -6,6 +6,7 @@
 import collections
 import math
 import os
+import tempfile
 import statistics
 
 from absl import flags
@@ -14,6 +15,7 @@ from jaxlm import cli
 from jaxlm import errors
 from jaxlm import metrics
 from jaxlm import rundir
+from jaxlm.data import storage
 from jaxlm.rundir import latest_by_step as _by_step, read_metrics
 
 
@@ -129,7 +131,8 @@ def plot(records: list[dict], out: str) -> None:
 
 def report(workdir: str, out: str = '') -> str:
   """Prints the summary table of `workdir`'s metrics.jsonl and writes the plot; returns the PNG's path."""
-  if not os.path.exists(rundir.path(workdir, rundir.METRICS)):
+  metrics = rundir.path(workdir, rundir.METRICS)
+  if not (storage.exists(metrics) or storage.is_url(metrics) and storage.isdir(f'{metrics}.d')):
     raise rundir.RunDirError(f'no metrics.jsonl in {workdir}; give the --workdir of a run')
   records = read_metrics(workdir)
   print(summary_table(summarize(records)))
@@ -137,7 +140,12 @@ def report(workdir: str, out: str = '') -> str:
     print(section)
   out = out or rundir.path(workdir, 'report.png')
   try:
-    plot(records, out)
+    if storage.is_url(out):  # matplotlib writes local files: plot beside, then upload
+      with tempfile.TemporaryDirectory() as tmp:
+        plot(records, os.path.join(tmp, 'report.png'))
+        storage.upload(os.path.join(tmp, 'report.png'), out)
+    else:
+      plot(records, out)
   except OSError as e:
     raise errors.StorageError(f'cannot write {out} ({type(e).__name__}: {e}); pass --out on a writable disk') from e
   print(f'plot: {out}')

