@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib.metadata
+import json
 import math
 
 import numpy as np
@@ -452,10 +453,14 @@ class GenEval:
     out = generate.generate(self.model_cfg, params, self.prompt_ids, self.new_tokens, sampling=self.sampling,
                             seed=self.seed, eos_id=eos, mesh=self.mesh, max_len=self.seq_len)
     texts = [self.tokenizer.decode(t) for t in out.tokens]
-    scorer = Scorer(self.model_cfg, params, self.tokenizer, seq_len=self.seq_len, mesh=self.mesh)
+    scorer = Scorer(self.model_cfg, params, self.tokenizer, seq_len=self.seq_len, mesh=self.mesh,
+                    name='the run itself')
+    sig = {'sampling': dataclasses.asdict(self.sampling), 'seed': self.seed,
+           'prompt_tokens': len(self.prompt_ids[0]), 'max_new_tokens': self.new_tokens}
     result = score(self.prompts, texts, self.human, model_ids=out.tokens, human_ids=self.human_ids,
-                   scorer=scorer, mauve_seeds=self.mauve_seeds)
+                   scorer=scorer, mauve_seeds=self.mauve_seeds, sig=sig)
     record = {k: v for k, v in result['model'].items() if isinstance(v, (int, float))}
+    record['signature'] = json.dumps(result['signature'], sort_keys=True)  # a string: TensorBoard skips it
     record.update({f'human_{k}': v for k, v in result['human'].items() if isinstance(v, (int, float))})
     samples = [{'prompt': p, 'completion': c, 'human': h} for p, c, h in zip(self.prompts, texts, self.human)][:3]
     return record, samples

@@ -280,14 +280,18 @@ def test_generate_with_references_equals_sacrebleu_and_lm_eval_on_the_same_sampl
   assert theirs['exact_match,none'] == r['model']['exact_match']
 
 
-def test_generate_refuses_a_bad_prompts_file_with_one_line(tmp_path):
-  from tests.helpers import assert_fails_with, run_cli
+def test_generate_refuses_a_bad_prompts_file_before_any_device_work(tmp_path):
+  from jaxlm.tools import eval as eval_lib
   (tmp_path / 'p.jsonl').write_text('{"prompt": "x"}\n')
-  out = run_cli('jaxlm.tools.eval', f'--workdir={tmp_path}', f'--generate={tmp_path}/p.jsonl', devices=1, timeout=120)
-  assert_fails_with(out, 2, 'p.jsonl:1 needs a non-empty "prompt" string and a "reference" string')
+  # The run directory does not exist: the file is read (and refused) before any checkpoint is looked for.
+  with pytest.raises(eval_lib.EvalError, match=r'p.jsonl:1 needs a non-empty "prompt" string and a "reference" '
+                                               r'string; give both') as e:
+    eval_lib.generate_and_score(str(tmp_path / 'no_run'), str(tmp_path / 'p.jsonl'))
+  assert e.value.exit_code == 2
 
 
 def test_gen_eval_logs_gen_records_that_equal_scoring_the_checkpoint(textgen_runs, capsys):
+  import json
   from jaxlm import checkpoint as checkpoint_lib
   from jaxlm.data import pipeline as data_lib
   from jaxlm.hf import export as export_lib
@@ -309,6 +313,7 @@ def test_gen_eval_logs_gen_records_that_equal_scoring_the_checkpoint(textgen_run
   gen = textgen.GenEval(cfg.train, batches, own.tokenizer, own.model_cfg, seq_len=cfg.data.seq_len, mesh=own.mesh)
   record, again = gen(own.params)
   assert {k: v for k, v in gens[1].items() if k in record} == record
+  assert json.loads(record['signature'])['sampling'] == {'temperature': 1.0, 'top_k': 0, 'top_p': 0.95}
   assert [s['completion'] for s in samples[-3:]] == [s['completion'] for s in again]
   # Goodput counts it as evaluation: the eval bucket holds both evaluations' time.
   system = [r for r in read_records(model_dir, 'system') if 'eval_s' in r]
@@ -316,3 +321,15 @@ def test_gen_eval_logs_gen_records_that_equal_scoring_the_checkpoint(textgen_run
   report_lib.report(model_dir, str(model_dir) + '/report.png')
   out = capsys.readouterr().out
   assert 'Generations' in out and 'human' in out and samples[-1]['completion'][:10].strip() in out
+
+
+def test_gen_eval_settings_are_checked_in_config_validation():
+  from jaxlm import config as config_lib
+  from jaxlm import errors
+  from tests.helpers import load_config
+  cfg = load_config('palm_tiny')
+  cfg.train.update(gen_eval=1, gen_eval_prompt_tokens=40, gen_eval_tokens=40, gen_eval_top_p=0.0)
+  with pytest.raises(errors.ConfigError) as e:
+    config_lib.validate(cfg, 8)
+  assert 'train.gen_eval_prompt_tokens + train.gen_eval_tokens = 80 must fit data.seq_len=64' in str(e.value)
+  assert 'gen_eval_top_p in (0, 1]' in str(e.value)
