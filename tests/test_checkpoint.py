@@ -76,6 +76,7 @@ def reference(tmp_path_factory, data_cache):
   return workdir
 
 
+@pytest.mark.slow(reason='a trainer killed with SIGKILL at several steps, each resumed: one process per kill')
 def test_sigkill_at_several_steps_resumes_bit_for_bit(reference, tmp_path, data_cache):
   for kill_after in (6, 15):  # two kills, at unrelated points of the checkpoint interval
     proc = _start(tmp_path, data_cache)
@@ -100,6 +101,7 @@ def test_sigkill_at_several_steps_resumes_bit_for_bit(reference, tmp_path, data_
 MOE = ('--config.model.moe_bias_rate=0.01', '--config.model.moe_aux_loss=0.01', '--config.model.moe_router_z_loss=0.001')
 
 
+@pytest.mark.slow(reason='the MoE trainer, killed with SIGKILL and resumed, against an uninterrupted run: three processes')
 def test_sigkill_of_a_moe_run_resumes_bit_for_bit_router_biases_included(tmp_path, data_cache):
   reference = tmp_path / 'reference'
   _run(reference, data_cache, *MOE, config='moe_tiny')

@@ -162,7 +162,7 @@ def test_watchdog_fires_without_beats():
 
 # --- Real processes. --------------------------------------------------------------------------------------------
 
-@pytest.mark.slow
+@pytest.mark.slow(reason='three supervised attempts of two processes; the step watchdog and JAX heartbeat waits are the point')
 def test_supervised_job_survives_a_hung_and_a_lost_peer_and_matches_one_process(tmp_path, data_cache, reference):
   """One job, three attempts under the supervisor (one test: each attempt starts and compiles two processes).
 
@@ -212,7 +212,7 @@ def test_supervised_job_survives_a_hung_and_a_lost_peer_and_matches_one_process(
   assert sorted(p.name for p in (saved / 'data').glob('process_*')) == ['process_0-of-2.json', 'process_1-of-2.json']
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason='two real processes train and compile a pipelined step each, against the 1-process run')
 def test_pipeline_stages_across_two_processes_match_one_process(tmp_path, data_cache, reference):
   """mesh.dcn_stage=2: each process holds one stage (one of palm_tiny's 2 layers, fsdp over its 4 devices), and
   only activations cross between them; the logged losses and the eval loss equal the 1-process reference."""
@@ -229,7 +229,7 @@ def test_pipeline_stages_across_two_processes_match_one_process(tmp_path, data_c
   assert all(r['bubble'] == pytest.approx(1 / 3) for r in read_records(workdir))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason='two real processes train and compile a context-parallel step each, against the 1-process run')
 def test_context_across_two_processes_matches_one_process(tmp_path, data_cache, reference):
   """mesh.dcn_context=2: every sequence split between the two processes, which therefore read the same rows
   (sharding.row_share) and each place their half of them; the losses and the eval loss equal the 1-process run."""
@@ -244,7 +244,7 @@ def test_context_across_two_processes_matches_one_process(tmp_path, data_cache, 
   assert sorted(p.name for p in (saved / 'data').glob('process_*')) == ['process_0-of-2.json', 'process_1-of-2.json']
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason='two real processes train, checkpoint on SIGTERM and exit; the process boundary is the point')
 def test_sigterm_to_one_process_stops_every_process_after_the_same_step(tmp_path, data_cache):
   # A preemption notice that reaches one process only: both must checkpoint the same step and exit 0.
   workdir = tmp_path / 'run'

@@ -309,6 +309,7 @@ def _final_state(workdir):
 
 
 @pytest.mark.parametrize('name', list(OPTIMIZERS))
+@pytest.mark.slow(reason='a trainer killed with SIGKILL mid-run and its resume: two processes that compile and train')
 def test_sigkill_resumes_bit_for_bit(name, uninterrupted, tmp_path, data_cache):
   import signal
   import time

@@ -183,7 +183,8 @@ def _remat_auto_config():
   return cfg
 
 
-@pytest.mark.e2e  # compiles the step ten times: ~2 minutes on 2 shared cores
+@pytest.mark.e2e
+@pytest.mark.slow(reason='compiles the train step once per remat policy, then choose_remat compiles them again')
 def test_remat_auto_picks_the_least_recompute_that_fits(monkeypatch):
   from jaxlm import config as config_lib, train  # pylint: disable=import-outside-toplevel
   cfg = _remat_auto_config()

@@ -214,6 +214,7 @@ E2E = ('--config.train.steps=8', '--config.train.log_every=1', '--config.checkpo
        '--config.stability.spike_window=4')
 
 
+@pytest.mark.slow(reason='three trainer processes against the GCS emulator: uninterrupted local, SIGTERM, resume')
 def test_sigterm_and_resume_with_a_bucket_workdir_match_an_uninterrupted_local_run(gcs_emulator, tmp_path,
                                                                                     data_cache, monkeypatch):
   from tests.helpers import train_command  # pylint: disable=import-outside-toplevel

@@ -46,7 +46,7 @@ def test_cli_exit_code_and_message():
   assert 'healthcheck: BAD process 0' in result.stdout and 'device 7: SLOW matmul' in result.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason='two launched processes each start JAX and time their devices')
 def test_two_processes_name_the_slow_host():
   result = subprocess.run(['launch/local.sh', '-n', '2', '-d', '4', '--', sys.executable, '-m', 'jaxlm.cluster.healthcheck',
                            '--iters=5', '--slow_factor=10',

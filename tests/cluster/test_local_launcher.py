@@ -11,7 +11,7 @@ from tests.helpers import read_records, train_env
 from tests.test_multihost import DEVICES, local_command, overrides, wait_for
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason='the launcher starts two trainers that compile, train, checkpoint on SIGTERM and exit')
 def test_sigterm_to_the_launcher_checkpoints_every_process_and_exits_0(tmp_path, data_cache):
   # What a scheduler does on preemption: SIGTERM to the launcher only, which passes it on to its processes.
   # Its `wait -n` is interrupted by the trap then, and must wait again rather than trip over `set -u`.

@@ -27,7 +27,7 @@ from tests.conftest import ROOT
 from tests.helpers import read_records, train_command, train_env
 from tests.test_multihost import DEVICES, PROCESSES, overrides, wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow(reason='a real Slurm cluster on localhost schedules, preempts and restarts two-process jobs')]
 
 BINARIES = ('munged', 'slurmctld', 'slurmd', 'sbatch', 'scancel', 'scontrol', 'sinfo', 'squeue')
 STEPS, CHECKPOINT_EVERY = 30, 5

@@ -54,7 +54,7 @@ def test_prepare_reads_the_cleaned_output(cleaned, tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.slow  # five datatrove stages, each a Ray actor that imports datatrove and spaCy
+@pytest.mark.slow(reason='five datatrove stages, each a Ray actor that imports datatrove and spaCy')
 def test_ray_executor_keeps_the_same_documents(cleaned, ray_cluster):
   import ray  # pylint: disable=g-import-not-at-top
   root, _, out = cleaned

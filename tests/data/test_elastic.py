@@ -46,6 +46,7 @@ def mixture(data_cache, tmp_path) -> tuple[str, ...]:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow(reason='five runs of up to four processes each, resumed across topologies')
 @pytest.mark.parametrize('case', ['plain', 'ramp_mixture'])
 def test_resume_on_other_topologies_matches_an_uninterrupted_run(tmp_path, data_cache, case):
   # A batch ramp and a weighted mixture of two datasets ride in one case: each is a position the data pipeline
