@@ -355,6 +355,7 @@ def test_advantages_equal_trls(tmp_path, scale):
 
 # ------------------------------------------------------------------------------------ kill -9
 
+@pytest.mark.slow(reason='the RL loop killed with SIGKILL and resumed: trainer processes that compile sampler and step')
 def test_kill_9_then_resume_replays_the_same_samples(tmp_path, seed0_run):
   """`python -m jaxlm.rl` killed with SIGKILL mid-run, resumed: every step's samples and metrics == the
   uninterrupted run's (the seed-0 learning run), and so are the final parameters."""
