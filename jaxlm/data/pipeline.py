@@ -246,14 +246,15 @@ def _seed(seed: int, k: int) -> int:
 
 def is_chat(prepared: Sequence[Prepared]) -> bool:
   """Whether the datasets hold conversations with loss weights (prepare --format=chat)."""
-  return prepared[0].meta.get('content') == 'chat'
+  return prepared[0].meta.get('content') in ('chat', 'preference')  # preference: pairs of conversations
 
 
 def _conversations(data_cfg, p: Prepared, split: str, *, seed: int, num_epochs: int | None,
                    shuffle: bool) -> stream_lib.ConversationRows:
   source = _source(p, split)
   lengths = stream_lib.document_lengths(p.shards(split), p.meta, data_cfg.get('cache_dir') or None)
-  return stream_lib.ConversationRows(source, lengths, seed=seed, seq_len=data_cfg.seq_len, dtype=p.meta['dtype'],
+  rows = stream_lib.PairRows if p.meta.get('content') == 'preference' else stream_lib.ConversationRows
+  return rows(source, lengths, seed=seed, seq_len=data_cfg.seq_len, dtype=p.meta['dtype'],
                                      epochs=num_epochs, shuffle=shuffle)
 
 
@@ -262,7 +263,7 @@ def _streams(data_cfg, prepared: Sequence[Prepared], seed: int,
   out = []
   for k, p in enumerate(prepared):
     meta = p.meta
-    if meta.get('content') == 'chat':  # whole conversations per row, with their loss weights
+    if meta.get('content') in ('chat', 'preference'):  # whole conversations (pairs) per row, with loss weights
       out.append(_conversations(data_cfg, p, 'train', seed=_seed(seed, k), num_epochs=num_epochs, shuffle=True))
       continue
     source = _source(p, 'train')
