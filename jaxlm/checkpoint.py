@@ -595,7 +595,8 @@ def load_params(path: str, abstract_params, shardings, weights: str = 'raw', fil
   return _load_params(path, abstract_params, shardings, weights)
 
 
-def _step_dir_of(path: str) -> str:
+def step_dir_of(path: str) -> str:
+  """The step directory `path` names: itself, or the newest step of a checkpoints directory."""
   path = os.path.abspath(os.path.expanduser(path))
   if os.path.isdir(os.path.join(path, 'state')):  # a step directory
     return path
@@ -608,7 +609,7 @@ def _step_dir_of(path: str) -> str:
 
 def _saved_param_names(path: str, weights: str) -> set:
   item = 'ema' if weights == 'ema' else 'params'
-  saved = ocp.StandardCheckpointer().metadata(os.path.join(_step_dir_of(path), 'state'))
+  saved = ocp.StandardCheckpointer().metadata(os.path.join(step_dir_of(path), 'state'))
   saved = getattr(saved, 'item_metadata', saved)
   saved_tree = saved if isinstance(saved, dict) else saved.tree
   return {jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(saved_tree.get(item, {}))[0]}
@@ -616,7 +617,7 @@ def _saved_param_names(path: str, weights: str) -> set:
 
 def _load_params(path: str, abstract_params, shardings, weights: str = 'raw'):
   item = 'ema' if weights == 'ema' else 'params'
-  step_dir = _step_dir_of(path)
+  step_dir = step_dir_of(path)
   checkpointer = ocp.StandardCheckpointer()
   saved = checkpointer.metadata(os.path.join(step_dir, 'state'))
   saved = getattr(saved, 'item_metadata', saved)

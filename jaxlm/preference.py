@@ -18,14 +18,19 @@ Every type is a sum over pairs divided by the whole batch's pair count, so micro
 the global batch's mean exactly. Metrics carry TRL's names (rewards/*, logps/*) so dashboards compare.
 """
 
+import json
+import os
+
 import jax
 import jax.numpy as jnp
 
+from jaxlm import errors
 from jaxlm import model as model_lib
 
 LOSS_TYPES = ('sigmoid', 'ipo', 'sigmoid_norm', 'simpo')  # preference.loss_type
 REFERENCES = ('base', 'copy', 'cached')  # preference.reference
 REFERENCE_DTYPES = ('float32', 'bfloat16')  # preference.reference_dtype (reference=copy)
+CACHE_DIRECTORY, CACHE_MANIFEST = 'reference', 'reference.json'  # reference=cached: beside the prepared pairs
 METRICS = ('rewards/chosen', 'rewards/rejected', 'rewards/accuracies', 'rewards/margins', 'logps/chosen',
            'logps/rejected')
 
@@ -108,3 +113,54 @@ def loss(logits, batch: dict, ref_logps, pref_cfg, num_pairs):
              'rewards/margins': mean(reward_c - reward_r),
              'logps/chosen': mean(jax.lax.stop_gradient(pi_c)), 'logps/rejected': mean(jax.lax.stop_gradient(pi_r))}
   return total, metrics
+
+
+# reference=cached: the log-probabilities jaxlm.tools.reference wrote beside the pairs, and what they belong to.
+
+
+class ReferenceError(errors.ConfigError):
+  """Cached reference log-probabilities that do not belong to this run or data; the message says what to do."""
+
+
+def cached_identity(step_dir: str, meta: dict) -> dict:
+  """What cached log-probabilities belong to: the checkpoint, and the data's tokenizer and chat template."""
+  return {'checkpoint': os.path.abspath(step_dir), 'tokenizer_sha256': meta['tokenizer_sha256'],
+          'chat_template': meta.get('settings', {}).get('chat_template', ''), 'pairs': meta['documents']}
+
+
+def read_pairs_meta(data: str) -> dict:
+  """metadata.json of prepared preference pairs; ReferenceError for anything else."""
+  try:
+    with open(os.path.join(data, 'metadata.json')) as f:
+      meta = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ReferenceError(f'--data={data} holds no readable metadata.json ({e}); give the directory '
+                         f'`python -m jaxlm.data.prepare --format=preference` wrote.') from e
+  if meta.get('content') != 'preference':
+    raise ReferenceError(f'--data={data} holds {meta.get("content", "text")} data, not preference pairs; prepare it '
+                         f'with --format=preference.')
+  return meta
+
+
+def check_cached(data: str, init_from: str) -> None:
+  """Refuses cached log-probabilities that belong to another checkpoint than the run's warm start (`init_from`),
+  or to another tokenizer or chat template than the pairs now have."""
+  meta = read_pairs_meta(data)
+  try:
+    with open(os.path.join(data, CACHE_DIRECTORY, CACHE_MANIFEST)) as f:
+      saved = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ReferenceError(f'{data} has no cached reference log-probabilities; compute them with `python -m '
+                         f'jaxlm.tools.reference --workdir=<the run you start from> --data={data}`.') from e
+  if not init_from:
+    raise ReferenceError('preference.reference=cached compares with the model training starts from; set '
+                         'checkpoint.init_from to the checkpoint the reference was computed with.')
+  from jaxlm import checkpoint  # pylint: disable=g-import-not-at-top
+  want = cached_identity(checkpoint.step_dir_of(init_from), meta)  # the step init_from loads
+  for key in ('checkpoint', 'tokenizer_sha256', 'chat_template', 'pairs'):
+    if saved.get(key) != want[key]:
+      raise ReferenceError(f'the cached reference log-probabilities in {data}/{CACHE_DIRECTORY} belong to {key}='
+                           f'{saved.get(key)!r}, but this run has {want[key]!r}; compute them again with `python -m '
+                           f'jaxlm.tools.reference --workdir=... --data={data}`.')
+
+

@@ -322,7 +322,9 @@ def accumulate_gradients(grad_fn, params, batch: dict, rng, microbatches: int):
   # Sums start at zero (a MoE layer's routing statistics too, whatever their shapes), the max at float32's min.
   aux_shapes = jax.eval_shape(lambda: grad_fn(params, jax.tree.map(lambda x: x[0], split), rng)[0][1])
   zero_aux = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), aux_shapes)
-  zeros = (jax.tree.map(jnp.zeros_like, params), dict(zero_aux, max_logit=jnp.finfo(jnp.float32).min))
+  if 'max_logit' in zero_aux:  # the LM loss's; a preference loss has none
+    zero_aux['max_logit'] = jnp.finfo(jnp.float32).min
+  zeros = (jax.tree.map(jnp.zeros_like, params), zero_aux)
   (grads, aux), _ = jax.lax.scan(add, zeros, (split, jnp.arange(microbatches)))
   return grads, aux
 

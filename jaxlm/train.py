@@ -122,6 +122,10 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
     held = sharding.bytes_per_device(program.abstract_state.params, program.state_shardings.params)
     say(f'parameters per device: {perf.format_bytes(held)}')
   ramp = config_lib.BatchRamp(t, cfg.data.seq_len)
+  if t.get('objective') == 'preference' and cfg.preference.reference == 'cached':  # theirs, or refused
+    from jaxlm import preference as preference_lib  # pylint: disable=g-import-not-at-top
+    for path in cfg.data.paths.split(','):
+      preference_lib.check_cached(path.strip(), cfg.checkpoint.init_from)
   # Data before compiling: a bad dataset fails in seconds, not after a long compile. The iterator yields ramp
   # units (the first stage's size); a step draws size // unit of them, so its position stays exact.
   vocab = cfg.model.vocab_size

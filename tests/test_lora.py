@@ -184,7 +184,7 @@ def test_scanned_unrolled_and_pipelined_give_the_same_loss_and_adapter_gradients
 @pytest.mark.parametrize('optimizer', ['adafactor', 'sf_adamw'])
 def test_adafactor_and_schedule_free_train_adapters_only(optimizer):
   cfg = lora_config()
-  # warmup 1 and two steps: optax's warmup_constant_schedule with 0 warmup steps is 0 throughout (sf_adamw).
+  # warmup_steps=1 (its first step has learning rate 0), then a step that moves the adapters.
   cfg.optim.update(name=optimizer, warmup_steps=1)
   program = plain_program(cfg, _mesh(cfg))
   state = program.init()

@@ -253,8 +253,18 @@ def _conversations(data_cfg, p: Prepared, split: str, *, seed: int, num_epochs: 
                    shuffle: bool) -> stream_lib.ConversationRows:
   source = _source(p, split)
   lengths = stream_lib.document_lengths(p.shards(split), p.meta, data_cfg.get('cache_dir') or None)
-  rows = stream_lib.PairRows if p.meta.get('content') == 'preference' else stream_lib.ConversationRows
-  return rows(source, lengths, seed=seed, seq_len=data_cfg.seq_len, dtype=p.meta['dtype'],
+  extra = {}
+  if p.meta.get('content') == 'preference':
+    rows = stream_lib.PairRows
+    if data_cfg.get('reference_logps'):  # preference.reference=cached: tools/reference's files, shard by shard
+      paths = [os.path.join(p.path, 'reference', os.path.basename(s)) for s in p.shards(split)]
+      if not all(os.path.exists(x) for x in paths):
+        raise DataError(f'{p.path} has no cached reference log-probabilities; compute them with `python -m '
+                        f'jaxlm.tools.reference --workdir=<the run you start from> --data={p.path}`.')
+      extra['reference'] = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(paths))
+  else:
+    rows = stream_lib.ConversationRows
+  return rows(source, lengths, **extra, seed=seed, seq_len=data_cfg.seq_len, dtype=p.meta['dtype'],
                                      epochs=num_epochs, shuffle=shuffle)
 
 

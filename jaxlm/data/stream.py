@@ -216,7 +216,7 @@ class ConversationRows:
       bins.append(current)
     if not bins:
       raise DataError('the chat split holds no conversation with an assistant token; prepare it with more data.')
-    self.bins = bins
+    self.bins, self.lengths = bins, lengths
     self.rows_per_epoch = len(bins)
     self.rows = INFINITE_ROWS if epochs is None else epochs * len(bins)
     self._orders = collections.OrderedDict()
@@ -260,13 +260,21 @@ class PairRows(ConversationRows):
   (jaxlm/preference.py).
   """
 
+  def __init__(self, *args, reference=None, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.reference = reference  # reference=cached: per pair, its positions' reference log-probs (tools/reference)
+
   def row(self, k: int) -> dict:
     T = self.seq_len
     out = {key: np.zeros(T, np.int32) for key in ('inputs', 'targets', 'segment_ids', 'positions', 'pairs')}
     out['weights'] = np.zeros(T, np.float32)
+    if self.reference is not None:
+      out['ref_logps'] = np.zeros(T, np.float32)
     e, j = divmod(int(k), self.rows_per_epoch)
     fill, segment = 0, 0
     for pair, index in enumerate(self.bins[int(self._order(e)[j])], 1):
+      if self.reference is not None:
+        out['ref_logps'][fill:fill + self.lengths[index]] = np.frombuffer(self.reference[index], np.float32)
       for sign, (ids, weights) in zip((1, -1), chat_lib.from_pair_record(self.source[index], self.dtype)):
         n = len(ids) - 1
         segment += 1
@@ -342,6 +350,8 @@ class Rows:
       row = {key: np.zeros(self.seq_len, np.int32) for key in ('inputs', 'targets', 'segment_ids', 'positions')}
       if isinstance(self.streams[0], PairRows):
         row['pairs'] = np.zeros(self.seq_len, np.int32)
+        if self.streams[0].reference is not None:
+          row['ref_logps'] = np.zeros(self.seq_len, np.float32)
     else:
       d, j = self.mixture.locate(int(k))
       row = self.streams[d].row(j)
@@ -352,7 +362,7 @@ class Rows:
       positions = np.arange(self.seq_len, dtype=np.int32)
     return {'inputs': row['inputs'], 'targets': row['targets'], 'segment_ids': segment_ids,
             'positions': positions, 'weights': row.get('weights', (segment_ids > 0).astype(np.float32)),
-            **({'pairs': row['pairs']} if 'pairs' in row else {})}
+            **{k: row[k] for k in ('pairs', 'ref_logps') if k in row}}
 
 
 class LocalRows:
