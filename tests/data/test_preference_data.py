@@ -90,3 +90,15 @@ def test_all_bad_pairs_is_one_line_and_exit_2(tmp_path, tok_dir):
   assert out.returncode == 2 and 'Traceback' not in out.stderr, out.stderr[-2000:]
   last = out.stderr.strip().splitlines()[-1]
   assert last.startswith('jaxlm: none of the 2 preference records could be used'), last
+
+
+def test_only_the_final_completion_is_weighted_in_a_multi_turn_pair(tok_dir):
+  tok = tokenizer_lib.load(tok_dir)
+  prompt = [{'role': 'user', 'content': 'Spell cloud.'}, {'role': 'assistant', 'content': 'c l o u d'},
+            {'role': 'user', 'content': 'Now river.'}]
+  (c_ids, c_w), (r_ids, r_w) = chat_lib.encode_pair(tok, chat_lib.LLAMA3, {'prompt': prompt, 'chosen': 'r i v e r',
+                                                                          'rejected': 'no'})
+  assert tok.decode([int(i) for i, w in zip(c_ids, c_w) if w]).strip() == 'r i v e r<|eot_id|>'
+  assert tok.decode([int(i) for i, w in zip(r_ids, r_w) if w]).strip() == 'no<|eot_id|>'
+  n = np.argmax(c_w)  # the rendered prompts (earlier answer included) are the same tokens on both sides
+  assert np.array_equal(c_ids[:n], r_ids[:n]) and not c_w[:n].any()
