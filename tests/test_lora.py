@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlm import checkpoint, config, model as model_lib, sharding, step, train
 from jaxlm import generate as generate_lib
-from tests.helpers import load_config, plain_program, random_batch
+from tests.helpers import grid, load_config, plain_program, random_batch
 
 RANK, ALPHA = 3, 6.0  # scale 2: a wrong alpha/r fails
 
@@ -181,7 +181,7 @@ def test_scanned_unrolled_and_pipelined_give_the_same_loss_and_adapter_gradients
     np.testing.assert_allclose(v, grads[k], rtol=1e-4, atol=1e-7, err_msg=f'pipelined {k}')
 
 
-@pytest.mark.parametrize('optimizer', ['adafactor', 'sf_adamw'])
+@pytest.mark.parametrize('optimizer', grid(['adafactor', 'sf_adamw'], fast=['adafactor']))
 def test_adafactor_and_schedule_free_train_adapters_only(optimizer):
   cfg = lora_config()
   # warmup_steps=1 (its first step has learning rate 0), then a step that moves the adapters.

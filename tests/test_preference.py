@@ -11,7 +11,7 @@ import pytest
 
 from jaxlm import model as model_lib, preference, step
 from jaxlm.hf import convert
-from tests.helpers import load_config
+from tests.helpers import grid, load_config
 
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
@@ -131,7 +131,8 @@ def models():
   return policy, reference, m, _params(policy, m), _params(reference, m)
 
 
-@pytest.mark.parametrize('loss_type', preference.LOSS_TYPES)
+# The fast loop runs DPO's sigmoid; the other types run in the full suite (e2e).
+@pytest.mark.parametrize('loss_type', grid(preference.LOSS_TYPES, fast=['sigmoid']))
 def test_loss_and_gradients_equal_trl(models, loss_type, tmp_path):
   policy, reference, m, params, ref_params = models
   want, hf_grads = _trl_loss(loss_type, copy.deepcopy(policy), reference, tmp_path)
@@ -150,7 +151,7 @@ def test_loss_and_gradients_equal_trl(models, loss_type, tmp_path):
     np.testing.assert_allclose(float(packed_metrics[k]), float(metrics[k]), rtol=1e-5, atol=1e-7, err_msg=k)
 
 
-@pytest.mark.parametrize('loss_type', ['sigmoid', 'sigmoid_norm'])
+@pytest.mark.parametrize('loss_type', grid(['sigmoid', 'sigmoid_norm'], fast=['sigmoid']))
 def test_step0_loss_is_ln2_and_references_agree(models, loss_type):
   _, _, m, params, _ = models
   batch = _batch([_row(PAIRS, 48)])

@@ -12,7 +12,7 @@ import pytest
 
 from jaxlm import model as model_lib
 from jaxlm.hf import convert, export
-from tests.helpers import load_config
+from tests.helpers import grid, load_config
 
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
@@ -56,7 +56,8 @@ def _peft_model(base, adapter_dir):
   return model
 
 
-@pytest.mark.parametrize('parallel_block', [False, True], ids=['llama', 'cohere'])
+@pytest.mark.parametrize('parallel_block', grid([False, True], fast=[False],
+                                                ids=lambda p: 'cohere' if p else 'llama'))
 def test_peft_adapter_and_merged_export_give_jaxlm_lora_logits(parallel_block, tmp_path, caplog):
   m, params = _lora_model(parallel_block)
   tokens = np.random.default_rng(1).integers(0, m.vocab_size, (2, 11)).astype(np.int32)
