@@ -242,3 +242,13 @@ def test_merged_weights_and_sampling_equal_the_lora_model():
   got = generate_lib.generate(m, params, prompts, 6).tokens
   want = generate_lib.generate(plain, merged, prompts, 6).tokens
   assert got == want
+
+
+def test_a_refusal_is_one_line_and_exit_2():
+  from tests.helpers import assert_fails_with, run_cli
+  out = run_cli('jaxlm.train', '--config=configs/palm_tiny.py', '--config.model.lora.rank=4',
+                '--config.optim.name=muon', '--config.train.objective=preference',
+                '--config.preference.reference=base', timeout=300)
+  assert_fails_with(out, 2, 'invalid config')
+  for what in ('optim.name=muon cannot run on LoRA adapters', 'data.source=prepared'):
+    assert what in out.stderr, out.stderr[-2000:]
