@@ -63,6 +63,12 @@ def get_config() -> ml_collections.ConfigDict:
   m.moe_impl = 'ragged'  # ragged (tokens sorted by expert, grouped GEMMs) | dense (every expert on every token: tests)
   m.moe_transport = 'auto'  # mesh.expert > 1: all_to_all (ragged, GPU/TPU) | gather (all-gather + reduce-scatter, any) | auto
   m.moe_buffer_factor = 0.0  # all_to_all receive buffer, × the balanced rows (N·k/expert); 0 = the worst case (never overflows)
+  # LoRA (jaxlm/model.py `adapter`): low-rank adapters beside the projections; only they train, the base is frozen.
+  m.lora = ml_collections.ConfigDict()
+  m.lora.rank = 0  # r, the adapters' rank; 0 = off (full fine-tuning)
+  m.lora.alpha = 16.0  # the branch is scaled by alpha / rank (peft's lora_alpha)
+  m.lora.targets = ('query', 'key', 'value', 'out', 'gate', 'up', 'down')  # projections adapted (MoE experts never)
+  m.lora.base_dtype = 'float32'  # how the frozen base is stored: float32 | bfloat16 (half the memory)
 
   c.data = d = ml_collections.ConfigDict()
   d.source = 'stdlib'  # stdlib: this interpreter's standard-library sources (no download); prepared: `paths`; stream: raw `paths` tokenized on the fly
@@ -77,6 +83,7 @@ def get_config() -> ml_collections.ConfigDict:
   d.stdlib_max_mb = 24  # cap on stdlib source bytes used (keeps first-run preparation short)
   d.eval_fraction = 0.02  # fraction of documents held out for evaluation, chosen by a hash of their path
   d.cross_document_attention = False  # False: segment ids + positions keep attention inside each document
+  d.reference_logps = False  # preference pairs: read the cached reference log-probs (preference.reference=cached)
   d.num_workers = 0  # Grain worker processes (0 = read in the training process)
   d.prefetch = 2  # batches read ahead per worker
 
@@ -100,6 +107,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.gen_eval_top_p = 0.95  # gen_eval: nucleus sampling (the open-ended generation protocol's setting)
   t.gen_eval_mauve = False  # gen_eval: MAUVE on the run's own features (needs jaxlm[textgen]; moves with training)
   t.deterministic = False  # GPU: deterministic XLA ops, so reruns and resumes are bit for bit (slower); CPU/TPU always are
+  t.objective = 'lm'  # lm: next-token cross-entropy (pre-training, SFT) | preference: `preference` below on pairs
 
   c.optim = o = ml_collections.ConfigDict()
   o.name = 'adamw'  # adamw | adafactor (PaLM's) | muon (matrices; AdamW for the rest) | sf_adamw (schedule-free)
@@ -122,6 +130,13 @@ def get_config() -> ml_collections.ConfigDict:
   o.ema_start = 0  # the average follows the weights (a copy) until this step, then averages
   o.loss_scale_init = 2.0 ** 15  # float16 compute only: initial dynamic loss scale ...
   o.loss_scale_period = 1000  # ... doubled after this many finite steps, halved on every overflow
+
+  c.preference = r = ml_collections.ConfigDict()  # train.objective=preference (jaxlm/preference.py)
+  r.loss_type = 'sigmoid'  # sigmoid (DPO) | ipo | sigmoid_norm (length-normalised DPO) | simpo (reference-free)
+  r.beta = 0.1  # β: the strength of the pull towards the reference (DPO), IPO's τ, SimPO's reward scale
+  r.gamma = 0.5  # simpo: the target reward margin γ
+  r.reference = 'copy'  # base (LoRA: adapters off, no memory) | copy (frozen initial weights) | cached (tools/reference)
+  r.reference_dtype = 'float32'  # copy: how the frozen reference is stored (bfloat16 halves it)
 
   c.mesh = s = ml_collections.ConfigDict()
   s.data = 1  # data-parallel ways (params replicated)

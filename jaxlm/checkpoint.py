@@ -555,22 +555,53 @@ class Checkpointer:
       self.manager.close()
 
 
-def load_params(path: str, abstract_params, shardings, weights: str = 'raw'):
+def load_params(path: str, abstract_params, shardings, weights: str = 'raw', fill=None):
   """Warm start: parameters only from another run's checkpoint directory (its newest step) or a step directory.
 
   Arrays are cast to this run's dtypes; a missing parameter or a shape mismatch is a CheckpointError naming it.
-  weights='ema' reads the exponential moving average of the parameters (optim.ema) instead.
+  weights='ema' reads the exponential moving average of the parameters (optim.ema) instead. `fill`: this run's
+  initial parameters; LoRA adapters (model.is_adapter) the checkpoint lacks keep their values from it (a LoRA run
+  from an SFT run or an import), while an adapter it holds with another shape is refused like any parameter.
   """
-  item = 'ema' if weights == 'ema' else 'params'
+  from jaxlm import model as model_lib  # pylint: disable=import-outside-toplevel
+  if fill is not None:
+    from flax import traverse_util  # pylint: disable=import-outside-toplevel
+    # Which parameters the checkpoint holds, by name: load those and keep `fill`'s absent adapters.
+    saved = _saved_param_names(path, weights)
+    flat = traverse_util.flatten_dict(abstract_params)
+    keep = {k for k in flat if model_lib.is_adapter(k) and jax.tree_util.keystr(tuple(
+        jax.tree_util.DictKey(x) for x in k)) not in saved}
+    if keep:
+      pick = lambda tree: traverse_util.unflatten_dict(
+          {k: v for k, v in traverse_util.flatten_dict(tree).items() if k not in keep})
+      loaded = load_params(path, pick(abstract_params), pick(shardings), weights)
+      return model_lib.join_adapters(fill, loaded)
+  return _load_params(path, abstract_params, shardings, weights)
+
+
+def step_dir_of(path: str) -> str:
+  """The step directory `path` names: itself, or the newest step of a checkpoints directory."""
   path = storage.normalize(path)
   if storage.isdir(storage.join(path, 'state')):  # a step directory
-    step_dir = path
-  else:
-    steps = [int(n) for n in storage.listdir(path) if n.isdigit()]
-    if not steps:
-      raise CheckpointError(f'checkpoint.init_from={path} holds no checkpoint; give a run\'s checkpoints '
-                            f'directory or one of its step directories.')
-    step_dir = storage.join(path, str(max(steps)))
+    return path
+  steps = [int(n) for n in storage.listdir(path) if n.isdigit()] if storage.isdir(path) else []
+  if not steps:
+    raise CheckpointError(f'checkpoint.init_from={path} holds no checkpoint; give a run\'s checkpoints '
+                          f'directory or one of its step directories.')
+  return storage.join(path, str(max(steps)))
+
+
+def _saved_param_names(path: str, weights: str) -> set:
+  item = 'ema' if weights == 'ema' else 'params'
+  saved = ocp.StandardCheckpointer().metadata(storage.join(step_dir_of(path), 'state'))
+  saved = getattr(saved, 'item_metadata', saved)
+  saved_tree = saved if isinstance(saved, dict) else saved.tree
+  return {jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(saved_tree.get(item, {}))[0]}
+
+
+def _load_params(path: str, abstract_params, shardings, weights: str = 'raw'):
+  item = 'ema' if weights == 'ema' else 'params'
+  step_dir = step_dir_of(path)
   checkpointer = ocp.StandardCheckpointer()
   saved = checkpointer.metadata(storage.join(step_dir, 'state'))
   saved = getattr(saved, 'item_metadata', saved)

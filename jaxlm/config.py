@@ -160,6 +160,68 @@ def _moe_errors(c, num_devices: int) -> list[str]:
   return e
 
 
+def _lora_errors(c) -> list[str]:
+  """model.lora (jaxlm/model.py): the adapters' shape, and the optimizer settings that cannot run on them."""
+  lo = c.model.get('lora')
+  if not lo or not lo.get('rank', 0):
+    if lo and lo.get('rank', 0) < 0:
+      return [f'model.lora.rank={lo.rank} must be >= 0 (0 = off).']
+    return []
+  e = []
+  if not isinstance(lo.rank, int) or lo.rank < 0:
+    e.append(f'model.lora.rank={lo.rank} must be a non-negative integer (0 = off).')
+  if lo.alpha <= 0:
+    e.append(f'model.lora.alpha={lo.alpha} must be positive (the branch is scaled by alpha / rank).')
+  targets = model.LoraConfig.from_config(lo).targets
+  if not targets or any(t not in model.LORA_TARGETS for t in targets):
+    e.append(f'model.lora.targets={tuple(targets)} must name some of {", ".join(model.LORA_TARGETS)}.')
+  if lo.base_dtype not in model.LORA_BASE_DTYPES:
+    e.append(f'model.lora.base_dtype={lo.base_dtype!r} is unknown; use one of {", ".join(model.LORA_BASE_DTYPES)}.')
+  if c.optim.name == 'muon':
+    e.append('optim.name=muon cannot run on LoRA adapters (it orthogonalises whole weight matrices, and an '
+             'adapter is a rank-r factor); use optim.name=adamw, adafactor or sf_adamw with model.lora.')
+  if c.optim.get('ema', 0.0):
+    e.append('optim.ema does not combine with model.lora yet (the average would hold the frozen base twice); set '
+             'optim.ema=0.')
+  return e
+
+
+def _preference_errors(c) -> list[str]:
+  """train.objective and the preference section (jaxlm/preference.py)."""
+  from jaxlm import preference, step  # pylint: disable=import-outside-toplevel
+  objective = c.train.get('objective', 'lm')
+  if objective not in step.OBJECTIVES:
+    return [f'train.objective={objective!r} is unknown; use one of {", ".join(step.OBJECTIVES)}.']
+  if objective != 'preference':
+    return []
+  r, e = c.get('preference'), []
+  if r is None:
+    return ['train.objective=preference needs a preference section; start from configs/dpo_example.py.']
+  if r.loss_type not in preference.LOSS_TYPES:
+    e.append(f'preference.loss_type={r.loss_type!r} is unknown; use one of {", ".join(preference.LOSS_TYPES)}.')
+  if r.beta <= 0:
+    e.append(f'preference.beta={r.beta} must be positive.')
+  if r.reference not in preference.REFERENCES:
+    e.append(f'preference.reference={r.reference!r} is unknown; use one of {", ".join(preference.REFERENCES)}.')
+  elif r.reference == 'base' and not c.model.get('lora', {}).get('rank', 0):
+    e.append('preference.reference=base is the LoRA model with its adapters off, but model.lora.rank=0; set '
+             'model.lora.rank, or use preference.reference=copy (a frozen copy of the initial weights).')
+  if r.get('reference_dtype', 'float32') not in preference.REFERENCE_DTYPES:
+    e.append(f'preference.reference_dtype={r.reference_dtype!r} is unknown; use one of '
+             f'{", ".join(preference.REFERENCE_DTYPES)}.')
+  if (r.reference == 'cached') != bool(c.data.get('reference_logps', False)):
+    e.append(f'preference.reference={r.reference} with data.reference_logps={c.data.get("reference_logps", False)}: '
+             f'the cached reference log-probabilities (python -m jaxlm.tools.reference) are read exactly when '
+             f'preference.reference=cached; set both, or neither.')
+  if c.model.get('matmul_dtype') == 'fp8':
+    e.append('train.objective=preference does not run with model.matmul_dtype=fp8 (the reference forward would '
+             'advance the fp8 scales); set model.matmul_dtype=dtype.')
+  if c.data.source != 'prepared':
+    e.append('train.objective=preference reads preference pairs: set data.source=prepared and data.paths to the '
+             'output of `python -m jaxlm.data.prepare --format=preference`.')
+  return e
+
+
 def _fp8_errors(c) -> list[str]:
   """model.matmul_dtype and the settings fp8 matmuls do not combine with."""
   m = c.model
@@ -486,7 +548,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int, num_processes: int 
 
   rl: the config runs `python -m jaxlm.rl`, whose `rl` section is checked too.
   """
-  errors = (_model_errors(c.model) + _moe_errors(c, num_devices) + _fp8_errors(c) + _deterministic_errors(c)
+  errors = (_model_errors(c.model) + _moe_errors(c, num_devices) + _lora_errors(c) + _preference_errors(c)
+            + _fp8_errors(c) + _deterministic_errors(c)
             + _data_errors(c.data) + _stream_errors(c) + _train_errors(c.train, c.optim)
             + _gen_eval_errors(c.train, c.data) + _mesh_errors(c, num_devices, num_processes, num_slices)
             + distributed.dist_errors(c.dist) + _other_errors(c) + (_rl_errors(c) if rl else []))

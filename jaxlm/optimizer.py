@@ -25,7 +25,7 @@ def schedule(optim_cfg, total_steps: int, peak: float | None = None) -> optax.Sc
   if o.schedule == 'cosine':
     return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, total_steps, end_value=final)
   if o.schedule == 'constant':
-    return optax.warmup_constant_schedule(0.0, peak, warmup)
+    return _warmup_constant(peak, warmup)
   ramp = optax.linear_schedule(0.0, peak, warmup)
   if o.schedule == 'linear':
     return optax.join_schedules([ramp, optax.linear_schedule(peak, final, total_steps - warmup)], [warmup])
@@ -33,6 +33,11 @@ def schedule(optim_cfg, total_steps: int, peak: float | None = None) -> optax.Sc
   return optax.join_schedules([ramp, optax.constant_schedule(peak),
                                optax.linear_schedule(peak, final, total_steps - decay_start)],
                               [warmup, decay_start])
+
+
+def _warmup_constant(peak: float, warmup: int) -> optax.Schedule:
+  """0 -> peak over `warmup` steps, then peak. (optax's warmup_constant_schedule with 0 warmup steps is 0 forever.)"""
+  return optax.warmup_constant_schedule(0.0, peak, warmup) if warmup else optax.constant_schedule(peak)
 
 
 def decay_mask(logical_specs):
@@ -61,7 +66,7 @@ def make_optimizer(optim_cfg, total_steps: int, mask, logical=None) -> optax.Gra
     # Schedule-free AdamW (Defazio et al. 2024): a constant LR after warmup, no decay phase; the averaged point
     # (`eval_params`) is what is evaluated. Its base step is AdamW without momentum (schedule_free_adamw's),
     # here with jaxlm's decay mask.
-    constant = optax.warmup_constant_schedule(0.0, o.lr, o.warmup_steps)
+    constant = _warmup_constant(o.lr, o.warmup_steps)
     base = optax.chain(optax.scale_by_rms(decay=o.b2, eps=o.eps, eps_in_sqrt=False, bias_correction=True),
                        optax.add_decayed_weights(o.weight_decay, mask), optax.scale_by_learning_rate(constant))
     chain.append(optax.contrib.schedule_free(base, learning_rate=constant, b1=o.b1))

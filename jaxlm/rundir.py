@@ -105,8 +105,12 @@ def read_params(step_path: str, weights: str = 'raw') -> dict:
     everything = checkpointer.restore(state_path, args=ocp.args.PyTreeRestore(
         item=tree, restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)))
     sf = _schedule_free(everything['opt_state'])
-    return optax.contrib.schedule_free_eval_params(types.SimpleNamespace(b1=sf['b1'], z=sf['z']),
-                                                   everything['params'])
+    from jaxlm import model as model_lib  # pylint: disable=import-outside-toplevel
+    params, trained = everything['params'], everything['params']
+    if jax.tree.structure(sf['z']) != jax.tree.structure(params):  # LoRA: the optimizer saw the adapters only
+      trained = model_lib.split_adapters(params)[1]
+    x = optax.contrib.schedule_free_eval_params(types.SimpleNamespace(b1=sf['b1'], z=sf['z']), trained)
+    return model_lib.join_adapters(params, x) if trained is not params else x
   as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree[item])
   restored = checkpointer.restore(state_path, args=ocp.args.PyTreeRestore(
       item={item: tree[item]}, restore_args={item: as_numpy}, partial_restore=True))

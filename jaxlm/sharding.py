@@ -52,6 +52,7 @@ RULES = (
     ('mlp', 'tensor'),
     ('experts', None),  # a mixture of experts' stacked weights (X, D, F): every device holds every expert
     ('layers', None),  # the scanned layer axis: every device holds its slice of every layer
+  ('lora_rank', None),  # a LoRA adapter's rank r (model.adapter): small, never split
     # Activations.
     ('act_batch', ('data', 'fsdp')),
     ('act_seq', 'context'),

@@ -19,7 +19,10 @@ from jaxlm import model as model_lib
 from jaxlm import moe as moe_lib
 from jaxlm import optimizer as optimizer_lib
 from jaxlm import pipeline as pipeline_lib
+from jaxlm import preference as preference_lib
 from jaxlm import sharding
+
+OBJECTIVES = ('lm', 'preference')  # train.objective: next-token cross-entropy, or a preference loss (preference.py)
 
 
 @flax.struct.dataclass
@@ -33,6 +36,9 @@ class TrainState:
   batches: jax.Array  # int32 batches drawn from the data, skipped ones included (fault drills key on it)
   fp8: Any  # model.matmul_dtype=fp8: the scales and amax histories (model.FP8 collection); else {}
   ema: Any = dataclasses.field(default_factory=dict)  # optim.ema > 0: float32 average of the params; else {}
+  # preference.reference=copy: the frozen initial parameters the loss compares with (checkpointed, so a resume is
+  # exact); else {}.
+  reference: Any = dataclasses.field(default_factory=dict)
 
 
 class _InContext:
@@ -63,6 +69,10 @@ class Program:
   train_step: Callable[[TrainState, dict], tuple[TrainState, dict]]
   eval_step: Callable[[Any, dict], dict]
   score: Callable[[Any, dict], jax.Array] | None = None  # an objective's token log-probs (RL's reference)
+  # train.objective=preference: (params, reference, batch) -> sums of the preference metrics over its pairs.
+  preference_eval_step: Callable[[Any, Any, dict], dict] | None = None
+  batch_extra: tuple = ()  # batch keys beyond the LM's: ((name, dtype), ...), e.g. preference pairs
+  copy_reference: Callable[[Any], Any] | None = None  # reference=copy: params -> the frozen reference
 
 
 def build_program(cfg, mesh, objective=None) -> Program:
@@ -78,14 +88,15 @@ def build_program(cfg, mesh, objective=None) -> Program:
   with sharding.activate(mesh.abstract_mesh if isinstance(mesh, jax.sharding.Mesh) else mesh):
     stages = dict(mesh.shape).get(sharding.STAGE, 1)
     pipeline = pipeline_lib.layout(cfg.pipeline, stages) if 'pipeline' in cfg else None
+    kind = cfg.train.get('objective', 'lm')  # train.objective; `objective` is a loss object (RL)
     return _build(cfg.model, cfg.optim, steps=cfg.train.steps, seed=cfg.train.seed, mesh=mesh, pipeline=pipeline,
                   microbatches=cfg.train.microbatches, skip_nonfinite=cfg.stability.policy != 'off',
                   scale_updates=cfg.stability.policy == 'rollback' or bool(cfg.faults.lr_spike_steps),
-                  objective=objective)
+                  objective=objective, pref_cfg=cfg.preference if kind == 'preference' else None)
 
 
 def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, microbatches: int,
-           skip_nonfinite: bool, scale_updates: bool, objective=None) -> Program:
+           skip_nonfinite: bool, scale_updates: bool, objective=None, pref_cfg=None) -> Program:
   m = model_lib.ModelConfig.from_config(model_cfg)
   model = model_lib.Decoder(m, pipeline=pipeline)
   fp16 = m.dtype == 'float16'
@@ -101,30 +112,41 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
   # Shapes before values: logical axis names come with the abstract (boxed) parameters.
   boxed = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0)))
   param_logical = nn.get_partition_spec(boxed)
-  tx = optimizer_lib.make_optimizer(optim_cfg, steps, optimizer_lib.decay_mask(param_logical), param_logical)
+  # LoRA: only the adapters are differentiated and have optimizer state; the base is frozen (`trainable`).
+  trainable, with_trainable = trainable_split(m)
+  train_logical = trainable(param_logical)
+  tx = optimizer_lib.make_optimizer(optim_cfg, steps, optimizer_lib.decay_mask(train_logical), train_logical)
   if skip_nonfinite:
     # The host decides what persistent NaNs mean (stability.Guard), so never let apply_if_finite give up.
     tx = optax.apply_if_finite(tx, max_consecutive_errors=2**30)
   if fp16:  # outermost: it sees the scaled gradients, and an overflow is not counted as a skipped step
     tx = optimizer_lib.dynamic_loss_scale(tx, optim_cfg.loss_scale_init, optim_cfg.loss_scale_period)
   abstract_params = jax.eval_shape(lambda: nn.unbox(init_params(jax.random.PRNGKey(0))))
-  abstract_opt = jax.eval_shape(tx.init, abstract_params)
+  abstract_opt = jax.eval_shape(tx.init, trainable(abstract_params))
   replicated = jax.sharding.PartitionSpec()
-  opt_logical = optimizer_lib.state_logical(tx, abstract_opt, param_logical, abstract_params)
+  opt_logical = optimizer_lib.state_logical(tx, abstract_opt, train_logical, trainable(abstract_params))
   abstract_fp8 = jax.eval_shape(lambda: init_variables(jax.random.PRNGKey(0)).get(model_lib.FP8, {}))
+  # Preference tuning: which reference the loss compares with (none for SimPO), and what the batch carries.
+  preference = pref_cfg is not None
+  ref_kind = pref_cfg.reference if preference and preference_lib.needs_reference(pref_cfg) else None
+  copy = ref_kind == 'copy'
+  batch_extra = ((('pairs', jnp.int32),) + ((('ref_logps', jnp.float32),) if ref_kind == 'cached' else ())
+                 if preference else ())
   logical = TrainState(step=replicated, params=param_logical, opt_state=opt_logical, rng=replicated,
                        lr_scale=replicated, batches=replicated,
                        fp8=jax.tree.map(lambda _: replicated, abstract_fp8),  # a few floats per layer
-                       ema=param_logical if optim_cfg.get('ema', 0.0) else {})  # sharded like the parameters
+                       ema=param_logical if optim_cfg.get('ema', 0.0) else {},  # sharded like the parameters
+                       reference=param_logical if copy else {})
   state_shardings = sharding.logical_to_mesh(logical, mesh)
 
   def init():
     rng = jax.random.PRNGKey(seed)
     variables = nn.unbox(init_variables(jax.random.fold_in(rng, 0)))
     params = variables['params']
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng,
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(trainable(params)), rng=rng,
                       lr_scale=jnp.ones((), jnp.float32), batches=jnp.zeros((), jnp.int32),
-                      fp8=variables.get(model_lib.FP8, {}), ema=optimizer_lib.init_ema(optim_cfg, params))
+                      fp8=variables.get(model_lib.FP8, {}), ema=optimizer_lib.init_ema(optim_cfg, params),
+                      reference=preference_lib.copy_reference(params, pref_cfg.reference_dtype) if copy else {})
 
   abstract_state = jax.eval_shape(init)
   lr = optimizer_lib.schedule(optim_cfg, steps)
@@ -142,33 +164,42 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
     moe_loads = None
     if moe and m.moe_aux_loss and microbatches > 1:
       moe_loads = routing_loads(model, variables_of(state), batch, rng, microbatches, deterministic)
+    if preference:  # every microbatch divides by the whole batch's pair count
+      num_pairs = jnp.maximum(preference_lib.count_pairs(batch), 1.0)
+      ref_params = preference_lib.reference_params(ref_kind, state.params, state.reference)
 
     def loss_of(variables, mb, mb_rng):
+      variables = dict(variables, params=with_trainable(state.params, variables['params']))
       logits = model.apply(variables, mb['inputs'], mb['segment_ids'], mb['positions'],
                            deterministic=deterministic, rngs={'dropout': mb_rng},
                            mutable=[moe_lib.STATS] if moe else False)
       logits, stats = logits if moe else (logits, None)
-      if objective is None:
-        total, aux = model_lib.loss_fn(logits, mb['targets'], mb['weights'], m.z_loss, denominator)
-      else:  # its per-token weights are normalised over the whole batch on the host
+      if preference:
+        ref = reference_logps(model, ref_kind, ref_params, mb)
+        total, aux = preference_lib.loss(logits, mb, ref, pref_cfg, num_pairs)
+      elif objective is not None:  # its per-token weights are normalised over the whole batch on the host
         total, aux = objective.loss(logits, mb)
+      else:
+        total, aux = model_lib.loss_fn(logits, mb['targets'], mb['weights'], m.z_loss, denominator)
       if moe:
         total = total + moe_lib.loss(stats[moe_lib.STATS], m, moe_tokens, moe_loads)
         aux = dict(aux, moe=stats[moe_lib.STATS])
       return total * scale, aux
 
-    grads, aux = accumulate_gradients(jax.value_and_grad(loss_of, has_aux=True), variables_of(state), batch, rng,
+    differentiated = dict(variables_of(state), params=trainable(state.params))
+    grads, aux = accumulate_gradients(jax.value_and_grad(loss_of, has_aux=True), differentiated, batch, rng,
                                       microbatches)
     moe_stats = aux.pop('moe', None)  # the whole batch's routing sums
     grads, fp8 = split_overwrite(grads, state.fp8)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    trained = trainable(state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, trained)
     step_lr = lr(state.step)
     if scale_updates:  # AdamW's update is linear in the learning rate, so this is an LR multiplier
       updates = jax.tree.map(lambda u: u * state.lr_scale.astype(u.dtype), updates)
       step_lr = step_lr * state.lr_scale
-    params = optax.apply_updates(state.params, updates)
+    params = with_trainable(state.params, optax.apply_updates(trained, updates))
     metrics = dict(aux, grad_norm=optax.tree.norm(grads) / scale, lr=step_lr,
-                   update_ratio=optax.tree.norm(updates) / optax.tree.norm(state.params),
+                   update_ratio=optax.tree.norm(updates) / optax.tree.norm(trained),
                    **group_norms(grads, scale))
     if moe:
       if m.moe_bias_rate:  # a skipped (non-finite) step leaves the biases as it leaves every parameter
@@ -200,8 +231,22 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
     logits = eval_model.apply({'params': params}, batch['inputs'], batch['segment_ids'], batch['positions'])
     return objective.logprobs(logits, batch['targets'])
 
+  def preference_eval_step(params, reference, batch: dict):
+    logits = eval_model.apply({'params': params}, batch['inputs'], batch['segment_ids'], batch['positions'])
+    ref = reference_logps(eval_model, ref_kind, preference_lib.reference_params(ref_kind, params, reference), batch)
+    _, sums = preference_lib.loss(logits, batch, ref, pref_cfg, 1.0)  # sums over the pairs
+    return dict(sums, pairs=preference_lib.count_pairs(batch))
+
   batch_sharding = sharding.batch_sharding(mesh)
-  return Program(
+  ref_shardings = state_shardings.reference if copy else None
+  extra = {}
+  if preference:
+    extra['preference_eval_step'] = _InContext(jax.jit(preference_eval_step, in_shardings=(
+        state_shardings.params, ref_shardings if copy else None, batch_sharding)), mesh)
+  if copy:
+    extra['copy_reference'] = _InContext(jax.jit(
+        lambda p: preference_lib.copy_reference(p, pref_cfg.reference_dtype), out_shardings=ref_shardings), mesh)
+  return Program(**extra, batch_extra=batch_extra,
       model=model, mesh=mesh, schedule=lr, abstract_state=abstract_state, state_shardings=state_shardings,
       batch_sharding=batch_sharding,
       init=_InContext(jax.jit(init, out_shardings=state_shardings), mesh),
@@ -210,6 +255,38 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
       eval_step=_InContext(jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding)), mesh),
       score=None if objective is None else _InContext(
           jax.jit(score, in_shardings=(state_shardings.params, batch_sharding)), mesh))
+
+
+def reference_logps(model, kind: str | None, ref_params, batch: dict):
+  """The reference's per-token log-probabilities (B, T) of `batch`'s targets, no gradient: a forward with
+  `ref_params` (`preference.reference_params`), or the batch's cached `ref_logps`; None without a reference.
+
+  This and `preference.reference_params` are the whole reference mechanism (RL's KL term uses them as well).
+  """
+  if kind is None:
+    return None
+  if kind == 'cached':
+    return batch['ref_logps']
+  logits = model.apply({'params': ref_params}, batch['inputs'], batch['segment_ids'], batch['positions'])
+  return jax.lax.stop_gradient(preference_lib.token_logps(logits, batch['targets']))
+
+
+def trainable_split(m: model_lib.ModelConfig) -> tuple[Callable, Callable]:
+  """(trainable, with_trainable): what the optimizer sees of a parameter tree, and the tree with it put back.
+
+  Without LoRA every parameter trains (both are identities). With model.lora the adapters alone train: the base
+  gets no gradient and no optimizer state, and stays bit for bit what it was initialised or loaded as.
+  """
+  if not m.lora.rank:
+    return (lambda params: params), (lambda params, trained: trained)
+  return (lambda params: model_lib.split_adapters(params)[1]), model_lib.join_adapters
+
+
+def eval_params(state: TrainState, m: model_lib.ModelConfig):
+  """The parameters to evaluate and sample: schedule-free's averaged point under sf_adamw (of the trained part),
+  else the parameters themselves."""
+  trainable, with_trainable = trainable_split(m)
+  return with_trainable(state.params, optimizer_lib.eval_params(state.opt_state, trainable(state.params)))
 
 
 def variables_of(state: TrainState) -> dict:
@@ -255,7 +332,9 @@ def accumulate_gradients(grad_fn, params, batch: dict, rng, microbatches: int):
   # Sums start at zero (a MoE layer's routing statistics too, whatever their shapes), the max at float32's min.
   aux_shapes = jax.eval_shape(lambda: grad_fn(params, jax.tree.map(lambda x: x[0], split), rng)[0][1])
   zero_aux = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), aux_shapes)
-  zeros = (jax.tree.map(jnp.zeros_like, params), dict(zero_aux, max_logit=jnp.finfo(jnp.float32).min))
+  if 'max_logit' in zero_aux:  # the LM loss's; a preference loss has none
+    zero_aux['max_logit'] = jnp.finfo(jnp.float32).min
+  zeros = (jax.tree.map(jnp.zeros_like, params), zero_aux)
   (grads, aux), _ = jax.lax.scan(add, zeros, (split, jnp.arange(microbatches)))
   return grads, aux
 
@@ -299,11 +378,11 @@ def group_norms(grads, scale=1.0) -> dict:
   return {f'grad_norm/{k}': optax.tree.norm(v) / scale for k, v in sorted(groups.items())}
 
 
-def abstract_batch(batch_size: int, seq_len: int, batch_sharding) -> dict:
-  """Shapes of one global batch, for compiling the step ahead of time."""
+def abstract_batch(batch_size: int, seq_len: int, batch_sharding, extra: tuple = ()) -> dict:
+  """Shapes of one global batch, for compiling the step ahead of time; `extra`: Program.batch_extra."""
   spec = lambda dtype: jax.ShapeDtypeStruct((batch_size, seq_len), dtype, sharding=batch_sharding)
   return dict(inputs=spec(jnp.int32), targets=spec(jnp.int32), segment_ids=spec(jnp.int32),
-              positions=spec(jnp.int32), weights=spec(jnp.float32))
+              positions=spec(jnp.int32), weights=spec(jnp.float32), **{k: spec(d) for k, d in extra})
 
 
 def global_batch(local: dict, batch_sharding) -> dict:
@@ -322,6 +401,15 @@ def global_batch(local: dict, batch_sharding) -> dict:
   shape = (rows * sharding.row_share(batch_sharding)[1], seq_len)
   return {k: jax.make_array_from_process_local_data(
       batch_sharding, np.asarray(v) if order is None else np.asarray(v)[:, order], shape) for k, v in local.items()}
+
+
+def evaluate_preference(program: Program, params, reference, batches: list[dict]) -> dict:
+  """Preference metrics (eval_loss and TRL's rewards/* and logps/*) over the held-out pairs of `batches`."""
+  totals = [program.preference_eval_step(params, reference, global_batch(b, program.batch_sharding))
+            for b in batches]
+  pairs = max(sum(float(t['pairs']) for t in totals), 1.0)
+  out = {k: sum(float(t[k]) for t in totals) / pairs for k in ('loss', *preference_lib.METRICS)}
+  return {'eval_loss': out.pop('loss'), **{f'eval_{k}': v for k, v in out.items()}, 'eval_pairs': pairs}
 
 
 def evaluate(program: Program, params, batches: list[dict]) -> float:

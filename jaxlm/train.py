@@ -76,7 +76,8 @@ class Run:
       with self.acct.track('compile'):  # ahead of time, so no step time hides a compile
         self.compiled[size] = self.program.train_step.lower(
             self.program.abstract_state,
-            abstract_batch(size, self.cfg.data.seq_len, self.program.batch_sharding)).compile()
+            abstract_batch(size, self.cfg.data.seq_len, self.program.batch_sharding,
+                           self.program.batch_extra)).compile()
     return self.compiled[size]
 
 
@@ -117,12 +118,18 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
   say(f'parameters ({model_lib.param_count(program.model.config):,}'
       + (f'; {active:,} active per token, which MFU counts' if program.model.config.moe_experts else '') + '):\n'
       + sharding.param_table(program.abstract_state.params, program.state_shardings.params))
+  if program.model.config.lora.rank:  # LoRA: what trains and what stays frozen, per device
+    say(lora_report(program))
   sharding.check_sharded(program.abstract_state.params, program.state_shardings.params, mesh)
   if program.model.pipeline is not None:  # which layers on which stage, the schedule and its bubble
     say(pipeline_lib.describe(program.model.pipeline, cfg.model.num_layers))
     held = sharding.bytes_per_device(program.abstract_state.params, program.state_shardings.params)
     say(f'parameters per device: {perf.format_bytes(held)}')
   ramp = config_lib.BatchRamp(t, cfg.data.seq_len)
+  if t.get('objective') == 'preference' and cfg.preference.reference == 'cached':  # theirs, or refused
+    from jaxlm import preference as preference_lib  # pylint: disable=g-import-not-at-top
+    for path in cfg.data.paths.split(','):
+      preference_lib.check_cached(path.strip(), cfg.checkpoint.init_from)
   # Data before compiling: a bad dataset fails in seconds, not after a long compile. The iterator yields ramp
   # units (the first stage's size); a step draws size // unit of them, so its position stays exact.
   vocab = cfg.model.vocab_size
@@ -165,6 +172,21 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
   return r
 
 
+def lora_report(program: step_lib.Program) -> str:
+  """Trainable (adapters) and frozen (base) parameters and bytes per device, under model.lora."""
+  abstract, shardings = program.abstract_state.params, program.state_shardings.params
+  base, adapters = model_lib.split_adapters(abstract)
+  base_s, adapters_s = model_lib.split_adapters(shardings)
+  count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
+  held = lambda tree, s: perf.format_bytes(sharding.bytes_per_device(tree, s))
+  lo = program.model.config.lora
+  note = '; MoE experts get no adapters' if program.model.config.moe_experts else ''
+  return (f'LoRA rank {lo.rank}, alpha {lo.alpha:g} on {", ".join(lo.targets)}{note}:\n'
+          f'  trainable {count(adapters):,} parameters, {held(adapters, adapters_s)} per device (+ optimizer state)\n'
+          f'  frozen    {count(base):,} parameters, {held(base, base_s)} per device ({lo.base_dtype}, no gradient '
+          f'or optimizer state)')
+
+
 def resolve_remat(cfg, mesh, say):
   """cfg with model.remat=auto replaced by the policy preflight.choose_remat picks (compiles, allocates nothing).
 
@@ -204,8 +226,11 @@ def restore_or_init(r: Run) -> step_lib.TrainState:
   with r.acct.phase('init'):
     state = jax.block_until_ready(program.init())  # waited for, so its device time is not the first step's
   if init_from := r.cfg.checkpoint.init_from:
-    params = checkpoint_lib.load_params(init_from, program.abstract_state.params, program.state_shardings.params)
+    params = checkpoint_lib.load_params(init_from, program.abstract_state.params, program.state_shardings.params,
+                                        fill=state.params)
     state = state.replace(params=params)
+    if program.copy_reference is not None:  # preference.reference=copy: the weights training starts from
+      state = state.replace(reference=program.copy_reference(params))
     if jax.process_index() == 0:
       print(f'warm start: parameters from {init_from}, fresh optimizer at step 0')
   return state
@@ -327,9 +352,13 @@ def evaluate_and_log(r: Run, step: int, state) -> float:
   samples) are those of schedule-free's averaged point, the weights it is meant to be evaluated at.
   """
   with r.acct.track('eval'):  # samples count as evaluation time in goodput
-    params = optimizer_lib.eval_params(state.opt_state, state.params)
-    loss = evaluate(r.program, params, r.eval_data)
-    record = {'eval_loss': loss}
+    params = step_lib.eval_params(state, r.program.model.config)
+    if r.program.preference_eval_step is not None:  # held-out pairs: TRL's rewards/* and logps/*
+      record = step_lib.evaluate_preference(r.program, params, state.reference, r.eval_data)
+      loss = record['eval_loss']
+    else:
+      loss = evaluate(r.program, params, r.eval_data)
+      record = {'eval_loss': loss}
     if state.ema:
       record['eval_loss_ema'] = evaluate(r.program, state.ema, r.eval_data)
     texts = sample_prompts(r, params)

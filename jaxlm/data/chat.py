@@ -299,3 +299,94 @@ def from_record(record: bytes, dtype: str) -> tuple[np.ndarray, np.ndarray]:
 def record_tokens(record_bytes: int, dtype: str) -> int:
   """Tokens of a stored conversation, from its size."""
   return record_bytes // (np.dtype(dtype).itemsize + 1)
+
+
+# Preference pairs (prepare --format=preference): TRL's two dataset shapes, each side rendered whole.
+
+
+def _as_messages(value, role: str) -> list[dict]:
+  """A TRL field: a string (one `role` message) or a list of messages."""
+  if isinstance(value, str):
+    return [{'role': role, 'content': value}]
+  if isinstance(value, list):
+    return messages_of({'messages': value}) if role == 'assistant' or any(
+        isinstance(m, dict) and m.get('role') == 'assistant' for m in value) else _plain(value)
+  raise BadRecord('bad_message')
+
+
+def _plain(messages) -> list[dict]:
+  out = []
+  for m in messages:
+    if not isinstance(m, dict) or not isinstance(m.get('content'), str) or m.get('role') not in ROLES:
+      raise BadRecord('bad_message')
+    out.append({'role': m['role'], 'content': m['content']})
+  return out
+
+
+def pair_of(record) -> tuple[list[dict], list[dict]]:
+  """(chosen conversation, rejected conversation) of a jsonl preference record, each ending in the assistant
+  completion that is compared: `{prompt, chosen, rejected}` (strings or message lists, TRL's explicit prompt) or
+  `{chosen, rejected}` message lists whose common prefix is the prompt (TRL's implicit prompt)."""
+  if not isinstance(record, dict) or 'chosen' not in record or 'rejected' not in record:
+    raise BadRecord('no_pair')
+  if 'prompt' in record:
+    prompt = _as_messages(record['prompt'], 'user')
+    chosen = prompt + _as_messages(record['chosen'], 'assistant')
+    rejected = prompt + _as_messages(record['rejected'], 'assistant')
+  else:
+    if not isinstance(record['chosen'], list) or not isinstance(record['rejected'], list):
+      raise BadRecord('implicit_prompt_not_messages')
+    chosen, rejected = _plain(record['chosen']), _plain(record['rejected'])
+  for side in (chosen, rejected):
+    if not side or side[-1]['role'] != 'assistant':
+      raise BadRecord('no_final_assistant_turn')
+  return chosen, rejected
+
+
+def encode_completion(tokenizer, template: str, messages: list[dict]) -> tuple[np.ndarray, np.ndarray, str]:
+  """(ids, weights, rendered prompt) of a conversation rendered whole, weights 1 only on its final assistant
+  completion and end-of-turn token (the tokens after the rendered prompt `messages[:-1]` + generation prompt)."""
+  ids, weights, _ = encode(tokenizer, template, messages)
+  try:
+    prompt = render(messages[:-1], template, add_generation_prompt=True, special_tokens=tokenizer.special_tokens)
+  except Exception as e:  # pylint: disable=broad-except
+    raise BadRecord('template_error', str(e)) from e
+  text = render(messages, template, special_tokens=tokenizer.special_tokens)
+  if not text.startswith(prompt):
+    raise BadRecord('prompt_not_a_prefix')
+  _, offsets = tokenizer.encode_with_offsets(text)
+  starts = np.asarray([o[0] for o in offsets], np.int64)
+  weights = np.where(starts >= len(prompt), weights, 0).astype(np.uint8)
+  if not weights.any():
+    raise BadRecord('assistant_text_not_found')
+  return ids, weights, prompt
+
+
+def encode_pair(tokenizer, template: str, record) -> tuple[tuple, tuple]:
+  """((chosen ids, weights), (rejected ids, weights)) of a preference record; BadRecord when its two sides'
+  rendered prompts differ (the pair would not compare two answers to one prompt)."""
+  chosen, rejected = pair_of(record)
+  c_ids, c_w, c_prompt = encode_completion(tokenizer, template, chosen)
+  r_ids, r_w, r_prompt = encode_completion(tokenizer, template, rejected)
+  if c_prompt != r_prompt:
+    raise BadRecord('prompts_differ')
+  return (c_ids, c_w), (r_ids, r_w)
+
+
+def to_pair_record(chosen: tuple, rejected: tuple, dtype: str) -> bytes:
+  """A stored pair: the chosen side's token count (uint32), then each side as `to_record` writes it."""
+  return (np.asarray([len(chosen[0])], np.uint32).tobytes() + to_record(*chosen, dtype)
+          + to_record(*rejected, dtype))
+
+
+def from_pair_record(record: bytes, dtype: str) -> tuple[tuple, tuple]:
+  """((chosen ids, weights), (rejected ids, weights)) of a stored pair (ids int32, weights float32)."""
+  n = int(np.frombuffer(record[:4], np.uint32)[0])
+  cut = 4 + n * (np.dtype(dtype).itemsize + 1)
+  return from_record(record[4:cut], dtype), from_record(record[cut:], dtype)
+
+
+def pair_positions(record_bytes: bytes, dtype: str) -> int:
+  """Row positions a stored pair fills: (chosen ids - 1) + (rejected ids - 1)."""
+  (c, _), (r, _) = from_pair_record(record_bytes, dtype)
+  return len(c) - 1 + len(r) - 1

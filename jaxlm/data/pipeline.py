@@ -274,14 +274,25 @@ def _seed(seed: int, k: int) -> int:
 
 def is_chat(prepared: Sequence[Prepared]) -> bool:
   """Whether the datasets hold conversations with loss weights (prepare --format=chat)."""
-  return prepared[0].meta.get('content') == 'chat'
+  return prepared[0].meta.get('content') in ('chat', 'preference')  # preference: pairs of conversations
 
 
 def _conversations(data_cfg, p: Prepared, split: str, *, seed: int, num_epochs: int | None,
                    shuffle: bool) -> stream_lib.ConversationRows:
   source = _source(p, split)
   lengths = stream_lib.document_lengths(p.shards(split), p.meta, data_cfg.get('cache_dir') or None)
-  return stream_lib.ConversationRows(source, lengths, seed=seed, seq_len=data_cfg.seq_len, dtype=p.meta['dtype'],
+  extra = {}
+  if p.meta.get('content') == 'preference':
+    rows = stream_lib.PairRows
+    if data_cfg.get('reference_logps'):  # preference.reference=cached: tools/reference's files, shard by shard
+      paths = [os.path.join(p.path, 'reference', os.path.basename(s)) for s in p.shards(split)]
+      if not all(os.path.exists(x) for x in paths):
+        raise DataError(f'{p.path} has no cached reference log-probabilities; compute them with `python -m '
+                        f'jaxlm.tools.reference --workdir=<the run you start from> --data={p.path}`.')
+      extra['reference'] = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(paths))
+  else:
+    rows = stream_lib.ConversationRows
+  return rows(source, lengths, **extra, seed=seed, seq_len=data_cfg.seq_len, dtype=p.meta['dtype'],
                                      epochs=num_epochs, shuffle=shuffle)
 
 
@@ -290,7 +301,7 @@ def _streams(data_cfg, prepared: Sequence[Prepared], seed: int,
   out = []
   for k, p in enumerate(prepared):
     meta = p.meta
-    if meta.get('content') == 'chat':  # whole conversations per row, with their loss weights
+    if meta.get('content') in ('chat', 'preference'):  # whole conversations (pairs) per row, with loss weights
       out.append(_conversations(data_cfg, p, 'train', seed=_seed(seed, k), num_epochs=num_epochs, shuffle=True))
       continue
     source = _source(p, 'train')

@@ -51,7 +51,7 @@ class UnitCount:
 
 def items(unit: Unit, reading: Reading, counts: dict, line_offset: int = 0):
   """(index, text or chat record) of one unit's documents; `line_offset` numbers a jsonl range's lines."""
-  if reading.data_format == 'chat':
+  if reading.data_format in ('chat', 'preference'):  # jsonl records, rendered by the tokenizer's template
     for key, record in readers.read_records(unit, counts, line_offset):
       yield int(key.rsplit(':', 1)[1]), record
     return

@@ -65,7 +65,7 @@ FORMAT = 'jaxlm-prepared-1'  # bump when the shard layout changes; part of the s
 SHARD_SUFFIX = '.arrayrecord'
 # group_size:1 puts every record in its own chunk: random access (global shuffle) reads one document, not 64k.
 ARRAY_RECORD_OPTIONS = 'group_size:1'
-DATA_FORMATS = ('text', 'chat')  # --format
+DATA_FORMATS = ('text', 'chat', 'preference')  # --format
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -93,7 +93,7 @@ def _sample_lines(sources, counts, *, text_field, txt_docs, eval_fraction, sampl
 
 # Tokenizer worker. Module-level globals so each worker process (pool or Ray) loads the tokenizer once.
 _WORKER_TOKENIZER = None
-_WORKER_CHAT = None  # (template, most tokens a conversation may keep, empty_think) for --format=chat
+_WORKER_CHAT = None  # (template, most tokens a record may keep, empty_think, pairs?) for chat / preference
 _WORKER_KEY = None
 
 
@@ -123,9 +123,32 @@ def _shard_task(out: str, split: str, index: int, pieces: list, reading: plan_li
   return _write_shard(out, split, index, docs, dtype), True, where
 
 
+def _encode_pairs(records: list) -> tuple[list, collections.Counter]:
+  """The stored preference pairs of one shard's records (each whole, or skipped), and counts of what was skipped."""
+  template, max_tokens, _, _ = _WORKER_CHAT
+  out, counts = [], collections.Counter()
+  for record in records:
+    try:
+      chosen, rejected = chat_lib.encode_pair(_WORKER_TOKENIZER, template, record)
+    except chat_lib.BadRecord as e:
+      counts[f'bad_{e.reason}'] += 1
+      continue
+    positions = len(chosen[0]) - 1 + len(rejected[0]) - 1
+    if max_tokens and positions > max_tokens - 1:  # a pair is packed as one unit: both sides in one row
+      counts['dropped_too_long'] += 1
+      continue
+    counts['kept'] += 1
+    counts['longest'] = max(counts['longest'], positions)
+    counts['weighted_tokens'] += int(chosen[1].sum() + rejected[1].sum())
+    out.append((chosen, rejected))
+  return out, counts
+
+
 def _encode_chat(records: list) -> tuple[list[bytes], collections.Counter]:
   """The stored conversations of one shard's records, and counts of what was cut or skipped."""
-  template, max_tokens, empty_think = _WORKER_CHAT
+  template, max_tokens, empty_think, pairs = _WORKER_CHAT
+  if pairs:
+    return _encode_pairs(records)
   out, counts = [], collections.Counter()
   for record in records:
     try:
@@ -161,6 +184,12 @@ def _write_shard(out: str, split: str, index: int, texts: list[str], dtype: str)
     ids = _WORKER_TOKENIZER.encode_documents(texts)
     records = [np.asarray(doc, dtype=dtype).tobytes() for doc in ids]
     size = sum(len(t.encode()) for t in texts)
+  elif _WORKER_CHAT[2]:  # preference pairs: both sides of a pair in one record
+    pairs, counts = _encode_chat(texts)
+    records = [chat_lib.to_pair_record(c, r, dtype) for c, r in pairs]
+    ids = [np.concatenate([c[0], r[0]]) for c, r in pairs]
+    chat = dict(sorted(counts.items()))
+    size = sum(len(json.dumps(t)) for t in texts)
   else:  # texts are chat records: stored as ids then one uint8 loss weight per token
     ids, counts = _encode_chat(texts)
     records = [chat_lib.to_record(i, w, dtype) for i, w in ids]
@@ -288,8 +317,8 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
     raise PrepareError(f'tokenizer_kind={tokenizer_kind!r} is unknown; use one of {", ".join(tokenizer_lib.KINDS)}.')
   if data_format not in DATA_FORMATS:
     raise PrepareError(f'format={data_format!r} is unknown; use one of {", ".join(DATA_FORMATS)}.')
-  if data_format == 'chat' and not tokenizer:
-    raise PrepareError('--format=chat needs the model\'s tokenizer: pass --tokenizer=DIR (e.g. the directory '
+  if data_format in ('chat', 'preference') and not tokenizer:
+    raise PrepareError(f'--format={data_format} needs the model\'s tokenizer: pass --tokenizer=DIR (e.g. the directory '
                        'jaxlm.hf.import_llama wrote), whose chat template and special tokens the model knows.')
   if empty_think not in chat_lib.EMPTY_THINK:
     raise PrepareError(f'empty_think={empty_think!r} is unknown; use one of {", ".join(chat_lib.EMPTY_THINK)}.')
@@ -365,14 +394,15 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
   print(f'prepare: documents are separated by {tok.separator!r} (id {tok.separator_id}): {tok.separator_reason}',
         file=sys.stderr, flush=True)
   chat = None
-  if data_format == 'chat':
+  if data_format in ('chat', 'preference'):
     try:
       template = chat_lib.template_of(tok, chat_template or None)
     except ValueError as e:
       raise PrepareError(str(e)) from e
     if template is None:
       raise PrepareError(f'the tokenizer {tokenizer} has no chat_template; pass --chat_template=chatml or llama3.')
-    chat = (template, seq_len + 1 if seq_len else 0, empty_think)  # a row of T tokens holds a conversation of T + 1 ids
+    # A row of T tokens holds a conversation (or a pair, packed as one unit) of T + 1 ids.
+    chat = (template, seq_len + 1 if seq_len else 0, empty_think, data_format == 'preference')
   dtype = token_dtype(tok.vocab_size).name
   reading = plan_lib.Reading(text_field=text_field, txt_docs=txt_docs, data_format=data_format,
                              eval_fraction=eval_fraction)
@@ -417,7 +447,16 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
                         'shards_written': dict(where), 'shards_kept': bar.kept, 'seconds': round(seconds, 2)}) + '\n')
 
   meta = _metadata(tok, shards, per_source, counts, settings)
-  if data_format == 'chat':
+  if data_format == 'preference':
+    c = meta['chat']
+    bad = sum(c['skipped'].values())
+    if meta['documents'] == 0:
+      raise PrepareError(f'none of the {bad + c["dropped_too_long"]} preference records could be used (skipped: '
+                         f'{c["skipped"]}, too long for --seq_len={seq_len}: {c["dropped_too_long"]}); records need '
+                         f'{{prompt, chosen, rejected}} or {{chosen, rejected}} message lists with one prompt')
+    print(f'prepare: {meta["documents"]} pairs kept, {c["dropped_too_long"]} dropped as longer than '
+          f'--seq_len={seq_len} together, {bad} bad records skipped {c["skipped"]}', file=sys.stderr, flush=True)
+  elif data_format == 'chat':
     c = meta['chat']
     bad = sum(c['skipped'].values())
     if meta['documents'] == 0:
@@ -467,7 +506,7 @@ def _metadata(tok, shards, per_source, counts, plan) -> dict:
       'tokenizer_kind': tok.kind,
       'tokenizer_sha256': tok.sha256,
       'content': plan['data_format'],  # text: documents; chat: conversations with per-token loss weights
-      **({'chat': _chat_counts(shards)} if plan['data_format'] == 'chat' else {}),
+      **({'chat': _chat_counts(shards)} if plan['data_format'] in ('chat', 'preference') else {}),
       'model_type': plan['model_type'] if plan['tokenizer_sha256'] is None else 'given',
       'eval_fraction': plan['eval_fraction'],
       'split_rule': 'eval if sha256(document key)[:8] as big-endian uint64 < eval_fraction * 2**64',

@@ -58,6 +58,8 @@ def _shard_lengths(path: str, dtype: str, eos_id: int, bos_id: int, chat: bool =
   finally:
     reader.close()
   itemsize = np.dtype(dtype).itemsize
+  if chat == 'preference':  # a pair fills both sides' positions, in one row
+    return np.asarray([chat_lib.pair_positions(r, dtype) for r in records], np.int64)
   if chat:  # a conversation of n ids (+ n weights) fills n - 1 positions of a row: inputs ids[:-1]
     return np.asarray([max(len(r) // (itemsize + 1) - 1, 0) for r in records], np.int64)
   out = np.empty(len(records), np.int64)
@@ -76,9 +78,10 @@ def _token(token_id: int, dtype: str) -> bytes:
 
 def document_lengths(shards: list[str], meta: dict, cache_dir: str | None) -> np.ndarray:
   """Tokens each document adds to the stream (len + 1 separator; 0 if empty), cached by the shards' identity."""
-  chat = meta.get('content') == 'chat'
+  content = meta.get('content', 'text')
+  chat = content if content in ('chat', 'preference') else False
   key = json.dumps([[os.path.abspath(s), os.path.getsize(s), os.stat(s).st_mtime_ns] for s in shards]
-                   + [meta['dtype'], meta['eos_id'], meta['bos_id'], STATE_FORMAT] + (['chat'] if chat else []))
+                   + [meta['dtype'], meta['eos_id'], meta['bos_id'], STATE_FORMAT] + ([chat] if chat else []))
   cache = (os.path.join(os.path.expanduser(cache_dir), 'index', hashlib.sha256(key.encode()).hexdigest()[:24]
                         + '.npy') if cache_dir else None)
   if cache and os.path.exists(cache):
@@ -213,7 +216,7 @@ class ConversationRows:
       bins.append(current)
     if not bins:
       raise DataError('the chat split holds no conversation with an assistant token; prepare it with more data.')
-    self.bins = bins
+    self.bins, self.lengths = bins, lengths
     self.rows_per_epoch = len(bins)
     self.rows = INFINITE_ROWS if epochs is None else epochs * len(bins)
     self._orders = collections.OrderedDict()
@@ -246,6 +249,42 @@ class ConversationRows:
       out['segment_ids'][fill:fill + n] = segment
       out['positions'][fill:fill + n] = np.arange(n, dtype=np.int32)
       fill += n
+    return out
+
+
+class PairRows(ConversationRows):
+  """Preference data: whole pairs packed into rows as ConversationRows packs conversations, never split.
+
+  Each pair adds its chosen side then its rejected side as two adjacent segments (their own segment ids and
+  positions from 0) and `pairs`: +k on the chosen side's tokens, -k on the rejected side's, for the row's k-th pair
+  (jaxlm/preference.py).
+  """
+
+  def __init__(self, *args, reference=None, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.reference = reference  # reference=cached: per pair, its positions' reference log-probs (tools/reference)
+
+  def row(self, k: int) -> dict:
+    T = self.seq_len
+    out = {key: np.zeros(T, np.int32) for key in ('inputs', 'targets', 'segment_ids', 'positions', 'pairs')}
+    out['weights'] = np.zeros(T, np.float32)
+    if self.reference is not None:
+      out['ref_logps'] = np.zeros(T, np.float32)
+    e, j = divmod(int(k), self.rows_per_epoch)
+    fill, segment = 0, 0
+    for pair, index in enumerate(self.bins[int(self._order(e)[j])], 1):
+      if self.reference is not None:
+        out['ref_logps'][fill:fill + self.lengths[index]] = np.frombuffer(self.reference[index], np.float32)
+      for sign, (ids, weights) in zip((1, -1), chat_lib.from_pair_record(self.source[index], self.dtype)):
+        n = len(ids) - 1
+        segment += 1
+        out['inputs'][fill:fill + n] = ids[:-1]
+        out['targets'][fill:fill + n] = ids[1:]
+        out['weights'][fill:fill + n] = weights[1:]
+        out['segment_ids'][fill:fill + n] = segment
+        out['positions'][fill:fill + n] = np.arange(n, dtype=np.int32)
+        out['pairs'][fill:fill + n] = sign * pair
+        fill += n
     return out
 
 
@@ -309,6 +348,10 @@ class Rows:
   def __getitem__(self, k: int) -> dict:
     if k >= self.rows:
       row = {key: np.zeros(self.seq_len, np.int32) for key in ('inputs', 'targets', 'segment_ids', 'positions')}
+      if isinstance(self.streams[0], PairRows):
+        row['pairs'] = np.zeros(self.seq_len, np.int32)
+        if self.streams[0].reference is not None:
+          row['ref_logps'] = np.zeros(self.seq_len, np.float32)
     else:
       d, j = self.mixture.locate(int(k))
       row = self.streams[d].row(j)
@@ -318,7 +361,8 @@ class Rows:
       segment_ids = (segment_ids > 0).astype(np.int32)
       positions = np.arange(self.seq_len, dtype=np.int32)
     return {'inputs': row['inputs'], 'targets': row['targets'], 'segment_ids': segment_ids,
-            'positions': positions, 'weights': row.get('weights', (segment_ids > 0).astype(np.float32))}
+            'positions': positions, 'weights': row.get('weights', (segment_ids > 0).astype(np.float32)),
+            **{k: row[k] for k in ('pairs', 'ref_logps') if k in row}}
 
 
 class LocalRows:

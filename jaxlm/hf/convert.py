@@ -127,6 +127,44 @@ def to_hf(params: dict, m: model_lib.ModelConfig) -> dict[str, np.ndarray]:
   return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
+# LoRA (model.lora): jaxlm's projection names -> the Hugging Face module each adapts (Llama's and Cohere's alike).
+PEFT_MODULES = {'query': 'self_attn.q_proj', 'key': 'self_attn.k_proj', 'value': 'self_attn.v_proj',
+                'out': 'self_attn.o_proj', 'gate': 'mlp.gate_proj', 'up': 'mlp.up_proj', 'down': 'mlp.down_proj'}
+
+
+def lora_to_peft(params: dict, m: model_lib.ModelConfig) -> dict[str, np.ndarray]:
+  """peft's adapter state dict (adapter_model.safetensors) of a LoRA model's adapters: per layer and target
+  `base_model.model.model.layers.{i}.<module>.lora_A.weight` (r, in) and `.lora_B.weight` (out, r), torch's
+  (out, in) layout, with the Cohere q/k column permutation applied to B as `to_hf` applies it to the weight.
+  MoE layers carry no MLP adapters (the experts are never adapted)."""
+  cohere = architecture(m) == 'CohereForCausalLM'
+  r, E = m.lora.rank, m.head_dim
+  f32 = lambda x: np.asarray(x, np.float32)
+  rope_order = interleave_permutation(E) if cohere else np.arange(E)
+  out = {}
+  for i, p in enumerate(layer_params(params, m)):
+    for name, module in PEFT_MODULES.items():
+      owner = p['attention'] if module.startswith('self_attn') else p.get('mlp')
+      if name not in m.lora.targets or owner is None or f'{name}_lora_a' not in owner:
+        continue
+      a, b = f32(owner[f'{name}_lora_a']), f32(owner[f'{name}_lora_b'])
+      if name in ('query', 'key'):  # (r, heads, E): the rotary pairs as the converter orders them
+        b = b[..., rope_order]
+      pre = f'base_model.model.model.layers.{i}.{module}.'
+      out[pre + 'lora_A.weight'] = a.reshape(-1, r).T  # (r, in)
+      out[pre + 'lora_B.weight'] = b.reshape(r, -1).T  # (out, r)
+  return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def peft_config(m: model_lib.ModelConfig, base_model: str = '') -> dict:
+  """adapter_config.json for `lora_to_peft`'s tensors: plain LoRA with scale lora_alpha / r (no rsLoRA)."""
+  return {'peft_type': 'LORA', 'task_type': 'CAUSAL_LM', 'r': m.lora.rank, 'lora_alpha': m.lora.alpha,
+          'target_modules': sorted(PEFT_MODULES[t].split('.')[-1] for t in m.lora.targets), 'lora_dropout': 0.0,
+          'bias': 'none', 'fan_in_fan_out': False, 'use_rslora': False, 'use_dora': False,
+          'init_lora_weights': True, 'modules_to_save': None, 'base_model_name_or_path': base_model,
+          'inference_mode': True}
+
+
 def hf_config(m: model_lib.ModelConfig, *, max_positions: int, dtype: str, bos_id: int, eos_id: int) -> dict:
   """config.json for `m`, readable by transformers 4.4x (rope_theta) and 5.x (rope_parameters) alike."""
   arch = architecture(m)

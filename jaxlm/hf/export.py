@@ -21,6 +21,7 @@ Mappings that need care, each exact up to float rounding (the tests check logits
 A model that none of these covers is refused (ExportError), never exported approximately.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -215,16 +216,36 @@ def write_tokenizer(model_path: str, out: str, *, model_max_length: int,
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def write_adapter(params: dict, m: model_lib.ModelConfig, out: str, base_model: str = '') -> list[str]:
+  """Writes a LoRA run's adapters as a peft adapter directory (adapter_config.json, adapter_model.safetensors)
+  that `peft.PeftModel.from_pretrained` loads onto the exported (or imported) base model."""
+  from jaxlm.hf.convert import lora_to_peft, peft_config  # pylint: disable=g-import-not-at-top
+  os.makedirs(out, exist_ok=True)
+  save_safetensors(lora_to_peft(params, m), os.path.join(out, 'adapter_model.safetensors'))
+  _write_json(os.path.join(out, 'adapter_config.json'), peft_config(m, base_model))
+  return ['adapter_config.json', 'adapter_model.safetensors']
+
+
 def export(workdir: str, out: str, *, step: int | None = None, dtype: str = 'float32',
-           tokenizer: str | None = None, weights: str = 'raw') -> dict:
-  """Writes the Hugging Face directory `out` for a run's checkpoint; returns a summary of what was written."""
+           tokenizer: str | None = None, weights: str = 'raw', adapter_out: str | None = None) -> dict:
+  """Writes the Hugging Face directory `out` for a run's checkpoint; returns a summary of what was written.
+
+  A LoRA run (model.lora) is written merged: each adapted W + (alpha/r)·A·B in float32, then converted as any
+  model. `adapter_out` also writes its adapters alone, as a peft adapter directory (`write_adapter`).
+  """
   if dtype not in DTYPES:
     raise ExportError(f'--dtype={dtype} is unknown; use one of {", ".join(DTYPES)}.')
   path = step_dir(workdir, step)
   cfg = read_config(path)
   m = model_lib.ModelConfig.from_config(cfg.model)
   arch = architecture(m)  # refuse before reading any weights
-  tensors = to_hf(read_params(path, weights), m)  # weights='ema': the moving average (optim.ema)
+  params = read_params(path, weights)  # weights='ema': the moving average (optim.ema)
+  if adapter_out and not m.lora.rank:
+    raise ExportError(f'--adapter_out: {path} is not a LoRA run (model.lora.rank=0); export it without the flag.')
+  adapter_files = write_adapter(params, m, adapter_out) if adapter_out else []
+  if m.lora.rank:  # merged: the plain model that computes what the LoRA model does
+    params, m = model_lib.merge_adapters(params, m), dataclasses.replace(m, lora=model_lib.LoraConfig())
+  tensors = to_hf(params, m)
   # Put beside the checkpoints by jaxlm.hf.import_llama; else the one the run's data was prepared with.
   beside = [p for n in ('tokenizer.json', 'tokenizer.model') if os.path.isfile(p := os.path.join(workdir, n))]
   tokenizer = tokenizer or (beside[0] if beside else find_tokenizer(cfg.data, m.vocab_size))
@@ -261,6 +282,12 @@ def export(workdir: str, out: str, *, step: int | None = None, dtype: str = 'flo
                  '--tokenizer=PATH (a .model, a tokenizer.json or its directory) to ship one')
   if m.tie_embeddings and arch != 'CohereForCausalLM':
     notes.append(f'tied embeddings written untied for {arch}: lm_head = embedding / sqrt(d_model)')
+  if adapter_files:
+    notes.append(f'peft adapter written to {os.path.abspath(adapter_out)}: load it onto the base model with '
+                 f'peft.PeftModel.from_pretrained (onto the base: the model the run was warm-started from, not {out}, '
+                 f'which holds the merged weights)')
+  if m is not None and cfg.model.get('lora', {}).get('rank', 0):
+    notes.append('LoRA adapters merged into the weights (W + alpha/r·A·B, float32)')
   return {'out': os.path.abspath(out), 'step': int(os.path.basename(path)), 'architecture': arch,
           'dtype': dtype, 'files': files, 'tokenizer': tokenizer, 'notes': notes}
 
@@ -277,6 +304,8 @@ def _define_flags() -> None:
   flags.DEFINE_enum('dtype', 'float32', DTYPES, 'dtype of the written weights.')
   flags.DEFINE_enum('weights', 'raw', ('raw', 'ema'), 'raw: the trained weights; ema: their moving average '
                     '(runs with optim.ema).')
+  flags.DEFINE_string('adapter_out', None, 'LoRA runs: also write the adapters alone to this directory as a peft '
+                      'adapter (adapter_config.json + adapter_model.safetensors).')
   flags.DEFINE_string('tokenizer', None, 'Tokenizer to ship: a SentencePiece .model, a tokenizer.json or its '
                       'directory (default: the one in <workdir> if present, else the one the run\'s data was '
                       'prepared with).')
@@ -285,7 +314,7 @@ def _define_flags() -> None:
 def main(argv):
   del argv
   summary = export(FLAGS.workdir, FLAGS.out, step=FLAGS.step, dtype=FLAGS.dtype, tokenizer=FLAGS.tokenizer,
-                   weights=FLAGS.weights)
+                   weights=FLAGS.weights, adapter_out=FLAGS.adapter_out)
   print(f'exported step {summary["step"]} as {summary["architecture"]} ({summary["dtype"]}) to {summary["out"]}: '
         f'{", ".join(summary["files"])}')
   for note in summary['notes']:

@@ -1,0 +1,185 @@
+"""Preference losses: jaxlm equals TRL (DPOTrainer; CPOTrainer for SimPO) on the same pairs, loss and gradients."""
+
+import copy
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from jaxlm import model as model_lib, preference, step
+from jaxlm.hf import convert
+from tests.helpers import grid, load_config
+
+torch = pytest.importorskip('torch')
+transformers = pytest.importorskip('transformers')
+trl = pytest.importorskip('trl')
+
+V = 61
+# (prompt, chosen, rejected) token ids; completions of different lengths, so length normalisation matters.
+PAIRS = [([3, 9, 14, 2], [20, 21, 22, 5], [30, 31]),
+         ([7, 1], [40, 41], [42, 43, 44, 45, 5]),
+         ([11, 12, 13], [50, 5], [51, 52, 53])]
+
+
+def _hf_model(seed: int):
+  torch.manual_seed(seed)
+  config = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=44, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+                                    tie_word_embeddings=False, max_position_embeddings=64, pad_token_id=0)
+  model = transformers.LlamaForCausalLM(config).float().eval()
+  return model
+
+
+def _jaxlm_config(hf_model) -> model_lib.ModelConfig:
+  c = load_config('palm_tiny')
+  c.model.update(convert.model_overrides(hf_model.config.to_dict()), dtype='float32', remat='none')
+  return model_lib.ModelConfig.from_config(c.model)
+
+
+def _params(hf_model, m):
+  tensors = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
+  return convert.from_hf(tensors, m, scan_layers=True)
+
+
+def _row(pairs, T):
+  """One packed row: each pair's chosen then rejected as adjacent segments (pairs: +k / -k)."""
+  out = {k: np.zeros(T, np.int32) for k in ('inputs', 'targets', 'segment_ids', 'positions', 'pairs')}
+  out['weights'] = np.zeros(T, np.float32)
+  fill, segment = 0, 0
+  for k, (prompt, chosen, rejected) in enumerate(pairs, 1):
+    for sign, completion in ((1, chosen), (-1, rejected)):
+      ids = np.asarray(prompt + completion)
+      weights = np.asarray([0] * len(prompt) + [1] * len(completion), np.float32)
+      n = len(ids) - 1
+      segment += 1
+      out['inputs'][fill:fill + n], out['targets'][fill:fill + n] = ids[:-1], ids[1:]
+      out['weights'][fill:fill + n] = weights[1:]
+      out['segment_ids'][fill:fill + n] = segment
+      out['positions'][fill:fill + n] = np.arange(n)
+      out['pairs'][fill:fill + n] = sign * k
+      fill += n
+  return out
+
+
+def _batch(rows):
+  return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def _jaxlm_loss(m, params, ref_params, batch, pref):
+  model = model_lib.Decoder(m)
+  num_pairs = preference.count_pairs(batch)
+  ref = step.reference_logps(model, 'copy' if preference.needs_reference(pref) else None, ref_params, batch)
+
+  def loss(p):
+    logits = model.apply({'params': p}, batch['inputs'], batch['segment_ids'], batch['positions'])
+    return preference.loss(logits, batch, ref, pref, num_pairs)
+
+  return jax.value_and_grad(loss, has_aux=True)(params)
+
+
+def _pref(loss_type):
+  return ml_collections.ConfigDict(dict(loss_type=loss_type, beta=0.7, gamma=0.3, reference='copy',
+                                        reference_dtype='float32'))
+
+
+def _tokenizer():
+  from tokenizers import Tokenizer, models
+  tok = Tokenizer(models.WordLevel({f't{i}': i for i in range(V)}, unk_token='t1'))
+  return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token='t0', eos_token='t5')
+
+
+def _trl_loss(loss_type, policy, reference, tmp_path):
+  """TRL's loss on PAIRS (model in eval mode, bf16=False) and the policy's gradients as a state dict."""
+  from datasets import Dataset
+  data = Dataset.from_list([{'prompt': 'x', 'chosen': 'y', 'rejected': 'z'}])
+  if loss_type == 'simpo':
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    args = CPOConfig(output_dir=str(tmp_path), loss_type='simpo', cpo_alpha=0.0, beta=0.7, simpo_gamma=0.3,
+                     bf16=False, report_to=[], use_cpu=True)
+    trainer = CPOTrainer(model=policy, args=args, train_dataset=data, processing_class=_tokenizer())
+    pad = lambda seqs, value: torch.tensor([s + [value] * (max(map(len, seqs)) - len(s)) for s in seqs])  # noqa: E731
+    batch = {}
+    for side, index in (('chosen', 1), ('rejected', 2)):
+      ids = [p[0] + p[index] for p in PAIRS]
+      labels = [[-100] * len(p[0]) + p[index] for p in PAIRS]
+      batch.update({f'{side}_input_ids': pad(ids, 0), f'{side}_attention_mask': pad([[1] * len(s) for s in ids], 0),
+                    f'{side}_labels': pad(labels, -100)})
+    loss, _ = trainer.get_batch_loss_metrics(policy, batch)
+  else:
+    from trl import DPOConfig, DPOTrainer
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+    args = DPOConfig(output_dir=str(tmp_path), loss_type=[loss_type], beta=0.7, bf16=False, report_to=[],
+                     use_cpu=True)
+    trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=data,
+                         processing_class=_tokenizer())
+    inputs = DataCollatorForPreference(pad_token_id=0)(
+        [{'prompt_ids': p, 'chosen_ids': c, 'rejected_ids': r} for p, c, r in PAIRS])
+    trainer.model.eval()
+    loss = trainer.compute_loss(trainer.model, inputs)
+  policy.zero_grad()
+  loss.backward()
+  return float(loss), {k: v.grad.numpy() for k, v in policy.named_parameters()}
+
+
+@pytest.fixture(scope='module')
+def models():
+  policy, reference = _hf_model(0), _hf_model(1)  # a reference that differs: the log-ratios are not zero
+  m = _jaxlm_config(policy)
+  return policy, reference, m, _params(policy, m), _params(reference, m)
+
+
+# The fast loop runs DPO's sigmoid; the other types run in the full suite (e2e).
+@pytest.mark.parametrize('loss_type', grid(preference.LOSS_TYPES, fast=['sigmoid']))
+def test_loss_and_gradients_equal_trl(models, loss_type, tmp_path):
+  policy, reference, m, params, ref_params = models
+  want, hf_grads = _trl_loss(loss_type, copy.deepcopy(policy), reference, tmp_path)
+  batch = _batch([_row([p], 24) for p in PAIRS])
+  (got, metrics), grads = _jaxlm_loss(m, params, ref_params, batch, _pref(loss_type))
+  assert abs(float(got) - want) <= 1e-6, (float(got), want)
+  mapped = convert.to_hf(jax.device_get(grads), m)
+  for name, g in hf_grads.items():
+    name = name.removeprefix('')
+    err = np.linalg.norm(mapped[name] - g) / max(np.linalg.norm(g), 1e-12)
+    assert err <= 1e-5, (name, err)
+  # A packed batch (all pairs in one row) gives the same loss as one pair per row.
+  (packed, packed_metrics), _ = _jaxlm_loss(m, params, ref_params, _batch([_row(PAIRS, 48)]), _pref(loss_type))
+  np.testing.assert_allclose(float(packed), float(got), rtol=1e-6)
+  for k in preference.METRICS:
+    np.testing.assert_allclose(float(packed_metrics[k]), float(metrics[k]), rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+@pytest.mark.parametrize('loss_type', grid(['sigmoid', 'sigmoid_norm'], fast=['sigmoid']))
+def test_step0_loss_is_ln2_and_references_agree(models, loss_type):
+  _, _, m, params, _ = models
+  batch = _batch([_row(PAIRS, 48)])
+  pref = _pref(loss_type)
+  model = model_lib.Decoder(m)
+  logits = model.apply({'params': params}, batch['inputs'], batch['segment_ids'], batch['positions'])
+  num_pairs = preference.count_pairs(batch)
+  per_kind = {}
+  # copy: a frozen copy of the initial weights; cached: the same log-probabilities stored in the batch.
+  copy_ref = preference.copy_reference(params, 'float32')
+  per_kind['copy'] = step.reference_logps(model, 'copy', copy_ref, batch)
+  per_kind['cached'] = step.reference_logps(model, 'cached', None, dict(batch, ref_logps=per_kind['copy']))
+  # base: a LoRA model at init (B = 0) with its adapters off is the same model.
+  lora_m = dataclasses.replace(m, lora=model_lib.LoraConfig(rank=2, alpha=4.0))
+  lora_model = model_lib.Decoder(lora_m)
+  shapes = jax.eval_shape(lambda: lora_model.init(jax.random.PRNGKey(0), batch['inputs'][:, :8],
+                                                  batch['segment_ids'][:, :8], batch['positions'][:, :8]))
+  adapters = model_lib.split_adapters(jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype),
+                                                   nn_unbox(shapes['params'])))[1]
+  lora_params = model_lib.join_adapters(params, adapters)  # B = 1: the adapters change the model ...
+  per_kind['base'] = step.reference_logps(lora_model, 'base', preference.reference_params('base', lora_params, None),
+                                          batch)  # ... and switched off give the base
+  for kind, ref in per_kind.items():
+    loss, _ = preference.loss(logits, batch, ref, pref, num_pairs)
+    np.testing.assert_allclose(float(loss), np.log(2), atol=1e-6, err_msg=kind)
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(per_kind['copy']), err_msg=kind)
+
+
+def nn_unbox(tree):
+  import flax.linen as nn
+  return nn.unbox(tree)
