@@ -56,6 +56,9 @@ def main() -> None:
   print(f'{len(after)} tests, {wall:.0f} s summed wall ({wall / 2 / 60:.1f} min over 2 workers), '
         f'{sum(r["e2e"] for r in after)} e2e; in-process compiles {sum(r["compiles"] for r in after):.0f}, '
         f'persistent-cache hits {sum(r["cache_hits"] for r in after):.0f}')
+  failed = [r['id'] for r in after if r.get('outcome', 'passed') == 'failed']
+  if failed:
+    print(f'{len(failed)} failed: ' + ', '.join(failed))
   print(f'\n{"kind":<18}{"after s":>10}{"share":>8}' + (f'{"before s":>10}{"share":>8}' if before else ''))
   sa, sb = summary(after), summary(before) if before else {}
   for k in sa:

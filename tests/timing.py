@@ -17,6 +17,7 @@ _EVENTS = {'/jax/core/compile/jaxpr_trace_duration': 'trace_s',
            '/jax/core/compile/jaxpr_to_mlir_module_duration': 'lower_s',
            '/jax/core/compile/backend_compile_duration': 'compile_s'}
 _totals = dict.fromkeys([*_EVENTS.values(), 'compiles', 'cache_hits'], 0.0)
+_outcomes = {}
 
 
 def _on_duration(event, duration, **_):
@@ -41,12 +42,18 @@ def _cpu(who) -> float:
   return usage.ru_utime + usage.ru_stime
 
 
+def pytest_runtest_logreport(report):
+  if report.when == 'call' or report.outcome != 'passed':
+    _outcomes.setdefault(report.nodeid, report.outcome)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
   del nextitem
   before, start = dict(_totals), (time.monotonic(), _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN))
   yield
-  record = dict(id=item.nodeid, e2e=item.get_closest_marker('e2e') is not None,
+  record = dict(id=item.nodeid, outcome=_outcomes.pop(item.nodeid, 'passed'),
+                e2e=item.get_closest_marker('e2e') is not None,
                 wall_s=time.monotonic() - start[0], cpu_self_s=_cpu(resource.RUSAGE_SELF) - start[1],
                 cpu_children_s=_cpu(resource.RUSAGE_CHILDREN) - start[2],
                 **{k: _totals[k] - before[k] for k in _totals}, worker=os.environ.get('PYTEST_XDIST_WORKER', ''))
