@@ -284,11 +284,17 @@ def batch_stages(train_cfg, seq_len: int) -> list[tuple[int, float]]:
   return stages + [(train_cfg.batch_size, math.inf)]
 
 
-def _gen_eval_errors(t, d) -> list[str]:
-  if t.get('gen_eval', 0) and t.gen_eval_prompt_tokens + t.gen_eval_tokens > d.seq_len:
-    return [f'train.gen_eval_prompt_tokens + train.gen_eval_tokens = {t.gen_eval_prompt_tokens + t.gen_eval_tokens} '
-            f'must fit data.seq_len={d.seq_len}; lower them.']
-  return []
+def _gen_eval_errors(t, d, num_processes: int) -> list[str]:
+  if not t.get('gen_eval', 0):
+    return []
+  e = []
+  if t.gen_eval_prompt_tokens + t.gen_eval_tokens > d.seq_len:
+    e.append(f'train.gen_eval_prompt_tokens + train.gen_eval_tokens = {t.gen_eval_prompt_tokens + t.gen_eval_tokens} '
+             f'must fit data.seq_len={d.seq_len}; lower them.')
+  if num_processes > 1:  # each process would cut its prompts from its own held-out rows; the sampler needs one set
+    e.append(f'train.gen_eval runs on one process only, not {num_processes}: set it to 0 and score a checkpoint '
+             f'with python -m jaxlm.tools.eval --generate=heldout.')
+  return e
 
 
 def _train_errors(t, o) -> list[str]:
@@ -551,7 +557,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int, num_processes: int 
   errors = (_model_errors(c.model) + _moe_errors(c, num_devices) + _lora_errors(c) + _preference_errors(c)
             + _fp8_errors(c) + _deterministic_errors(c)
             + _data_errors(c.data) + _stream_errors(c) + _train_errors(c.train, c.optim)
-            + _gen_eval_errors(c.train, c.data) + _mesh_errors(c, num_devices, num_processes, num_slices)
+            + _gen_eval_errors(c.train, c.data, num_processes) + _mesh_errors(c, num_devices, num_processes, num_slices)
             + distributed.dist_errors(c.dist) + _other_errors(c) + (_rl_errors(c) if rl else []))
   if errors:
     raise ConfigError('invalid config:\n  - ' + '\n  - '.join(errors))

@@ -333,3 +333,9 @@ def test_gen_eval_settings_are_checked_in_config_validation():
     config_lib.validate(cfg, 8)
   assert 'train.gen_eval_prompt_tokens + train.gen_eval_tokens = 80 must fit data.seq_len=64' in str(e.value)
   assert 'gen_eval_top_p in (0, 1]' in str(e.value)
+  # Each process would cut prompts from its own held-out rows, where the sampler needs one set: one process only.
+  cfg.train.update(gen_eval_prompt_tokens=16, gen_eval_tokens=32, gen_eval_top_p=0.95)
+  config_lib.validate(cfg, 8)
+  with pytest.raises(errors.ConfigError) as e:
+    config_lib.validate(cfg, 8, num_processes=2)
+  assert 'train.gen_eval runs on one process only, not 2' in str(e.value)
