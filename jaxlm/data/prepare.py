@@ -184,7 +184,7 @@ def _write_shard(out: str, split: str, index: int, texts: list[str], dtype: str)
     ids = _WORKER_TOKENIZER.encode_documents(texts)
     records = [np.asarray(doc, dtype=dtype).tobytes() for doc in ids]
     size = sum(len(t.encode()) for t in texts)
-  elif _WORKER_CHAT[2]:  # preference pairs: both sides of a pair in one record
+  elif _WORKER_CHAT[3]:  # preference pairs: both sides of a pair in one record
     pairs, counts = _encode_chat(texts)
     records = [chat_lib.to_pair_record(c, r, dtype) for c, r in pairs]
     ids = [np.concatenate([c[0], r[0]]) for c, r in pairs]
