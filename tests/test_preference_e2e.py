@@ -37,6 +37,7 @@ def _final_state(workdir):
   return ocp.StandardCheckpointer().restore(workdir / 'checkpoints' / str(STEPS) / 'state')
 
 
+@pytest.mark.slow(reason='a LoRA DPO trainer killed with SIGKILL and resumed, then exported: four processes')
 def test_sigkill_of_a_lora_dpo_run_resumes_bit_for_bit_and_exports(pairs, tmp_path, data_cache):
   args = (*DPO, f'--config.data.paths={pairs}', f'--config.train.steps={STEPS}')
   reference = tmp_path / 'reference'

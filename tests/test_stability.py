@@ -76,6 +76,7 @@ def _final_params(workdir, step):
   return ocp.StandardCheckpointer().restore(workdir / 'checkpoints' / str(step) / 'state')['params']
 
 
+@pytest.mark.slow(reason='runs the trainer once per stability policy beside the plain loop: one compile each')
 def test_policy_off_is_bitwise_the_plain_loop_and_others_match_without_faults(tmp_path, data_cache):
   import flax.linen as nn
   from jaxlm import sharding
