@@ -7,9 +7,5 @@ from jaxlm import malloc as _host
 if _host.libtpu_without_tpu():  # a CPU machine with the test extra: run on the CPU, quietly (a user's setting wins)
   _os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
-# Before JAX starts its backend: a mesh of fake CPU devices runs its collectives in an order the persistent
-# compilation cache cannot break (malloc.CPU_MESH_XLA_FLAG says why).
-_host.order_cpu_mesh_collectives()
-
 # Before anything imports JAX: XLA:CPU's per-step temporaries then come from reused heap memory (see malloc.py).
 HOST_MEMORY_KEPT = _host.keep_freed_memory()

@@ -1,4 +1,4 @@
-"""Host-process settings that must be made before JAX starts its backend: glibc's malloc, XLA:CPU's scheduler.
+"""Host-process settings that must be made before JAX starts its threads: glibc's malloc.
 
 `import jaxlm` applies them (jaxlm/__init__.py), so `python -m jaxlm.train` gets them before JAX is imported.
 JAXLM_KEEP_HOST_MEMORY=0 leaves malloc as it is, =1 tunes it always; unset, it is tuned unless JAX will run on a
@@ -44,23 +44,13 @@ def fake_cpu_devices() -> int:
   return int(found[-1]) if found else 1
 
 
-# Why a mesh of fake CPU devices turns off XLA:CPU's concurrency-optimized scheduler (issue #32; bench/RESULTS.md,
-# "CPU-mesh deadlock"): under it an executable read back from the persistent compilation cache let one device
-# wait in two independent collectives at once, each holding one thread of the intra-op pool (one per device), so
-# one group of devices could hold every thread while another never reached the rendezvous, and XLA aborted the
-# run. Without it, cached executables run as freshly compiled ones do, and the cache is safe on a CPU mesh.
+# The XLA_FLAGS entry that makes the persistent compilation cache safe on a mesh of fake CPU devices (issues #32,
+# #38; bench/RESULTS.md, "CPU-mesh deadlock"): under XLA:CPU's concurrency-optimized scheduler an executable read
+# back from the cache let one device wait in two independent collectives at once, each holding one thread of the
+# intra-op pool (one per device), so one group of devices could hold every thread while another never reached the
+# rendezvous, and XLA aborted the run; without that scheduler cached executables ran clean. Opt-in (the test suite
+# sets it): it also makes a CPU mesh's steps slower, since a device's independent work no longer overlaps.
 CPU_MESH_XLA_FLAG = '--xla_cpu_enable_concurrency_optimized_scheduler=false'
-
-
-def order_cpu_mesh_collectives() -> bool:
-  """Adds CPU_MESH_XLA_FLAG to XLA_FLAGS when it fakes several CPU devices; True when the flag is in effect.
-
-  A user's own setting of the scheduler flag is left as it is (and then decides whether the cache is safe).
-  """
-  flags = os.environ.get('XLA_FLAGS', '')
-  if fake_cpu_devices() > 1 and 'xla_cpu_enable_concurrency_optimized_scheduler' not in flags:
-    os.environ['XLA_FLAGS'] = f'{flags} {CPU_MESH_XLA_FLAG}'.strip()
-  return CPU_MESH_XLA_FLAG in os.environ.get('XLA_FLAGS', '').split()
 
 
 def keep_freed_memory() -> bool:

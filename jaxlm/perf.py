@@ -332,16 +332,15 @@ def format_memory(memory: dict) -> str:
 
 
 # Why the persistent cache is off on a CPU backend with several devices unless XLA:CPU's concurrency-optimized
-# scheduler is (issue #32; README, Testing; malloc.CPU_MESH_XLA_FLAG, which `import jaxlm` adds to XLA_FLAGS
-# whenever they fake several CPU devices): with that scheduler, an XLA:CPU executable read back from the cache
+# scheduler is (issue #32; README, Testing; malloc.CPU_MESH_XLA_FLAG, which the test suite sets): with that scheduler, an XLA:CPU executable read back from the cache
 # (jaxlib 0.10.2) let a device wait in independent collectives at the same time, each blocking one thread of the
 # intra-op pool, which has one thread per device. When one group of devices ran ahead, as in the first step
 # (data 2 x fsdp 4: one fsdp group at the loss denominator's all-8 all-reduce and the final norm's all-gather at
 # once, the other still in its first layer), it held every thread, the others never reached the rendezvous, and
 # XLA aborted the process after 40 s.
-CPU_MESH_CACHE_OFF = (f'off on a multi-device CPU mesh without {malloc.CPU_MESH_XLA_FLAG} in XLA_FLAGS: XLA:CPU '
-                      "executables read back from the cache can then run one device's collectives concurrently "
-                      'and deadlock (README, Testing)')
+CPU_MESH_CACHE_OFF = ("off on a multi-device CPU mesh: XLA:CPU executables read back from the cache can run one "
+                      f"device's collectives concurrently and deadlock; {malloc.CPU_MESH_XLA_FLAG} in XLA_FLAGS "
+                      'makes it safe, at some cost in step time (README, Testing)')
 
 
 def compilation_cache_safe() -> bool:

@@ -6,8 +6,8 @@ import pathlib
 import shutil
 import sys
 
-# Must run before `import jax`: XLA reads the flags once, when the CPU backend starts. The scheduler flag is the
-# one `import jaxlm` adds on a fake CPU mesh (jaxlm/malloc.py): with it the compilation cache below is safe.
+# Must run before `import jax`: XLA reads the flags once, when the CPU backend starts. With the scheduler flag
+# (jaxlm/malloc.py: CPU_MESH_XLA_FLAG) the compilation cache below is safe on this CPU mesh.
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8 '
                            '--xla_cpu_enable_concurrency_optimized_scheduler=false').strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')

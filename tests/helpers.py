@@ -66,7 +66,7 @@ def train_env(devices: int = 8) -> dict:
   import os
   from jaxlm import malloc
   flags = f'--xla_force_host_platform_device_count={devices}'
-  if devices > 1:  # as `import jaxlm` adds it, here also for a script that starts JAX before importing jaxlm
+  if devices > 1:  # as tests/conftest.py does: the suite's compilation cache is safe on a CPU mesh with it
     flags = f'{flags} {malloc.CPU_MESH_XLA_FLAG}'
   return dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=flags,
               PYTHONUNBUFFERED='1')

@@ -404,11 +404,11 @@ jax.jit(lambda x: jnp.sin(x) * 2).lower(jnp.ones(3)).compile()
 print(path)
 '''
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  # `import jaxlm` turns XLA:CPU's concurrency-optimized scheduler off on a fake CPU mesh, which makes the cache
-  # safe there; a mesh that turns it back on never reads the cache (issue #32). JAX's own variable names the
-  # directory when set.
-  cases = ((1, '', None, True), (8, '', None, True), (8, ' --xla_cpu_enable_concurrency_optimized_scheduler=true',
-                                                      None, False), (8, '', 'envdir', True))
+  # A multi-device CPU backend reads the cache only with XLA:CPU's concurrency-optimized scheduler off, which
+  # makes it safe there (issues #32, #38). JAX's own variable names the directory when set.
+  off = ' --xla_cpu_enable_concurrency_optimized_scheduler=false'
+  cases = ((1, '', None, True), (8, '', None, False), (8, ' --xla_cpu_enable_concurrency_optimized_scheduler=true',
+                                                      None, False), (8, off, None, True), (8, off, 'envdir', True))
   for i, (devices, extra, env_dir, cached) in enumerate(cases):
     home = tmp_path / f'home{i}'
     env = dict(os.environ, HOME=str(home), JAX_PLATFORMS='cpu',
