@@ -6,16 +6,9 @@ import pathlib
 import shutil
 import sys
 
-# Must run before `import jax`: XLA reads the flags once, when the CPU backend starts. With the scheduler flag
-# (jaxlm/malloc.py: CPU_MESH_XLA_FLAG) the compilation cache below is safe on this CPU mesh.
-os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8 '
-                           '--xla_cpu_enable_concurrency_optimized_scheduler=false').strip()
+# Must run before `import jax`: XLA reads the flag once, when the CPU backend starts.
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8').strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-# One persistent compilation cache for every process of the suite (xdist workers and the trainers they start,
-# which inherit the variables): the same palm_tiny programs are compiled in dozens of tests, and read back from
-# here after the first. Programs that compile in under 0.2 s cost more to store than to redo.
-os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.path.expanduser('~/.cache/jaxlm/xla-tests'))
-os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.2')
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -125,7 +118,10 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_configure(config):
-  """The suite's compilation cache (JAX_COMPILATION_CACHE_DIR above) for the in-process compiles too."""
+  """No persistent compilation cache: on this 8-device CPU mesh an executable read back from it can run one
+  device's collectives concurrently and deadlock (jaxlm/perf.py, CPU_MESH_CACHE_OFF; issue #32). The flag that makes
+  it safe (jaxlm/malloc.py: CPU_MESH_XLA_FLAG) slowed the suite's compiles and steps more than the cache saved
+  (issue #38; bench/RESULTS.md), so the suite runs without both. The trainer subprocesses keep it off by the same
+  rule."""
   del config
-  jax.config.update('jax_enable_compilation_cache', True)
-  jax.config.update('jax_compilation_cache_dir', os.environ['JAX_COMPILATION_CACHE_DIR'])
+  jax.config.update('jax_enable_compilation_cache', False)

@@ -64,11 +64,7 @@ def train_command(workdir, *overrides, config: str = 'palm_tiny') -> list[str]:
 def train_env(devices: int = 8) -> dict:
   """Environment for a training subprocess: `devices` fake CPU devices, unbuffered output."""
   import os
-  from jaxlm import malloc
-  flags = f'--xla_force_host_platform_device_count={devices}'
-  if devices > 1:  # as tests/conftest.py does: the suite's compilation cache is safe on a CPU mesh with it
-    flags = f'{flags} {malloc.CPU_MESH_XLA_FLAG}'
-  return dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=flags,
+  return dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
               PYTHONUNBUFFERED='1')
 
 

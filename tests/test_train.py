@@ -156,7 +156,7 @@ def test_first_steps_on_data2_fsdp4_never_deadlock(tmp_path):
   env = dict(train_env(8), XLA_FLAGS='--xla_force_host_platform_device_count=8 '
              '--xla_cpu_collective_call_terminate_timeout_seconds=10 '  # a deadlock fails in 10 s, not 40
              '--xla_cpu_enable_concurrency_optimized_scheduler=false')
-  env['JAX_COMPILATION_CACHE_DIR'] = str(cache)  # not the suite's (tests/conftest.py): this test has its own
+  env['JAX_COMPILATION_CACHE_DIR'] = str(cache)  # the directory the script's own setting names
   outs = [subprocess.run([sys.executable, '-c', _FIRST_STEPS, str(cache), '30'], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=400) for _ in range(2)]
   for out in outs:
