@@ -143,6 +143,7 @@ def test_device_memory_env_and_table(monkeypatch, v5e_2x2):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow(reason='tools/size --fit in a child process compiles palm_tiny for TPU targets until a setting fits')
 def test_command_line_does_not_fit_then_fit(v5e_2x2):
   # palm_8b's 256k x 4096 embedding alone, with Adam's moments and its gradient, is > 16 GiB on one v5e chip.
   out = run_cli('jaxlm.tools.size', '--config=configs/palm_8b.py', '--target=v5e:1x1',
