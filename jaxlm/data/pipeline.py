@@ -426,13 +426,17 @@ class TrainIterator(grain.DatasetIterator):
     per_epoch = self.rows_source.rows_per_epoch
     return None if not per_epoch else self.rows / per_epoch
 
-  def take(self, size: int) -> dict:
-    """This process's rows of the next global batch of `size` rows."""
+  def _ready_for(self, size: int) -> None:
+    """Checks that `size` rows split over the processes and (re)starts the iterator for that batch size."""
     if size % self.process_count:
       raise DataError(f'a batch of {size} rows does not split over {self.process_count} processes; use a '
                       f'multiple of {self.process_count}.')
     if size != self._size:
       self._start(size)
+
+  def take(self, size: int) -> dict:
+    """This process's rows of the next global batch of `size` rows."""
+    self._ready_for(size)
     try:
       batch = next(self._it)  # StopIteration at the end of a finite stream
     except (StopIteration, DataError):
@@ -519,11 +523,7 @@ class StreamIterator(TrainIterator):
     return None
 
   def take(self, size: int) -> dict:
-    if size % self.process_count:
-      raise DataError(f'a batch of {size} rows does not split over {self.process_count} processes; use a '
-                      f'multiple of {self.process_count}.')
-    if size != self._size:
-      self._start(size)
+    self._ready_for(size)
     batch = next(self._it)
     self.rows += size
     return batch
