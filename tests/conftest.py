@@ -6,8 +6,14 @@ import pathlib
 import shutil
 import sys
 
+# The tests check what programs compute, not how fast their machine code runs: LLVM's cheapest pipeline cuts the
+# CPU time of XLA:CPU compiles, about half of the suite's time, by ~40% (bench/RESULTS.md, "Test suite").
+# Every process of the suite, trainer subprocesses included (tests/helpers.py: train_env), compiles this way.
+FAST_COMPILE_XLA_FLAGS = '--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true'
+
 # Must run before `import jax`: XLA reads the flag once, when the CPU backend starts.
-os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8').strip()
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8 '
+                           + FAST_COMPILE_XLA_FLAGS).strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

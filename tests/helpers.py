@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxlm import cli
-from tests.conftest import ROOT
+from tests.conftest import FAST_COMPILE_XLA_FLAGS, ROOT
 
 
 def grid(values, fast, ids=str, unpack: bool = False) -> list:
@@ -64,8 +64,8 @@ def train_command(workdir, *overrides, config: str = 'palm_tiny') -> list[str]:
 def train_env(devices: int = 8) -> dict:
   """Environment for a training subprocess: `devices` fake CPU devices, unbuffered output."""
   import os
-  return dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
-              PYTHONUNBUFFERED='1')
+  return dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1',
+              XLA_FLAGS=f'--xla_force_host_platform_device_count={devices} {FAST_COMPILE_XLA_FLAGS}')
 
 
 def run_cli(module: str, *args, devices: int = 8, timeout: float = 600, env: dict | None = None):
