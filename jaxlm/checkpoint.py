@@ -46,7 +46,7 @@ from absl import logging
 EventFn = Callable[..., None]  # event(step, name, message, **fields), e.g. MetricsLogger.event
 
 
-from jaxlm.errors import CheckpointError, ConfigError  # noqa: F401
+from jaxlm.errors import CheckpointError, CheckpointMismatchError, ConfigError  # noqa: F401
 from jaxlm import metrics as metrics_lib
 from jaxlm.data import storage
 
@@ -558,7 +558,8 @@ class Checkpointer:
 def load_params(path: str, abstract_params, shardings, weights: str = 'raw', fill=None):
   """Warm start: parameters only from another run's checkpoint directory (its newest step) or a step directory.
 
-  Arrays are cast to this run's dtypes; a missing parameter or a shape mismatch is a CheckpointError naming it.
+  Arrays are cast to this run's dtypes; a missing parameter or a shape mismatch is a CheckpointMismatchError
+  (exit 2: the config must change) naming it.
   weights='ema' reads the exponential moving average of the parameters (optim.ema) instead. `fill`: this run's
   initial parameters; LoRA adapters (model.is_adapter) the checkpoint lacks keep their values from it (a LoRA run
   from an SFT run or an import), while an adapter it holds with another shape is refused like any parameter.
@@ -614,10 +615,12 @@ def _load_params(path: str, abstract_params, shardings, weights: str = 'raw'):
   for key, want in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
     name = jax.tree_util.keystr(key)
     if name not in flat_saved:
-      raise CheckpointError(f'checkpoint.init_from: parameter {name} is not in {step_dir}.')
+      raise CheckpointMismatchError(f'checkpoint.init_from: parameter {name} is not in {step_dir}; change the '
+                                    f'model config to match the checkpoint.')
     if tuple(flat_saved[name].shape) != tuple(want.shape):
-      raise CheckpointError(f'checkpoint.init_from: parameter {name} has shape {tuple(flat_saved[name].shape)} in '
-                            f'{step_dir} but {tuple(want.shape)} in this model; change the model config to match.')
+      raise CheckpointMismatchError(f'checkpoint.init_from: parameter {name} has shape '
+                                    f'{tuple(flat_saved[name].shape)} in {step_dir} but {tuple(want.shape)} in this '
+                                    f'model; change the model config to match.')
   # Restore with the saved dtypes onto this run's shardings, then cast (e.g. a bf16 export into fp32 masters).
   target = jax.tree_util.tree_map_with_path(
       lambda k, w, s: jax.ShapeDtypeStruct(w.shape, np.dtype(flat_saved[jax.tree_util.keystr(k)].dtype),

@@ -41,6 +41,12 @@ class CheckpointError(StorageError):
   exit_code = 3
 
 
+class CheckpointMismatchError(CheckpointError):
+  """A checkpoint that reads fine but does not fit this run's config (checkpoint.init_from: a parameter missing or
+  of another shape): the config, not the store, must change."""
+  exit_code = 2
+
+
 class StabilityError(JaxlmError, RuntimeError):
   """Training cannot continue safely."""
   exit_code = 4

@@ -360,10 +360,9 @@ def _skew(state, program):
 
 
 @functools.cache
-def _moe_steps(mesh_shape, skewed: bool = False, microbatches: int = 1, steps: int = 3, experts: int = 5,
-               remat: str = 'none'):
-  """`steps` training steps of _moe_config on `mesh_shape` (data, fsdp, tensor[, expert[, context]]): losses,
-  metrics, final params."""
+def _moe_program(mesh_shape, microbatches: int, experts: int, remat: str):
+  """_moe_config's plain program on `mesh_shape` (data, fsdp, tensor[, expert[, context]]), built (and so
+  compiled) once per process for both routings, skewed or not: they differ in the state only."""
   from jaxlm import sharding
   from tests.helpers import plain_program
   cfg = _moe_config(moe_experts=experts, remat=remat)
@@ -371,10 +370,18 @@ def _moe_steps(mesh_shape, skewed: bool = False, microbatches: int = 1, steps: i
   cfg.optim.eps = 1.0
   cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, cfg.mesh.expert, cfg.mesh.context = (*mesh_shape, 1, 1)[:5]
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:int(np.prod(mesh_shape))])
+  return cfg, plain_program(cfg, mesh, steps=10, microbatches=microbatches)
+
+
+@functools.cache
+def _moe_steps(mesh_shape, skewed: bool = False, microbatches: int = 1, steps: int = 3, experts: int = 5,
+               remat: str = 'none'):
+  """`steps` training steps of _moe_config on `mesh_shape` (data, fsdp, tensor[, expert[, context]]): losses,
+  metrics, final params."""
+  cfg, program = _moe_program(mesh_shape, microbatches, experts, remat)
   batch = random_batch(8, 16, cfg.model.vocab_size, docs=2)
   batch['segment_ids'][:, -3:] = 0  # padded tails: routed nowhere, counted nowhere
   batch['weights'][:, -3:] = 0
-  program = plain_program(cfg, mesh, steps=10, microbatches=microbatches)
   state = program.init()
   if skewed:
     state = _skew(state, program)
@@ -431,21 +438,21 @@ def test_first_dense_model_trains_on_a_mesh_microbatches_giving_the_same_update(
 _EP_SHAPES = [(1, 1, 1, 8), (1, 2, 1, 4), (1, 1, 2, 4), (1, 1, 1, 4, 2)]
 
 
-@pytest.mark.parametrize('shape, skewed', grid([(s, k) for s in [(1, 8, 1), (2, 2, 2), (1, 4, 2), *_EP_SHAPES]
-                                                for k in (False, True)],
-                                               fast=[], ids=lambda c: f'{"x".join(map(str, c[0]))}'
-                                               f'{"-skewed" if c[1] else ""}', unpack=True))
-def test_sharded_moe_steps_match_single_device(shape, skewed):
+# Both routings of a shape in one test: they share the shape's compiled program (_moe_program), half the compiles.
+@pytest.mark.parametrize('shape', grid([(1, 8, 1), (2, 2, 2), (1, 4, 2), *_EP_SHAPES], fast=[],
+                                       ids=lambda s: 'x'.join(map(str, s))))
+def test_sharded_moe_steps_match_single_device(shape):
   experts = 8 if len(shape) > 3 else 5  # expert-sharded shapes: x1x1... (data, fsdp, tensor, expert, context)
-  ref_losses, ref_metrics, ref_params = _moe_steps((1, 1, 1), skewed, experts=experts)
-  assert ref_losses[-1] < ref_losses[0]
-  losses, metrics, params = _moe_steps(shape, skewed, experts=experts)
-  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-  if skewed:  # every real token on experts 0 and 1: max/mean load = X/k
-    np.testing.assert_allclose(ref_metrics[0]['moe/max_load'], experts / 2, rtol=1e-6)
-  for key in ('moe/0/max_load', 'moe/1/dropped', 'moe/1/bias_norm'):
-    np.testing.assert_allclose(metrics[-1][key], ref_metrics[-1][key], rtol=1e-5, err_msg=key)
-  assert _max_diff(params, ref_params) <= 1e-4
+  for skewed in (False, True):
+    ref_losses, ref_metrics, ref_params = _moe_steps((1, 1, 1), skewed, experts=experts)
+    assert ref_losses[-1] < ref_losses[0], skewed
+    losses, metrics, params = _moe_steps(shape, skewed, experts=experts)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=f'skewed={skewed}')
+    if skewed:  # every real token on experts 0 and 1: max/mean load = X/k
+      np.testing.assert_allclose(ref_metrics[0]['moe/max_load'], experts / 2, rtol=1e-6)
+    for key in ('moe/0/max_load', 'moe/1/dropped', 'moe/1/bias_norm'):
+      np.testing.assert_allclose(metrics[-1][key], ref_metrics[-1][key], rtol=1e-5, err_msg=f'{key} skewed={skewed}')
+    assert _max_diff(params, ref_params) <= 1e-4, skewed
 
 
 @pytest.mark.e2e  # one more whole-step compile

@@ -147,8 +147,10 @@ def test_loss_and_gradients_equal_trl(models, loss_type, tmp_path):
   # A packed batch (all pairs in one row) gives the same loss as one pair per row.
   (packed, packed_metrics), _ = _jaxlm_loss(m, params, ref_params, _batch([_row(PAIRS, 48)]), _pref(loss_type))
   np.testing.assert_allclose(float(packed), float(got), rtol=1e-6)
+  # Rewards are differences of two summed float32 log-probabilities, summed in another order when packed: an
+  # absolute 1e-7 sat below that rounding (seen 6.6e-7 on rewards/rejected with transformers 5.24, jaxlib 0.10.2).
   for k in preference.METRICS:
-    np.testing.assert_allclose(float(packed_metrics[k]), float(metrics[k]), rtol=1e-5, atol=1e-7, err_msg=k)
+    np.testing.assert_allclose(float(packed_metrics[k]), float(metrics[k]), rtol=1e-5, atol=2e-6, err_msg=k)
 
 
 @pytest.mark.parametrize('loss_type', grid(['sigmoid', 'sigmoid_norm'], fast=['sigmoid']))

@@ -219,8 +219,12 @@ def test_microbatches_and_devices_give_the_same_update():
   s1, m1 = step1(s1, step_lib.global_batch(batch, p1.batch_sharding))
   s8, m8 = step8(s8, step_lib.global_batch(batch, p8.batch_sharding))
   assert float(m1['grad_norm']) > 0
-  for k in ('loss', 'grad_norm', 'entropy', 'logprob_mismatch'):
+  for k in ('loss', 'grad_norm', 'entropy'):
     np.testing.assert_allclose(float(m8[k]), float(m1[k]), rtol=2e-5, atol=1e-7, err_msg=k)
+  # The sampler's and the trainer's log-probabilities differ by float rounding alone, on either layout: the
+  # mismatch is rounding noise (seen: 0 on 8 devices, 1.7e-7 on one), so it is compared at that noise's scale.
+  assert float(m1['logprob_mismatch']) < 1e-6 and float(m8['logprob_mismatch']) < 1e-6, (m1, m8)
+  np.testing.assert_allclose(float(m8['logprob_mismatch']), float(m1['logprob_mismatch']), atol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                jax.device_get(s8.params), jax.device_get(s1.params))
 
