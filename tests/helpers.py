@@ -8,6 +8,20 @@ from jaxlm import cli
 from tests.conftest import FAST_COMPILE_XLA_FLAGS, ROOT
 
 
+class LazyModule:
+  """`name`, imported (pytest.importorskip) at its first attribute access: a heavy reference library (torch,
+  transformers, peft) named at a test module's top costs its collection nothing, so the fast loop does not pay
+  for the full suite's parity tests."""
+
+  def __init__(self, name: str):
+    self._name = name
+
+  def __getattr__(self, attr):
+    if attr.startswith(('_', 'pytest')):  # what collection asks of every module-level name: not the module's
+      raise AttributeError(attr)
+    return getattr(pytest.importorskip(self._name), attr)
+
+
 def grid(values, fast, ids=str, unpack: bool = False) -> list:
   """pytest params over `values`: those in `fast` run in the fast loop, the rest are marked e2e (full suite only).
 
@@ -62,10 +76,19 @@ def train_command(workdir, *overrides, config: str = 'palm_tiny') -> list[str]:
 
 
 def train_env(devices: int = 8) -> dict:
-  """Environment for a training subprocess: `devices` fake CPU devices, unbuffered output."""
+  """Environment for a training subprocess: `devices` fake CPU devices, unbuffered output, and the suite's shared
+  compilation cache (tests/conftest.py: subprocess_compilation_cache) with the XLA:CPU scheduler setting that makes
+  cached multi-device executables safe (jaxlm/malloc.py: CPU_MESH_XLA_FLAG); every program is cached, however
+  quickly it compiled (JAX's default keeps only those over 1 s: at -O0 most of ours compile faster)."""
   import os
-  return dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1',
-              XLA_FLAGS=f'--xla_force_host_platform_device_count={devices} {FAST_COMPILE_XLA_FLAGS}')
+  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1',
+             XLA_FLAGS=f'--xla_force_host_platform_device_count={devices} {FAST_COMPILE_XLA_FLAGS}')
+  if os.environ.get('JAXLM_TEST_XLA_CACHE'):
+    from jaxlm import malloc
+    env['XLA_FLAGS'] += f' {malloc.CPU_MESH_XLA_FLAG}'
+    env['JAX_COMPILATION_CACHE_DIR'] = os.environ['JAXLM_TEST_XLA_CACHE']
+    env['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
+  return env
 
 
 def run_cli(module: str, *args, devices: int = 8, timeout: float = 600, env: dict | None = None):

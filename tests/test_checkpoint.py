@@ -270,6 +270,7 @@ def load_config_checkpoint():
   return c
 
 
+@pytest.mark.slow(reason='a warm-started trainer run and a refused one, each its own process')
 def test_warm_start_loads_params_only_and_names_mismatches(reference, tmp_path, data_cache):
   out = _run(tmp_path / 'ft', data_cache, f'--config.checkpoint.init_from={reference}/checkpoints',
              '--config.train.steps=2', '--config.optim.warmup_steps=1')
@@ -427,6 +428,7 @@ def test_an_async_save_blocks_only_for_the_copy(tmp_path, slow_write):
   assert (tmp_path / 'ckpt' / '1' / checkpoint_lib.CHECKSUMS).exists()
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_a_save_due_while_the_previous_is_written_waits_and_says_so_once(tmp_path, slow_write):
   events = []
   ckpt_cfg = load_config_checkpoint_cfg().checkpoint

@@ -100,6 +100,7 @@ def _packed_batch():
   return batch
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_context_matches_single_device_fast():
   # The fast loop's representative: multi-query (PaLM), context=4 beside fsdp=2, packed documents.
   cfg = _config(num_kv_heads=1)

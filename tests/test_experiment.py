@@ -89,6 +89,7 @@ def test_schedules(name, expected):
     np.testing.assert_allclose(float(lr(step)), value, atol=1e-6, err_msg=f'{name} at {step}')
 
 
+@pytest.mark.slow(reason='one compile per batch-ramp stage, then a resume across stages compared with an uninterrupted run')
 def test_batch_ramp_one_compile_per_stage_and_exact_resume_across_stages(tmp_path, data_cache):
   import shutil
   from tests.helpers import read_records

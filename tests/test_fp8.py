@@ -144,6 +144,7 @@ def test_fp8_refuses_settings_it_does_not_combine_with():
     config_lib.validate(cfg, num_devices=1)
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_checkpoints_from_before_the_fp8_field_still_restore(tmp_path):
   cfg = load_config('palm_tiny')
   cfg.mesh.update(data=1, fsdp=1, tensor=1)

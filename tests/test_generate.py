@@ -59,6 +59,7 @@ CASES = {  # (num_kv_heads, parallel_block, scan_layers, rope_scaling)
 @pytest.mark.parametrize('num_kv_heads, parallel_block, scan_layers, rope_scaling', grid(
     list(CASES.values()), fast=[CASES['mqa-parallel-scan'], CASES['gqa-sequential-scan-llama3']],
     ids=lambda v: next(k for k, c in CASES.items() if c == v), unpack=True))
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_cached_greedy_equals_full_recompute_and_every_step_logits_equal_the_full_forward(
     num_kv_heads, parallel_block, scan_layers, rope_scaling):
   m, params, _ = tiny(num_kv_heads, parallel_block, scan_layers, rope_scaling)
@@ -82,6 +83,7 @@ def test_cached_greedy_equals_full_recompute_and_every_step_logits_equal_the_ful
     assert out.logits[r].argmax(-1).tolist() == out.tokens[r]
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_generation_stops_each_row_at_its_end_of_text_token():
   m, params, _ = tiny()
   free = generate_lib.generate(m, params, PROMPTS, 12)
@@ -148,6 +150,7 @@ SAMPLINGS = {'top_k': generate_lib.Sampling(0.8, top_k=6), 'top_p': generate_lib
 
 @pytest.mark.parametrize('sampling', grid(list(SAMPLINGS.values()), fast=[SAMPLINGS['top_k_and_p']],
                                           ids=lambda v: next(k for k, s in SAMPLINGS.items() if s == v)))
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_first_sampled_token_follows_the_restricted_softmax(sampling):
   """2,048 rows of one prompt in one call: the first tokens' frequencies against softmax(logits / T), restricted."""
   m, params, _ = tiny(std=1.0)
@@ -163,6 +166,7 @@ def test_first_sampled_token_follows_the_restricted_softmax(sampling):
   assert 0.5 * np.abs(counts - expected).sum() < 0.05
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_sampling_is_reproducible_with_a_seed():
   m, params, _ = tiny()
   s = generate_lib.Sampling(1.0, top_k=20, top_p=0.95)
@@ -177,6 +181,7 @@ MESHES = {'fsdp4-tensor2-gqa': ((1, 4, 2), 2), 'data2-fsdp4-mqa': ((2, 4, 1), 1)
 @pytest.mark.parametrize('mesh_shape, num_kv_heads', grid(
     list(MESHES.values()), fast=[MESHES['fsdp4-tensor2-gqa']], ids=lambda v: next(k for k, c in MESHES.items() if c == v),
     unpack=True))
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_sharded_greedy_equals_one_device_with_the_cache_on_the_rules_tables_axes(mesh_shape, num_kv_heads):
   m, params, logical = tiny(num_kv_heads)
   new = 24
@@ -236,6 +241,7 @@ def test_greedy_tokens_equal_transformers_generate_on_the_export(variant, tmp_pa
   assert len({t for row in ours for t in row}) > len(prompts)  # varied text, not one token repeated
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_fp8_trained_weights_sample_with_ordinary_matmuls():
   """An fp8 run's parameters are ordinary weights; the sampler runs them in model.dtype, as eval does."""
   import dataclasses

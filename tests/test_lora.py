@@ -67,6 +67,7 @@ def five_steps(tmp_path_factory):
   return _flat(base), init, _flat(state.params), state, program
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_step0_logits_equal_the_base_bit_for_bit():
   batch = random_batch(2, 24, 400, docs=2)
   cfg = lora_config()
@@ -79,6 +80,7 @@ def test_step0_logits_equal_the_base_bit_for_bit():
   np.testing.assert_array_equal(np.asarray(lora_logits), np.asarray(base_logits))
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_five_steps_train_only_adapters_from_init_from(five_steps):
   saved, init, after, state, program = five_steps
   adapters = [k for k in after if model_lib.is_adapter((k,))]
@@ -95,6 +97,7 @@ def test_five_steps_train_only_adapters_from_init_from(five_steps):
   assert opt_shapes == {init[k].shape for k in adapters}
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_init_from_refuses_an_adapter_of_another_shape(five_steps, tmp_path_factory):
   *_, state, program = five_steps
   path = _saved(tmp_path_factory.mktemp('lora_run'), jax.device_get(state.params))
@@ -115,6 +118,7 @@ def _steps(cfg, shape, batches):
   return losses, state
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_adapters_sharded_by_the_rules_and_a_step_equals_one_device():
   batches = [random_batch(8, 24, 400, seed=s, docs=2) for s in range(2)]
   losses, state = _steps(lora_config(), (1, 2, 4), batches)
@@ -149,6 +153,7 @@ def _loss_and_adapter_grads(program, params, batch):
     return jax.jit(jax.value_and_grad(loss))(model_lib.split_adapters(params)[1], batch)
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_scanned_unrolled_and_pipelined_give_the_same_loss_and_adapter_gradients():
   cfg = lora_config(num_layers=4)
   program = plain_program(cfg, _mesh(cfg, (1, 1, 1)))
@@ -182,6 +187,7 @@ def test_scanned_unrolled_and_pipelined_give_the_same_loss_and_adapter_gradients
 
 
 @pytest.mark.parametrize('optimizer', grid(['adafactor', 'sf_adamw'], fast=['adafactor']))
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_adafactor_and_schedule_free_train_adapters_only(optimizer):
   cfg = lora_config()
   # warmup_steps=1 (its first step has learning rate 0), then a step that moves the adapters.
@@ -217,6 +223,7 @@ def test_refusals_name_the_field():
     assert what in text, text
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_merged_weights_and_sampling_equal_the_lora_model():
   cfg = lora_config(parallel_block=True)
   program = plain_program(cfg, _mesh(cfg, (1, 1, 1)))

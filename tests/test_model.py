@@ -53,6 +53,7 @@ def _logits(model, params, inputs, segment_ids, positions):
 
 
 @pytest.mark.parametrize('parallel_block', [True, False])
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_changing_token_t_never_changes_earlier_logits(parallel_block):
   m, model, params, b = _model(parallel_block=parallel_block)
   one = np.ones_like(b['inputs'])
@@ -66,6 +67,7 @@ def test_changing_token_t_never_changes_earlier_logits(parallel_block):
     assert not np.allclose(out[:, t], base[:, t])
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_documents_do_not_see_each_other():
   m, model, params, b = _model()
   base = _logits(model, params, b['inputs'], b['segment_ids'], b['positions'])
@@ -115,7 +117,7 @@ _REMAT_CASES = [(policy, False) for policy in ('full', 'dots', 'dots_no_batch', 
 
 
 @pytest.mark.parametrize('policy, explicit_transpose_grads', grid(
-    _REMAT_CASES, fast=[('dots', False)], ids=lambda c: f'{c[0]}{"-explicit_transpose" if c[1] else ""}',
+    _REMAT_CASES, fast=[], ids=lambda c: f'{c[0]}{"-explicit_transpose" if c[1] else ""}',
     unpack=True))
 def test_remat_changes_nothing(policy, explicit_transpose_grads):
   reference = _loss_and_grad_norm(remat='none')

@@ -61,6 +61,7 @@ _LAYER_CASES = {
 
 @pytest.mark.parametrize('overrides', grid(list(_LAYER_CASES.values()), fast=[{}, {'moe_capacity_factor': 1.0}],
                                            ids=lambda o: next(k for k, v in _LAYER_CASES.items() if v == o)))
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_ragged_dot_path_equals_dense_reference(overrides):
   x, seg = _inputs()
   y_ref, g_ref = _out_and_grads('dense', x, seg, **overrides)
@@ -77,6 +78,7 @@ def test_ragged_dot_path_equals_dense_reference(overrides):
     np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_padding_tokens_are_routed_nowhere():
   x, seg = _inputs()
   m = _cfg()
@@ -113,6 +115,7 @@ def test_route_presets_normalise_as_their_families():
   np.testing.assert_allclose(w, 2.0 * sel / sel.sum(-1, keepdims=True), rtol=1e-6)
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_deepseek_v3_group_limited_routing_equals_transformers():
   import torch
   import transformers
@@ -196,6 +199,7 @@ _FIRST_DENSE = {'unrolled': (1, 3, [False, True, True]), 'remat': (2, 5, [False,
 
 
 @pytest.mark.parametrize('variant', grid(list(_FIRST_DENSE), fast=['unrolled']))
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_first_dense_layers_scanned_unrolled_and_remat_agree(variant):
   import dataclasses
   every, num_layers, pattern = _FIRST_DENSE[variant]
@@ -272,6 +276,7 @@ def _apply_stats(m, params, x, seg):
   return jax.jit(lambda p, x: moe.MoE(m).apply({'params': p}, x, seg, mutable=[moe.STATS]))(params, x)
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_infinite_capacity_is_dropless_bit_for_bit():
   x, seg = _inputs()
   params = _params()
@@ -288,6 +293,7 @@ def test_infinite_capacity_is_dropless_bit_for_bit():
 
 
 @pytest.mark.parametrize('top_k', [1, 2])
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_capacity_drops_the_analytic_count_under_forced_skew(top_k):
   x, _ = _inputs(pad=0)
   seg = jnp.ones(x.shape[:2], jnp.int32)
@@ -321,6 +327,7 @@ def test_aux_loss_is_one_at_uniform_routing():
   np.testing.assert_allclose(moe.aux_loss(skewed, n, 1), X, rtol=1e-6)
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_bias_balancing_evens_out_a_synthetic_skew():
   logits = jax.random.normal(jax.random.PRNGKey(5), (512, X)) + jnp.linspace(2.0, 0.0, X)  # expert 0 favoured
 
@@ -519,6 +526,7 @@ def _jaxlm_logits(hf_config: dict, tensors: dict, inputs, scan_layers: bool = Tr
 
 
 @pytest.mark.parametrize('family', grid(list(_HF_FAMILIES), fast=['qwen3_moe']))
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_hf_moe_import_matches_transformers(family):
   hf_config, fused, saved, inputs, want = _hf_model(family)
   assert not set(fused) & {k for k in saved if 'experts.' in k}  # the two layouts really differ
@@ -562,6 +570,7 @@ def test_hf_moe_export_loads_in_transformers_with_the_same_logits(family, tmp_pa
     convert.to_hf(biased, m)
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_hf_qwen3_moe_mlp_only_layers_import_and_export_as_first_dense(tmp_path):
   import dataclasses
   import json
@@ -738,6 +747,7 @@ def test_gather_transport_moves_tokens_not_expert_weights():
   assert not whole, whole
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_expert_weights_and_batch_are_split_over_the_expert_axis():
   from jaxlm import sharding, train
   cfg = _moe_config(moe_experts=8)
@@ -802,6 +812,7 @@ def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outp
                                                 ((1, 1, 1, 4, 2), False)],
                                                fast=[((1, 2, 1, 4), True)], unpack=True,
                                                ids=lambda c: 'x'.join(map(str, c[0])) + ('-skewed' if c[1] else '')))
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_all_to_all_transport_equals_unsharded(shape, skewed, monkeypatch):
   """The all_to_all transport's own sort / counts / offsets / regrouping, with the exchange emulated on CPU."""
   monkeypatch.setattr(moe, 'ragged_all_to_all', _emulated_ragged_all_to_all)
@@ -812,6 +823,7 @@ def test_all_to_all_transport_equals_unsharded(shape, skewed, monkeypatch):
 
 
 @pytest.mark.parametrize('fsdp', grid([1, 2], fast=[2]))
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_all_to_all_overflow_is_counted_and_zeroed(fsdp, monkeypatch):
   """An undersized receive buffer (factor 1: the balanced share) under full skew: the rows that do not fit are
   counted exactly, summed over the fsdp groups that exchange separately, and only their tokens lose the experts'

@@ -93,6 +93,7 @@ def test_muon_routes_matrices_by_logical_names():
   assert muon.dimension_numbers(P('vocab', 'embed')) is None
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_muon_stacked_updates_equal_per_layer_updates():
   logical, shapes = _tiny_logical(scan_layers=True)
   flat_logical, flat_shapes = _tiny_logical(scan_layers=False)
@@ -111,6 +112,7 @@ def test_muon_stacked_updates_equal_per_layer_updates():
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), per_layer(stacked), flat)
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_newton_schulz_singular_values_and_scale_invariance():
   g = np.random.default_rng(0).standard_normal((4, 48, 80)).astype(np.float32)
   s = np.linalg.svd(np.asarray(muon.orthogonalize(jnp.asarray(g))), compute_uv=False)
@@ -184,6 +186,7 @@ _MESHES = {'fsdp4xtensor2': (dict(fsdp=4, tensor=2), True), 'pipeline': (dict(st
 
 
 @pytest.mark.parametrize('case', grid(list(_MESHES), fast=['fsdp4xtensor2']))
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_muon_sharded_matches_one_device(case):
   axes, scan = _MESHES[case]
   logical, shapes = _tiny_logical(scan_layers=scan, layers=4)
@@ -192,6 +195,7 @@ def test_muon_sharded_matches_one_device(case):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), got, reference)
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_muon_orthogonalises_each_matrix_on_one_device_without_gathering_every_layer():
   # fsdp 4 x tensor 2, 4 layers: each device should hold a slot of whole matrices (a layer, or padding), never a
   # weight's every layer at once.
@@ -217,6 +221,7 @@ def test_muon_orthogonalises_each_matrix_on_one_device_without_gathering_every_l
 # EMA and schedule-free ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_sf_adamw_is_optax_schedule_free_adamw_with_the_decay_mask():
   o = load_config('palm_tiny').optim
   o.update(name='sf_adamw', clip=0.0, weight_decay=0.0, warmup_steps=3)
@@ -346,6 +351,7 @@ def test_sigkill_resumes_bit_for_bit(name, uninterrupted, tmp_path, data_cache):
   np.testing.assert_allclose(json.loads(out.stdout.strip().splitlines()[-1])['loss'], last[key], rtol=1e-5)
 
 
+@pytest.mark.slow(reason='a trainer run, then one refused resume per optimizer or shape change, each its own process')
 def test_resuming_with_another_optimizer_or_shape_is_refused_and_keeps_the_checkpoint(uninterrupted, tmp_path,
                                                                                       data_cache):
   import shutil

@@ -98,6 +98,7 @@ FAST = {0}  # the fast loop's representative (each pipelined compile takes ~15 s
 
 @pytest.mark.parametrize('case', [pytest.param(g, marks=() if i in FAST else pytest.mark.e2e, id='-'.join(map(str, g)))
                                   for i, g in enumerate(GRID)])
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_pipeline_matches_unpipelined_step(case):
   """Loss and gradients at init, and (e2e only: a second compile) the losses of two AdamW steps."""
   stage, data, fsdp, tensor, schedule, parallel, remat, layers = case
@@ -119,6 +120,7 @@ def test_more_microbatches_mqa_and_gradient_accumulation():
 
 
 @pytest.mark.e2e
+@pytest.mark.slow(reason='one pipelined train step compiled per stage count')
 def test_dropout_follows_each_microbatch_whatever_the_stage_count():
   """Layer l on microbatch m draws the same mask on 2 stages as on 4 (and circular as gpipe): same losses."""
   def losses(**kw):
@@ -139,6 +141,7 @@ def test_dropout_follows_each_microbatch_whatever_the_stage_count():
   assert np.all(np.abs(two - no_dropout) > 1e-4)  # dropout is on
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_each_stage_holds_its_own_layers_and_per_device_bytes_fall_by_the_stage_count():
   """Parameters and Adam's moments of layer l live only on the devices of stage l // (L/S)."""
   c = small_config()
@@ -177,6 +180,7 @@ def test_layout_report_and_bubble():
 
 
 @pytest.mark.e2e
+@pytest.mark.slow(reason='pipelined programs for two stage counts, a checkpoint written by one and read by the other')
 def test_checkpoint_restores_across_stage_counts(tmp_path):
   """A stage=4 checkpoint restores on 1 and 2 stages (other data/fsdp/tensor shapes) with the same losses."""
   ckpt_cfg = load_config('palm_tiny').checkpoint

@@ -11,11 +11,11 @@ import pytest
 
 from jaxlm import model as model_lib, preference, step
 from jaxlm.hf import convert
-from tests.helpers import grid, load_config
+from tests.helpers import LazyModule, grid, load_config
 
-torch = pytest.importorskip('torch')
-transformers = pytest.importorskip('transformers')
-trl = pytest.importorskip('trl')
+torch = LazyModule('torch')
+transformers = LazyModule('transformers')
+trl = LazyModule('trl')
 
 V = 61
 # (prompt, chosen, rejected) token ids; completions of different lengths, so length normalisation matters.
@@ -133,6 +133,7 @@ def models():
 
 # The fast loop runs DPO's sigmoid; the other types run in the full suite (e2e).
 @pytest.mark.parametrize('loss_type', grid(preference.LOSS_TYPES, fast=['sigmoid']))
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_loss_and_gradients_equal_trl(models, loss_type, tmp_path):
   policy, reference, m, params, ref_params = models
   want, hf_grads = _trl_loss(loss_type, copy.deepcopy(policy), reference, tmp_path)
@@ -154,6 +155,7 @@ def test_loss_and_gradients_equal_trl(models, loss_type, tmp_path):
 
 
 @pytest.mark.parametrize('loss_type', grid(['sigmoid', 'sigmoid_norm'], fast=['sigmoid']))
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_step0_loss_is_ln2_and_references_agree(models, loss_type):
   _, _, m, params, _ = models
   batch = _batch([_row(PAIRS, 48)])

@@ -50,6 +50,7 @@ def mesh():
   return sharding.make_mesh(c.mesh)
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_a_lora_model_learns_a_toy_preference_and_lr_0_moves_nothing(mesh):
   program = plain_program(_cfg(), mesh, steps=100)
   held_out = [_batch([_row([p], T) for p in _pairs(16, seed=10_000 + i)]) for i in range(2)]
@@ -76,6 +77,8 @@ def test_a_lora_model_learns_a_toy_preference_and_lr_0_moves_nothing(mesh):
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(s.params), before)
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
+@pytest.mark.slow(reason='LoRA-DPO steps compiled for three device counts and microbatch splits')
 def test_microbatches_and_device_counts_give_the_same_update(mesh):
   batch = _batch([_row([p], T) for p in _pairs(16, 7)])
   results = []

@@ -37,6 +37,7 @@ def small_tpu_config(attention_impl: str):
   return cfg
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_splash_compiles_for_a_real_tpu_target(v5e_2x2, caplog):
   cfg = small_tpu_config('splash')
   # conftest's 'highest' matmul precision asks Mosaic for an fp32-precision bf16 matmul, which it rejects.

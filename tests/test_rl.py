@@ -52,6 +52,7 @@ class Words:
 # ------------------------------------------------------------------------------------ sampler == trainer
 
 @pytest.mark.parametrize('temperature', [1.0, 0.7])
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_sampler_logprobs_equal_the_trainers(temperature):
   """Left-padded prompts of different lengths: the decode loop's log-probs of its tokens == the trainer's
   (Program.score, the train step's objective; the learning test checks the train step's own logprob_mismatch
@@ -196,6 +197,7 @@ def test_equal_rewards_leave_the_parameters_bitwise_unchanged(tmp_path):
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), start, after)
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_microbatches_and_devices_give_the_same_update():
   """One step on one device in one piece == on 8 devices in 4 microbatches (the loss weights are global)."""
   cfg_one = one_device(tiny_config())

@@ -37,7 +37,7 @@ def _odd_two_steps(parallel_block: bool, mesh_shape, explicit_transpose_grads: b
 
 
 @pytest.mark.parametrize('parallel_block, shape', grid(
-    [(block, shape) for block in (True, False) for shape in MESHES[1:]], fast=[(True, (1, 8, 1))],
+    [(block, shape) for block in (True, False) for shape in MESHES[1:]], fast=[],
     ids=lambda case: f'{"palm" if case[0] else "llama"}-{_mesh_id(case[1])}', unpack=True))
 def test_sharded_steps_match_single_device(parallel_block, shape):
   reference, _ = _odd_two_steps(parallel_block, (1, 1, 1))
@@ -54,6 +54,7 @@ def test_explicit_transpose_grads_sharded_match_single_device(shape):
   np.testing.assert_allclose(got, reference, rtol=1e-5, err_msg=f'mesh {shape}')
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_params_and_adam_moments_placement_and_bytes():
   _, state = _odd_two_steps(True, (1, 8, 1))  # the state of the sharded-steps test on this mesh
   p = state.params
@@ -105,6 +106,7 @@ def _remat_step_hlo() -> str:
     return program.train_step.lower(program.abstract_state, batch).compile().as_text()
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_residual_stream_is_sequence_split_over_tensor():
   # Megatron's sequence parallelism: between layers each device holds T/tensor of its rows' tokens. Under
   # remat=full the step keeps every layer's input for the backward, a (L, B/fsdp, T/tensor, D) stack; without
@@ -114,6 +116,7 @@ def test_residual_stream_is_sequence_split_over_tensor():
   assert 'f32[3,1,24,56]' not in hlo, 'layer inputs kept whole along the sequence on each tensor device'
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_embedding_lookup_holds_one_tensor_share_of_the_table():
   # Tokens are looked up in a (V, D/tensor) view, and the lookup's gradient is scattered into one: no device
   # holds the whole (V, D) table or its whole float32 gradient (at PaLM 540B's 256k × 18432, 17.6 GiB).
@@ -122,6 +125,7 @@ def test_embedding_lookup_holds_one_tensor_share_of_the_table():
   assert 'f32[398,56]' not in hlo, 'a whole (V, D) table on one device'
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_a_length_tensor_does_not_divide_still_gives_the_same_logits():
   # Sampling feeds prompts of any length: the residual's sequence split cannot be even there, and XLA must
   # still compute the unsplit model's logits.

@@ -222,6 +222,7 @@ def _restart_cfg_args(data_cache):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow(reason='a killed trainer process restarted around a spike drill, compared with an uninterrupted one')
 def test_kill_and_restart_around_a_spike_drill_makes_the_same_decisions_bit_for_bit(tmp_path, data_cache):
   import subprocess
   from tests.conftest import ROOT

@@ -192,6 +192,7 @@ def test_continuation_logprobs_equal_transformers_log_softmax_on_the_export(scor
     assert len(cont) > 5 and np.abs(lp - ref).max() < 1e-5
 
 
+@pytest.mark.slow(reason='generates and scores held-out continuations twice (MAUVE features included) to show the JSON repeats')
 def test_generate_heldout_gives_a_human_row_and_the_same_json_twice(textgen_runs, tmp_path):
   import json
   from jaxlm import generate as generate_lib

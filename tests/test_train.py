@@ -64,6 +64,7 @@ print(json.dumps(dict(kept=jaxlm.HOST_MEMORY_KEPT, faults=faults, pages=pages)))
 '''
 
 
+@pytest.mark.slow(reason='trainer subprocesses run long enough for the page-fault counts to settle')
 def test_host_memory_is_kept_so_steps_do_not_refault_their_temporaries():
   """XLA:CPU's per-step temporary block is reused, not mapped, faulted and zeroed again every step."""
   runs = {}

@@ -109,7 +109,7 @@ def configure() -> None:
     gs_url, s3_url, region = key
     if gs_url:
       os.environ['TENSORSTORE_GCS_HTTP_URL'] = gs_url
-      os.environ.setdefault('GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT', 'false')  # emulators have no folders API
+      _plain_gcsfs()
       # An emulator takes no credentials; TensorStore's GCS driver would otherwise look for ADC and fail.
       os.environ.setdefault('GOOGLE_AUTH_TOKEN_FOR_TESTING', 'emulator')
       fsspec.config.conf['gcs'] = {**fsspec.config.conf.get('gcs', {}), 'token': 'anon'}
@@ -125,13 +125,34 @@ def configure() -> None:
   _clear_instances()
 
 
+def _plain_gcsfs() -> None:
+  """gcsfs's plain filesystem for gs:// against an emulator, which has no folders API.
+
+  gcsfs picks its class once, when imported: with GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT unset, the extended one,
+  whose folder-API calls stall against an emulator (a minute per bucket, or for good). The variable alone is
+  not enough when gcsfs was imported before this ran, so the plain class is also registered with fsspec for
+  gs:// (fsspec.register_implementation, public API).
+  """
+  import fsspec  # pylint: disable=import-outside-toplevel
+  os.environ.setdefault('GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT', 'false')
+  if os.environ['GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT'].lower() in ('true', '1'):
+    return  # asked for by the user
+  try:
+    from gcsfs.core import GCSFileSystem  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return  # filesystem() names the missing extra
+  for name in ('gs', 'gcs'):
+    fsspec.register_implementation(name, GCSFileSystem, clobber=True)
+
+
 def _clear_instances() -> None:
+  """Drops fsspec's cached instances of the store classes already imported (importing one here would fix its
+  class before configure() set it up: see _plain_gcsfs)."""
   import fsspec  # pylint: disable=import-outside-toplevel
   for kind in SCHEMES:
-    try:
-      fsspec.get_filesystem_class(kind).clear_instance_cache()
-    except (ImportError, ValueError):
-      pass
+    cls = fsspec.registry.get(kind)
+    if cls is not None:
+      cls.clear_instance_cache()
 
 
 def filesystem(path: str):

@@ -63,6 +63,7 @@ def _loss_and_grads(model, z_loss, params, batch):
   return jax.value_and_grad(loss)(params)
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_prompt_targets_do_not_count_and_assistant_targets_do(setup):
   cfg, m, model, packed, _, params = setup
   loss, grads = _loss_and_grads(model, m.z_loss, params, packed)
@@ -80,6 +81,7 @@ def test_prompt_targets_do_not_count_and_assistant_targets_do(setup):
       assert np.array_equal(np.asarray(loss2), np.asarray(loss)) and all(same)
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_packed_rows_equal_one_conversation_per_row(setup):
   cfg, m, model, packed, single, params = setup
   loss_p, grads_p = _loss_and_grads(model, m.z_loss, params, packed)

@@ -252,6 +252,7 @@ def test_import_refuses_pickles_and_unsupported_configs(tmp_path):
       import_hf.model_overrides({**base, **bad})
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_imported_qwen3_matches_transformers_and_exports_back(hf, tmp_path, spm_model):
   """A dense Qwen3 (Llama's block with a per-head RMSNorm on q and k, head_dim ≠ D/H, tied) imports exactly."""
   torch, transformers = hf
@@ -324,6 +325,7 @@ SCALED_ROPE = {
 
 
 @pytest.mark.parametrize('kind', list(SCALED_ROPE))
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_imported_scaled_llama_matches_transformers_and_exports_back(hf, tmp_path, kind):
   torch, transformers = hf
   if not hasattr(transformers.LlamaConfig(), 'rope_parameters'):

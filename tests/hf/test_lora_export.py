@@ -12,11 +12,11 @@ import pytest
 
 from jaxlm import model as model_lib
 from jaxlm.hf import convert, export
-from tests.helpers import grid, load_config
+from tests.helpers import LazyModule, grid, load_config
 
-torch = pytest.importorskip('torch')
-transformers = pytest.importorskip('transformers')
-peft = pytest.importorskip('peft')
+torch = LazyModule('torch')
+transformers = LazyModule('transformers')
+peft = LazyModule('peft')
 
 RANK, ALPHA = 4, 12.0  # rsLoRA's alpha/sqrt(r) = 6 differs from alpha/r = 3: the scale is tested
 
@@ -58,6 +58,7 @@ def _peft_model(base, adapter_dir):
 
 @pytest.mark.parametrize('parallel_block', grid([False, True], fast=[False],
                                                 ids=lambda p: 'cohere' if p else 'llama'))
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_peft_adapter_and_merged_export_give_jaxlm_lora_logits(parallel_block, tmp_path, caplog):
   m, params = _lora_model(parallel_block)
   tokens = np.random.default_rng(1).integers(0, m.vocab_size, (2, 11)).astype(np.int32)

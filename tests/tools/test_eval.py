@@ -33,6 +33,7 @@ def test_summarize():
   assert r['bits_per_byte'] == pytest.approx(4.0)
 
 
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_generate_greedy_is_the_argmax_of_the_full_forward_and_sampling_is_seeded():
   cfg = load_config('palm_tiny')
   cfg.model.update(vocab_size=61, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, mlp_dim=24)

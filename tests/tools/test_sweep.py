@@ -118,6 +118,7 @@ def table_rows(stdout: str) -> dict:
   return {line.split()[0]: line for line in lines if line.split() and line.split()[0].isdigit()}
 
 
+@pytest.mark.slow(reason='a sweep of several trainer subprocesses, interrupted and resumed')
 def test_sweep_resumes_and_reports(tmp_path, data_cache):
   sweep_dir = tmp_path / 'sweep'
   steps = 150
