@@ -338,16 +338,18 @@ def format_memory(memory: dict) -> str:
 # (data 2 x fsdp 4: one fsdp group at the loss denominator's all-8 all-reduce and the final norm's all-gather at
 # once, the other still in its first layer), it held every thread, the others never reached the rendezvous, and
 # XLA aborted the process after 40 s.
+# With the flag, one process ran clean (38 of 38); several processes did not: 2 Slurm tasks of 4 devices, one CPU
+# each, aborted in a collective in all 3 jobs that read their steps back from a shared cache (2026-11-27).
 CPU_MESH_CACHE_OFF = ("off on a multi-device CPU mesh: XLA:CPU executables read back from the cache can run one "
                       f"device's collectives concurrently and deadlock; {malloc.CPU_MESH_XLA_FLAG} in XLA_FLAGS "
-                      'makes it safe, at some cost in step time (README, Testing)')
+                      'makes it safe in a single process, at some cost in step time (README, Testing)')
 
 
 def compilation_cache_safe() -> bool:
   """Whether programs of this backend may be read back from the persistent cache (see CPU_MESH_CACHE_OFF)."""
   if not (jax.default_backend() == 'cpu' and jax.device_count() > 1):
     return True
-  return malloc.CPU_MESH_XLA_FLAG in os.environ.get('XLA_FLAGS', '').split()
+  return jax.process_count() == 1 and malloc.CPU_MESH_XLA_FLAG in os.environ.get('XLA_FLAGS', '').split()
 
 
 def enable_compilation_cache(log_cfg) -> str | None:

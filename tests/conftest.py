@@ -58,17 +58,6 @@ def made_once(tmp_path_factory, name: str):
     (path / '.done').touch()
 
 
-@pytest.fixture(scope='session', autouse=True)
-def subprocess_compilation_cache(tmp_path_factory):
-  """One persistent compilation cache for the run's trainer and tool subprocesses (tests/helpers.py: train_env):
-  a resumed, killed or relaunched run, and every test launching the same config, reads its programs back instead
-  of compiling them again. JAXLM_TEST_XLA_CACHE names another directory; set empty, it is off."""
-  if 'JAXLM_TEST_XLA_CACHE' not in os.environ:
-    path = suite_dir(tmp_path_factory, 'xla_cache')
-    path.mkdir(parents=True, exist_ok=True)
-    os.environ['JAXLM_TEST_XLA_CACHE'] = str(path)
-
-
 @pytest.fixture(scope='session')
 def data_cache(tmp_path_factory) -> pathlib.Path:
   """One prepared copy of the stdlib corpus for every test of the run, both xdist workers included
@@ -136,7 +125,7 @@ def pytest_configure(config):
   """No persistent compilation cache in the test processes: on this 8-device CPU mesh an executable read back
   from it can run one device's collectives concurrently and deadlock (jaxlm/perf.py, CPU_MESH_CACHE_OFF; issue
   #32). The flag that makes it safe (jaxlm/malloc.py: CPU_MESH_XLA_FLAG) slowed the in-process grids' compiles and
-  steps more than the cache saved (issue #38; bench/RESULTS.md). Trainer subprocesses, which mostly run the same
-  few programs again, take both (subprocess_compilation_cache)."""
+  steps more than the cache saved (issue #38; bench/RESULTS.md). Trainer subprocesses may take both
+  (JAXLM_TEST_XLA_CACHE: tests/helpers.py, train_env); measured, that gained them ~8 %: opt-in."""
   del config
   jax.config.update('jax_enable_compilation_cache', False)
