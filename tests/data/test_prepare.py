@@ -133,8 +133,15 @@ def test_given_tokenizer_is_used_and_its_eos_is_never_stored(tmp_path, monkeypat
   model = str(tmp_path / 'given.model')
   tokenizer_lib.train(TEXTS, model, vocab_size=VOCAB)
   # A tokenizer that adds BOS and EOS to everything it encodes: prepare must still store bare documents.
-  monkeypatch.setattr(prepare_lib, '_init_worker', lambda path, *_: setattr(
-      prepare_lib, '_WORKER_TOKENIZER', tokenizer_lib.SentencePiece(path, add_bos=True, add_eos=True)))
+  # The real set-up runs first: it also resets what an earlier chat or preference preparation in this process
+  # left behind (pytest-randomly may run one just before).
+  init = prepare_lib._init_worker
+
+  def init_adding_bos_eos(path, *rest):
+    init(path, *rest)
+    prepare_lib._WORKER_TOKENIZER = tokenizer_lib.SentencePiece(path, add_bos=True, add_eos=True)
+
+  monkeypatch.setattr(prepare_lib, '_init_worker', init_adding_bos_eos)
   meta = _prepare([_write_txt(tmp_path / 'in', TEXTS)], tmp_path / 'out', tokenizer=model)
   assert meta['tokenizer_sha256'] == tokenizer_lib.file_sha256(model)
   assert meta['model_type'] == 'given' and meta['vocab_size'] == tokenizer_lib.load(model).vocab_size
