@@ -3,6 +3,7 @@
 Each test runs for the three stores with the same assertions, against emulators on 127.0.0.1 (tests/stores.py).
 """
 
+import os
 import signal
 import subprocess
 import time
@@ -19,6 +20,7 @@ from jaxlm import metrics as metrics_lib
 from jaxlm import rundir, sharding
 from jaxlm.data import storage
 from tests.conftest import ROOT
+from tests.hf.test_export import _hf_llama, hf, spm_model  # noqa: F401  pylint: disable=unused-import
 from tests.helpers import load_config
 from tests.helpers import assert_fails_with, run_cli, train_env
 from tests.stores import checkpoint_store, gcs_emulator, s3_emulator, store  # noqa: F401  pylint: disable=unused-import
@@ -246,6 +248,11 @@ def test_sigterm_and_resume_with_a_bucket_workdir_match_an_uninterrupted_local_r
   for step, loss in got:  # every logged loss, bit for bit the uninterrupted local run's
     assert loss == want[step], step
   assert rundir.checkpoint_steps(workdir) == sorted({4, stopped, 8})  # the preemption save too (keep=3)
+  # The tools read a bucket run as a local one: the same held-out loss and greedy sample, to the printed digit.
+  evals = [run_cli('jaxlm.tools.eval', f'--workdir={w}', '--batches=1', '--prompt=def', '--max_tokens=4',
+                   '--temperature=0', env=env, timeout=300) for w in (tmp_path / 'local', workdir)]
+  assert all(e.returncode == 0 for e in evals) and 'loss ' in evals[0].stdout, evals[1].stderr[-3000:]
+  assert evals[1].stdout == evals[0].stdout
 
 
 @pytest.fixture(scope='module')
@@ -282,3 +289,33 @@ def test_data_prepared_to_a_bucket_is_read_back_verified_and_the_same(store, pre
     storage.write_bytes(storage.join(url, shard), b'replaced')
     [again] = pipeline.dataset_dirs(cfg, VOCAB)
     assert again == local and open(storage.join(local, shard), 'rb').read() == b'replaced'
+
+
+def test_import_and_export_with_bucket_paths_are_bit_exact(store, tmp_path, hf, spm_model):
+  from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+  from jaxlm.hf import export, import_llama  # pylint: disable=import-outside-toplevel
+  _hf_llama(hf, str(tmp_path / 'hf'), tied=False, spm_model=spm_model)
+  source, run, back = storage.join(store, 'hf'), storage.join(store, 'run'), storage.join(store, 'back')
+  storage.upload(str(tmp_path / 'hf'), source)
+  if storage.checkpoints_unsupported(run):  # s3: refused before any work, with the route to take
+    with pytest.raises(import_llama.HFImportError, match='mount the bucket'):
+      import_llama.import_hf(source, run, cache_dir=str(tmp_path / 'cache'))
+    assert not storage.exists(run)
+    run = str(tmp_path / 'run')
+  result = import_llama.import_hf(source, run, cache_dir=str(tmp_path / 'cache'))
+  assert result['checkpoint'] == storage.join(run, 'checkpoints', '0') and storage.isdir(result['checkpoint'])
+  assert 'tokenizer.model' in result['tokenizer_files']
+  for name in result['tokenizer_files']:  # beside the checkpoints, where export looks first
+    assert storage.read_bytes(storage.join(run, name)) == (tmp_path / 'hf' / name).read_bytes(), name
+
+  summary = export.export(run, back)
+  assert summary['out'] == (back if storage.is_url(back) else os.path.abspath(back))
+  assert sorted(storage.listdir(back)) == sorted(summary['files']) and 'tokenizer.model' in summary['files']
+  assert storage.read_bytes(storage.join(back, 'tokenizer.model')) == open(spm_model, 'rb').read()
+  storage.download(storage.join(back, 'model.safetensors'), str(tmp_path / 'back.safetensors'))
+  before = {k: v for f in os.listdir(tmp_path / 'hf') if f.endswith('.safetensors')
+            for k, v in load_file(str(tmp_path / 'hf' / f)).items()}
+  after = load_file(str(tmp_path / 'back.safetensors'))
+  assert sorted(before) == sorted(after)
+  for name in before:  # bucket → jaxlm checkpoint → bucket: every tensor bit for bit
+    np.testing.assert_array_equal(after[name], before[name], err_msg=name)

@@ -368,11 +368,30 @@ def upload(local: str, url: str) -> None:
     fs.put_file(local, key)
 
 
+@contextlib.contextmanager
+def writing_dir(path: str, what: str = '--out'):
+  """A local directory to write the files of the directory `path` into: `path` itself when local; for a bucket
+  URL a temporary directory, uploaded file by file when the block ends without an error (a failed block uploads
+  nothing, so a half-written directory never reaches the bucket)."""
+  if not is_url(path):
+    os.makedirs(path, exist_ok=True)
+    yield path
+    return
+  check(path, what=what)  # before the work: a wrong endpoint fails in seconds
+  with tempfile.TemporaryDirectory(prefix='jaxlm-upload-') as local:
+    yield local
+    upload(local, path)
+
+
 def download(url: str, local: str) -> None:
-  """Copies the object `url` to the local file `local` whole (renamed into place when complete)."""
-  fs, key = filesystem(url)
+  """Copies the object `url` (or a local file) to the local file `local` whole (renamed into place when
+  complete)."""
   with format_lib.replacing(local) as tmp:
-    fs.get_file(key, tmp)
+    if is_url(url):
+      fs, key = filesystem(url)
+      fs.get_file(key, tmp)
+    else:
+      shutil.copyfile(os.path.expanduser(url), tmp)
 
 
 def free_bytes(path: str) -> int | None:

@@ -13,6 +13,10 @@ import numpy as np
 from jaxlm import errors
 from jaxlm import model as model_lib
 
+# A Hugging Face model directory's tokenizer files (import copies them beside a run's checkpoints; export looks there).
+TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'chat_template.jinja',
+                   'tokenizer.model', 'generation_config.json')  # the last: the end-of-sequence ids sampling stops at
+
 
 class ExportError(errors.ConfigError):
   """A checkpoint or model that cannot be exported faithfully; the message says why and what to do."""

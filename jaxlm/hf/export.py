@@ -21,10 +21,12 @@ Mappings that need care, each exact up to float rounding (the tests check logits
 A model that none of these covers is refused (ExportError), never exported approximately.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
+import tempfile
 
 import numpy as np
 from absl import flags, logging
@@ -33,7 +35,8 @@ from jaxlm import cli
 from jaxlm.data import format as format_lib
 from jaxlm import model as model_lib
 from jaxlm import rundir
-from jaxlm.hf.convert import ExportError, architecture, hf_config, to_hf  # noqa: F401
+from jaxlm.data import storage
+from jaxlm.hf.convert import TOKENIZER_FILES, ExportError, architecture, hf_config, to_hf  # noqa: F401
 
 DTYPES = ('float32', 'bfloat16', 'float16')
 
@@ -231,10 +234,37 @@ def export(workdir: str, out: str, *, step: int | None = None, dtype: str = 'flo
   """Writes the Hugging Face directory `out` for a run's checkpoint; returns a summary of what was written.
 
   A LoRA run (model.lora) is written merged: each adapted W + (alpha/r)·A·B in float32, then converted as any
-  model. `adapter_out` also writes its adapters alone, as a peft adapter directory (`write_adapter`).
+  model. `adapter_out` also writes its adapters alone, as a peft adapter directory (`write_adapter`). `workdir`,
+  `out` and `adapter_out` may be bucket URLs: the directories are written locally, then uploaded whole.
   """
   if dtype not in DTYPES:
     raise ExportError(f'--dtype={dtype} is unknown; use one of {", ".join(DTYPES)}.')
+  with contextlib.ExitStack() as stack:
+    local_out = stack.enter_context(storage.writing_dir(out, '--out'))
+    local_adapter = stack.enter_context(storage.writing_dir(adapter_out, '--adapter_out')) if adapter_out else None
+    summary = _export(workdir, local_out, step=step, dtype=dtype, tokenizer=tokenizer, weights=weights,
+                      adapter_out=local_adapter, stack=stack)
+  notes = [n.replace(os.path.abspath(local_adapter), adapter_out) if local_adapter else n for n in summary['notes']]
+  return {**summary, 'out': out if storage.is_url(out) else os.path.abspath(out), 'notes': notes}
+
+
+def _beside_tokenizer(workdir: str, stack: contextlib.ExitStack) -> str | None:
+  """The tokenizer jaxlm.hf.import_llama put beside a run's checkpoints (a local copy for a bucket run), or None."""
+  for name in ('tokenizer.json', 'tokenizer.model'):
+    if storage.isfile(path := storage.join(workdir, name)):
+      if not storage.is_url(path):
+        return path
+      local = stack.enter_context(tempfile.TemporaryDirectory(prefix='jaxlm-tokenizer-'))
+      for extra in TOKENIZER_FILES:  # what the tokenizer's loader reads beside it
+        if storage.isfile(source := storage.join(workdir, extra)):
+          storage.download(source, os.path.join(local, extra))
+      return os.path.join(local, name)
+  return None
+
+
+def _export(workdir: str, out: str, *, step: int | None, dtype: str, tokenizer: str | None, weights: str,
+            adapter_out: str | None, stack: contextlib.ExitStack) -> dict:
+  """`export` into the local directories `out` and `adapter_out`."""
   path = step_dir(workdir, step)
   cfg = read_config(path)
   m = model_lib.ModelConfig.from_config(cfg.model)
@@ -247,8 +277,7 @@ def export(workdir: str, out: str, *, step: int | None = None, dtype: str = 'flo
     params, m = model_lib.merge_adapters(params, m), dataclasses.replace(m, lora=model_lib.LoraConfig())
   tensors = to_hf(params, m)
   # Put beside the checkpoints by jaxlm.hf.import_llama; else the one the run's data was prepared with.
-  beside = [p for n in ('tokenizer.json', 'tokenizer.model') if os.path.isfile(p := os.path.join(workdir, n))]
-  tokenizer = tokenizer or (beside[0] if beside else find_tokenizer(cfg.data, m.vocab_size))
+  tokenizer = tokenizer or _beside_tokenizer(workdir, stack) or find_tokenizer(cfg.data, m.vocab_size)
   eos_id = 2  # SentencePiece's default, used when the tokenizer is not found
   bos_id, stop_ids, tok, template = eos_id, [eos_id], None, None
   if tokenizer:
@@ -300,7 +329,7 @@ def _define_flags() -> None:
   # otherwise collide.
   flags.DEFINE_string('workdir', None, 'Run directory (holds checkpoints/).')
   flags.DEFINE_integer('step', None, 'Checkpoint step to export (default: the newest).')
-  flags.DEFINE_string('out', None, 'Output directory for the Hugging Face model.')
+  flags.DEFINE_string('out', None, 'Output directory for the Hugging Face model, local or a bucket URL.')
   flags.DEFINE_enum('dtype', 'float32', DTYPES, 'dtype of the written weights.')
   flags.DEFINE_enum('weights', 'raw', ('raw', 'ema'), 'raw: the trained weights; ema: their moving average '
                     '(runs with optim.ema).')

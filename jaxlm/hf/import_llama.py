@@ -22,7 +22,6 @@ Tied Hugging Face embeddings become untied jaxlm ones (jaxlm ties with a 1/sqrt(
 import glob
 import json
 import os
-import shutil
 
 import jax
 import ml_collections
@@ -32,11 +31,10 @@ from absl import flags
 
 from jaxlm import cli
 from jaxlm import model as model_lib
-from jaxlm.hf.convert import HFImportError, from_hf, model_overrides  # noqa: F401
+from jaxlm.data import storage
+from jaxlm.hf.convert import TOKENIZER_FILES, HFImportError, from_hf, model_overrides  # noqa: F401
 
 PICKLE_SUFFIXES = ('.bin', '.pt', '.pth', '.ckpt', '.pkl')
-TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'chat_template.jinja',
-                   'tokenizer.model', 'generation_config.json')  # the last: the end-of-sequence ids sampling stops at
 # Keys that change what a Llama-family config computes; any of them set to something jaxlm cannot do is refused.
 
 
@@ -63,7 +61,7 @@ def read_safetensors(hf_dir: str) -> dict[str, np.ndarray]:
 
 def write_checkpoint(workdir: str, state, config: dict, step: int = 0) -> str:
   """Writes `state` and {'config': config} as <workdir>/checkpoints/<step> in the trainer's layout; returns it."""
-  directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+  directory = storage.join(workdir if storage.is_url(workdir) else os.path.abspath(workdir), 'checkpoints')
   manager = ocp.CheckpointManager(directory, item_names=('state', 'env'))
   try:
     manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -71,7 +69,7 @@ def write_checkpoint(workdir: str, state, config: dict, step: int = 0) -> str:
     manager.wait_until_finished()
   finally:
     manager.close()
-  return os.path.join(directory, str(step))
+  return storage.join(directory, str(step))
 
 
 def _default_config() -> ml_collections.ConfigDict:
@@ -82,11 +80,21 @@ def _default_config() -> ml_collections.ConfigDict:
   return cli.load_file(base)
 
 
-def import_hf(hf_dir: str, out: str, cfg: ml_collections.ConfigDict | None = None) -> dict:
-  """Converts `hf_dir` into a jaxlm checkpoint under `out`; returns the overrides and paths."""
+def import_hf(hf_dir: str, out: str, cfg: ml_collections.ConfigDict | None = None,
+              cache_dir: str = '~/.cache/jaxlm') -> dict:
+  """Converts `hf_dir` into a jaxlm checkpoint under `out`; returns the overrides and paths.
+
+  Either may be a bucket URL: a model on a bucket is read from a verified local copy under `cache_dir`; a bucket
+  `out` gets the checkpoint through Orbax and the tokenizer files uploaded beside it.
+  """
+  if problem := storage.checkpoints_unsupported(out):
+    raise HFImportError(problem)
+  storage.check(out, what='--out')  # a wrong endpoint fails in seconds (local paths pass)
+  storage.check(hf_dir, what='--hf_dir')
+  given, hf_dir = hf_dir, storage.local_copy(hf_dir, cache_dir)
   config_path = os.path.join(hf_dir, 'config.json')
   if not os.path.isfile(config_path):
-    raise HFImportError(f'{hf_dir} has no config.json; give a Hugging Face model directory.')
+    raise HFImportError(f'{given} has no config.json; give a Hugging Face model directory.')
   with open(config_path) as f:
     hf = json.load(f)
   overrides = model_overrides(hf)
@@ -97,16 +105,17 @@ def import_hf(hf_dir: str, out: str, cfg: ml_collections.ConfigDict | None = Non
   params = jax.tree.map(lambda x: x.astype(np.dtype(m.param_dtype)), params)
   path = write_checkpoint(out, {'step': np.zeros((), np.int32), 'params': params}, cfg.to_dict(), step=0)
   flags_line = ' '.join(f'--config.model.{k}={v}' for k, v in overrides.items())
-  flags_line += f' --config.checkpoint.init_from={os.path.dirname(path)}'
+  flags_line += f' --config.checkpoint.init_from={storage.dirname(path)}'
   copied = []
   for name in TOKENIZER_FILES:  # beside the checkpoints, where `jaxlm.hf.export` looks first
     if os.path.isfile(source := os.path.join(hf_dir, name)):
-      shutil.copyfile(source, os.path.join(out, name))
+      storage.upload(source, storage.join(out, name))
       copied.append(name)
   tokenizer, tokenizer_vocab = None, None
   if {'tokenizer.json', 'tokenizer.model'} & set(copied):
     from jaxlm.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
-    tokenizer = os.path.abspath(out)
+    # prepare reads a local tokenizer: for a bucket `out`, the model directory's own (the same files)
+    tokenizer = hf_dir if storage.is_url(out) else os.path.abspath(out)
     try:
       tokenizer_vocab = tokenizer_lib.load(tokenizer).vocab_size
     except ValueError as e:
@@ -131,8 +140,8 @@ FLAGS = flags.FLAGS
 def _define_flags() -> None:
   # Defined only when run as a program: tests import this module beside the trainer, whose flags would
   # otherwise collide.
-  flags.DEFINE_string('hf_dir', None, 'Local Hugging Face model directory (config.json + *.safetensors).')
-  flags.DEFINE_string('out', None, 'Directory to write the jaxlm checkpoint into (<out>/checkpoints/0).')
+  flags.DEFINE_string('hf_dir', None, 'Hugging Face model directory (config.json + *.safetensors), local or a bucket URL.')
+  flags.DEFINE_string('out', None, 'Directory to write the jaxlm checkpoint into (<out>/checkpoints/0), local or a bucket URL.')
   flags.DEFINE_string('config', None, 'jaxlm config file for everything but the model (default: '
                       'configs/base.py).')
 
