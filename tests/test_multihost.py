@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import flax.linen as nn
 import jax
@@ -18,12 +19,15 @@ import pytest
 
 from jaxlm import config as config_lib
 from jaxlm.data import pipeline as data_lib
+from jaxlm.data import storage
 from jaxlm import distributed
+from jaxlm import rundir
 from jaxlm import sharding
 from jaxlm import step
 from jaxlm import train
 from tests.conftest import ROOT
 from tests.helpers import load_config, read_records, train_env
+from tests.stores import BUCKET, gcs_emulator, store_env  # noqa: F401  pylint: disable=unused-import
 
 PROCESSES, DEVICES = 2, 4
 
@@ -264,3 +268,40 @@ def test_sigterm_to_one_process_stops_every_process_after_the_same_step(tmp_path
   saved = workdir / 'checkpoints' / str(event['step'])
   assert sorted(p.name for p in (saved / 'data').glob('process_*')) == ['process_0-of-2.json', 'process_1-of-2.json']
 
+
+
+@pytest.mark.slow(reason='two real processes checkpoint to the GCS emulator on SIGTERM, then one process resumes there')
+def test_two_processes_on_a_bucket_workdir_with_no_shared_directory_then_resume_on_one(data_cache, reference,
+                                                                                       gcs_emulator, monkeypatch):
+  # The TPU-pod case: no directory the processes share, only a bucket (the data cache is each host's own copy).
+  workdir = f'gs://{BUCKET}/{uuid.uuid4().hex[:12]}/run'
+  env = {**train_env(DEVICES), **store_env('gs', gcs=gcs_emulator)}
+  for name, value in store_env('gs', gcs=gcs_emulator).items():  # this process reads the bucket too
+    monkeypatch.setenv(name, value)
+  train_records = lambda: [r for r in rundir.read_metrics(workdir) if r.get('kind') == 'train']
+  launcher = subprocess.Popen(local_command(workdir, *overrides(data_cache)), cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+  try:
+    wait_for(lambda: any(r['step'] >= 10 for r in train_records()), 300, 'step 10 in metrics.jsonl on the bucket')
+    launcher.send_signal(signal.SIGTERM)
+    out, _ = launcher.communicate(timeout=180)
+  finally:
+    if launcher.poll() is None:
+      os.killpg(launcher.pid, signal.SIGKILL)
+  assert launcher.returncode == 0, out[-5000:]
+  [event] = [r for r in rundir.read_metrics(workdir) if r.get('event') == 'preempted']
+  stopped = event['step']
+  assert 10 <= stopped < 30 and stopped in rundir.checkpoint_steps(workdir), event
+  saved = storage.join(workdir, 'checkpoints', str(stopped), 'data')
+  assert [n for n in storage.listdir(saved) if n.startswith('process_')] == ['process_0-of-2.json',
+                                                                            'process_1-of-2.json']
+  again = subprocess.run([sys.executable, '-m', 'jaxlm.train', '--config=configs/palm_tiny.py', f'--workdir={workdir}',
+                          *overrides(data_cache)], cwd=ROOT, env={**train_env(), **store_env('gs', gcs=gcs_emulator)},
+                         capture_output=True, text=True, timeout=600)
+  assert again.returncode == 0 and f'resumed from checkpoint step {stopped}' in again.stdout, again.stderr[-3000:]
+  losses, eval_loss = reference
+  logged = {r['step']: r['loss'] for r in train_records()}  # steps logged before and after the stop
+  assert sorted(logged) == [5, 10, 15, 20, 25, 30]
+  np.testing.assert_allclose([logged[s] for s in sorted(logged)], [losses[s] for s in sorted(logged)], rtol=2e-5)
+  evals = [r for r in rundir.read_metrics(workdir) if r.get('kind') == 'eval']
+  np.testing.assert_allclose(evals[-1]['eval_loss'], eval_loss, rtol=2e-5)
