@@ -90,9 +90,8 @@ def gcs_emulator(tmp_path_factory):
     log.close()
 
 
-@pytest.fixture(scope='session')
-def s3_emulator(tmp_path_factory):
-  """http://127.0.0.1:<port> of a moto server holding the bucket BUCKET."""
+def _moto(log_dir, env: dict | None = None):
+  """Runs a moto server holding the bucket BUCKET while the generator is open; yields its URL."""
   server = shutil.which('moto_server')
   command = [server] if server else [sys.executable, '-m', 'moto.server']
   try:
@@ -101,9 +100,9 @@ def s3_emulator(tmp_path_factory):
     pytest.skip('moto is not installed (pip install "moto[server]")')
   port = free_port()
   url = f'http://127.0.0.1:{port}'
-  log = _log(tmp_path_factory.mktemp('moto_log'))
+  log = _log(log_dir)
   proc = subprocess.Popen([*command, '-H', '127.0.0.1', '-p', str(port)], stdout=log, stderr=subprocess.STDOUT,
-                          text=True)
+                          text=True, env={**os.environ, **(env or {})})
   try:
     _wait(url, proc, log)
     urllib.request.urlopen(urllib.request.Request(f'{url}/{BUCKET}', method='PUT'), timeout=10)
@@ -111,6 +110,19 @@ def s3_emulator(tmp_path_factory):
   finally:
     _stop(proc)
     log.close()
+
+
+@pytest.fixture(scope='session')
+def s3_emulator(tmp_path_factory):
+  """http://127.0.0.1:<port> of a moto server holding the bucket BUCKET."""
+  yield from _moto(tmp_path_factory.mktemp('moto_log'))
+
+
+@pytest.fixture(scope='module')
+def s3_emulator_checking_keys(tmp_path_factory):
+  """A moto server that, as S3 does, refuses requests signed with keys it does not know (its first two requests,
+  `_wait`'s probe and the bucket's creation, are let through unsigned)."""
+  yield from _moto(tmp_path_factory.mktemp('moto_auth_log'), {'INITIAL_NO_AUTH_ACTION_COUNT': '2'})
 
 
 def store_env(kind: str, gcs: str | None = None, s3: str | None = None) -> dict:

@@ -23,7 +23,7 @@ from tests.conftest import ROOT
 from tests.hf.test_export import _hf_llama, hf, spm_model  # noqa: F401  pylint: disable=unused-import
 from tests.helpers import load_config
 from tests.helpers import assert_fails_with, run_cli, train_env
-from tests.stores import checkpoint_store, gcs_emulator, s3_emulator, store  # noqa: F401  pylint: disable=unused-import
+from tests.stores import checkpoint_store, gcs_emulator, s3_emulator, s3_emulator_checking_keys, store  # noqa: F401  pylint: disable=unused-import
 from tests.stores import BUCKET, free_port, store_env
 
 
@@ -319,3 +319,23 @@ def test_import_and_export_with_bucket_paths_are_bit_exact(store, tmp_path, hf, 
   assert sorted(before) == sorted(after)
   for name in before:  # bucket → jaxlm checkpoint → bucket: every tensor bit for bit
     np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+
+
+@pytest.mark.parametrize('keys', ['wrong', 'none'])
+def test_wrong_or_missing_s3_credentials_stop_in_seconds_with_exit_3(s3_emulator_checking_keys, tmp_path, keys):
+  (tmp_path / 'in').mkdir()
+  (tmp_path / 'in' / 'a.txt').write_text('some text\n')
+  env = {k: v for k, v in train_env().items() if not k.startswith('AWS_')}
+  env.update(AWS_ENDPOINT_URL=s3_emulator_checking_keys, AWS_REGION='us-east-1')
+  if keys == 'wrong':
+    env.update(AWS_ACCESS_KEY_ID='AKIAWRONGWRONGWRONG0', AWS_SECRET_ACCESS_KEY='wrong')
+  else:  # nowhere botocore looks: no variables, no profile files, no instance role
+    env.update(AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / 'none'), AWS_CONFIG_FILE=str(tmp_path / 'none'),
+               AWS_EC2_METADATA_DISABLED='true')
+  start = time.monotonic()
+  out = run_cli('jaxlm.data.prepare', f'--inputs={tmp_path / "in"}', f'--out=s3://{BUCKET}/data', env=env,
+                timeout=60)
+  assert time.monotonic() - start < 15
+  expected = ('PermissionError: Forbidden; check the credentials' if keys == 'wrong' else
+              'no S3 credentials were found; set them')
+  assert_fails_with(out, 3, f'--out=s3://{BUCKET}/data: {expected}', 'AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY')

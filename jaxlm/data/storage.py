@@ -208,13 +208,16 @@ def check(path: str, what: str = '--workdir') -> None:
   kind = scheme(path)
   fs, _ = filesystem(path)
   try:
-    found = fs.exists(bucket(path))
+    fs.info(bucket(path))  # one request; unlike exists(), it raises what the store answered (a refused key)
+  except FileNotFoundError:
+    raise StorageError(f'{what}={path}: bucket {bucket(path)} does not exist (or these credentials cannot see '
+                       f'it); create it or fix the URL') from None
   except Exception as e:  # pylint: disable=broad-except  -- credentials, permissions: each client its own class
+    if kind == 's3' and not _s3_credentials():  # s3fs then sends anonymous requests, which a private bucket refuses
+      raise StorageError(f'{what}={path}: no S3 credentials were found; set them ({_credentials_hint(kind)})') \
+          from None
     raise StorageError(f'{what}={path}: {type(e).__name__}: {" ".join(str(e).split())[:200]}; check the '
                        f'credentials ({_credentials_hint(kind)})') from None
-  if not found:
-    raise StorageError(f'{what}={path}: bucket {bucket(path)} does not exist (or these credentials cannot see '
-                       f'it); create it or fix the URL')
 
 
 def check_endpoint(path: str, what: str = '--workdir') -> None:
@@ -232,6 +235,12 @@ def check_endpoint(path: str, what: str = '--workdir') -> None:
   except OSError as e:
     raise StorageError(f'{what}={path}: cannot reach {host}:{port} ({e.strerror or e}); check {variable} and '
                        f'the network') from None
+
+
+def _s3_credentials() -> bool:
+  """Whether botocore finds S3 credentials anywhere it looks (variables, profiles, an instance role)."""
+  import botocore.session  # pylint: disable=import-outside-toplevel  -- with s3fs
+  return botocore.session.Session().get_credentials() is not None
 
 
 def _credentials_hint(kind: str) -> str:
