@@ -340,3 +340,22 @@ def test_gen_eval_settings_are_checked_in_config_validation():
   with pytest.raises(errors.ConfigError) as e:
     config_lib.validate(cfg, 8, num_processes=2)
   assert 'train.gen_eval runs on one process only, not 2' in str(e.value)
+
+
+@pytest.mark.slow(reason='the eval command in a subprocess generates and scores what the in-process call does')
+def test_the_generate_command_prints_the_table_of_the_scores_it_computes(textgen_runs, tmp_path):
+  import json
+  from jaxlm.tools import eval as eval_lib
+  from tests.helpers import run_cli
+  model_dir, _ = textgen_runs
+  prompts = ['import os\n', 'def f(x):\n', 'class A:\n', 'for i in range(']
+  path = tmp_path / 'prompts.jsonl'
+  path.write_text(''.join(json.dumps({'prompt': p, 'reference': p[::-1]}) + '\n' for p in prompts))
+  out = run_cli('jaxlm.tools.eval', f'--workdir={model_dir}', f'--generate={path}', '--max_tokens=12',
+                '--mauve_seeds=', f'--samples_out={tmp_path / "cli.jsonl"}', devices=8, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  r = eval_lib.generate_and_score(str(model_dir), str(path), max_tokens=12, mauve_seeds=(),
+                                  samples_out=str(tmp_path / 'call.jsonl'))
+  assert textgen.table(r) in out.stdout and 'model' in textgen.table(r) and 'human' in textgen.table(r)
+  assert out.stdout.splitlines()[-1] == f'samples: {tmp_path / "cli.jsonl"}'
+  assert (tmp_path / 'cli.jsonl').read_text() == (tmp_path / 'call.jsonl').read_text()

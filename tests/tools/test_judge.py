@@ -71,3 +71,25 @@ def test_judge_unreachable_is_an_endpoint_error():
     port = s.getsockname()[1]
   with pytest.raises(judge_lib.EndpointError, match='did not answer'):
     judge_lib.ask(f'http://127.0.0.1:{port}/v1', 'm', [], timeout=5)
+
+
+def test_the_command_prints_what_judge_returns_and_refuses_a_bad_samples_file(stub, tmp_path):
+  from tests.helpers import assert_fails_with, run_cli  # pylint: disable=import-outside-toplevel
+  url, received = stub
+  samples = [{'prompt': 'def f(x):', 'completion': '\n    return x', 'human': '\n    return 2 * x'},
+             {'prompt': 'import', 'completion': ' os', 'human': ' sys'}]
+  path = tmp_path / 'samples.jsonl'
+  path.write_text(''.join(json.dumps(s) + '\n' for s in samples))
+  want = judge_lib.judge(samples, url, 'tiny')
+  out = run_cli('jaxlm.tools.judge', f'--samples={path}', f'--url={url}', '--model=tiny', '--json', timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert json.loads(out.stdout.strip().splitlines()[-1]) == want
+  assert len(received) == 8 + 8  # the call's questions (2 criteria × 2 sides × 2 samples), then the command's
+  table = run_cli('jaxlm.tools.judge', f'--samples={path}', f'--url={url}', '--model=tiny', timeout=120)
+  rows = {line.split()[0]: line.split()[1:] for line in table.stdout.splitlines() if line.split()[:1] in
+          (['model'], ['human'])}
+  assert rows == {side: [f'{want[side]["fluency"]:.3f}', f'{want[side]["coherence"]:.3f}'] for side in
+                  ('model', 'human')}, table.stdout
+  path.write_text('{"prompt": "x"}\n')
+  assert_fails_with(run_cli('jaxlm.tools.judge', f'--samples={path}', f'--url={url}', timeout=120), 2,
+                    'samples.jsonl:1 needs "prompt" and "completion" strings')
