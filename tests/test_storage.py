@@ -3,6 +3,7 @@
 Each test runs for the three stores with the same assertions, against emulators on 127.0.0.1 (tests/stores.py).
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -339,3 +340,42 @@ def test_wrong_or_missing_s3_credentials_stop_in_seconds_with_exit_3(s3_emulator
   expected = ('PermissionError: Forbidden; check the credentials' if keys == 'wrong' else
               'no S3 credentials were found; set them')
   assert_fails_with(out, 3, f'--out=s3://{BUCKET}/data: {expected}', 'AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY')
+
+
+def test_inputs_on_a_bucket_are_read_in_place_into_the_same_shards(store, tmp_path):
+  from jaxlm.data import prepare as prepare_lib, readers  # pylint: disable=import-outside-toplevel
+  from tests.data import scale_corpus  # pylint: disable=import-outside-toplevel
+  from tests.data.test_prepare_scale import SETTINGS  # pylint: disable=import-outside-toplevel
+  scale_corpus.write(tmp_path / 'corpus')  # parquet row groups, jsonl ranges, a .jsonl.gz, a txt, bad records
+  url = storage.join(store, 'corpus')
+  storage.upload(str(tmp_path / 'corpus'), url)
+  sources = readers.expand_inputs([url])
+  assert [s.key for s in sources] == [s.key for s in readers.expand_inputs([str(tmp_path / 'corpus')])]
+  prepare_lib.prepare(readers.expand_inputs([str(tmp_path / 'corpus')]), str(tmp_path / 'a'), **SETTINGS)
+  prepare_lib.prepare(sources, str(tmp_path / 'b'), block_bytes=300, **SETTINGS)  # ranged reads of the objects
+  skip = ('runs.jsonl', 'plan.json', 'metadata.json')  # the last two name where the inputs were
+  files = lambda d: {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.name not in skip}
+  assert files(tmp_path / 'b') == files(tmp_path / 'a') and any(n.endswith('.arrayrecord') for n in files(tmp_path / 'a'))
+  meta = [json.loads((tmp_path / d / 'metadata.json').read_text()) for d in 'ab']
+  paths = [[s.pop('path') for s in m['sources']] for m in meta]
+  assert meta[1] == meta[0] and paths[1] == [storage.join(url, s.key) for s in sources]
+  storage.write_bytes(storage.join(url, 'j2.jsonl'), (tmp_path / 'corpus' / 'j2.jsonl').read_text() + '{"text": "x"}\n')
+  with pytest.raises(readers.PrepareError, match='input j2.jsonl changed'):  # the store's hash says so
+    prepare_lib.prepare(readers.expand_inputs([url]), str(tmp_path / 'b'), block_bytes=300, **SETTINGS)
+
+
+def test_streaming_from_a_bucket_gives_the_rows_of_the_local_files(store, tmp_path):
+  from tests.data import test_stream_lanes as lanes_test  # pylint: disable=import-outside-toplevel
+  from tests.data import scale_corpus  # pylint: disable=import-outside-toplevel
+  from jaxlm.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  docs = scale_corpus.write(tmp_path / 'corpus')['docs']
+  tokenizer_lib.train(iter(docs), str(tmp_path / 'tok.model'), vocab_size=320)
+  url = storage.join(store, 'corpus')
+  storage.upload(str(tmp_path / 'corpus'), url)
+  cfg = load_config().data
+  cfg.update(source='stream', paths=str(tmp_path / 'corpus'), tokenizer=str(tmp_path / 'tok.model'),
+             seq_len=lanes_test.SEQ, stream_lanes=lanes_test.LANES)
+  local = lanes_test._global_rows(lanes_test._iterators(cfg, 1), 12)  # pylint: disable=protected-access
+  cfg.paths = url
+  two = lanes_test._iterators(cfg, 2)  # pylint: disable=protected-access
+  assert lanes_test._global_rows(two, 12) == local  # pylint: disable=protected-access

@@ -267,7 +267,9 @@ def _plan(sources, *, vocab_size, model_type, tokenizer_sha, text_field, txt_doc
           'separator': separator, 'data_format': data_format, 'chat_template': chat_template, 'seq_len': seq_len}
 
 
-def _mtime(source: Source) -> int:
+def _mtime(source: Source) -> int | str:
+  if source.version:  # a bucket object: the store's hash of it
+    return source.version
   try:
     return os.stat(source.path).st_mtime_ns
   except OSError:
@@ -439,8 +441,8 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
   docs_per_source = collections.Counter()
   for u, c in zip(units, found):
     docs_per_source[u.source.key] += c.documents
-  per_source = [{'key': s.key, 'path': os.path.abspath(s.path), 'bytes': s.size, 'documents': docs_per_source[s.key]}
-                for s in sources]
+  per_source = [{'key': s.key, 'path': s.path if storage.is_url(s.path) else os.path.abspath(s.path), 'bytes': s.size,
+                 'documents': docs_per_source[s.key]} for s in sources]
   seconds = time.time() - start
   with open(os.path.join(out, 'runs.jsonl'), 'a') as f:  # what varies between runs stays out of metadata.json
     f.write(json.dumps({'engine': engine, 'workers': runner.workers, 'units': len(units),

@@ -6,6 +6,7 @@ too. Cleaning normalises line endings, a leading byte-order mark and invalid UTF
 drops empty documents (counted); it never lower-cases. `jaxlm.data.prepare` turns the documents into shards.
 """
 
+import contextlib
 import dataclasses
 import glob
 import gzip
@@ -16,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from absl import logging
 
 from jaxlm import errors
+from jaxlm.data import storage
 
 TXT_DOCS = ('file', 'paragraphs', 'lines')
 
@@ -26,10 +28,12 @@ class PrepareError(errors.DataError):
 
 @dataclasses.dataclass(frozen=True)
 class Source:
-  """One input file. `key` is its stable name (path relative to the input root): hashed for the split."""
+  """One input file. `key` is its stable name (path relative to the input root): hashed for the split.
+  `version`: on a bucket, the store's hash of the object (what says it changed; a local file has its mtime)."""
   path: str
   key: str
   size: int
+  version: str = ''
 
 
 def _kind(path: str) -> str:
@@ -53,6 +57,16 @@ def expand_inputs(specs: Sequence[str]) -> list[Source]:
     spec = os.path.expanduser(spec.strip())
     if not spec:
       continue
+    if storage.is_url(spec):  # read in place: ranged reads of each object (storage.open_file)
+      storage.check(spec, what='--inputs')
+      found = [o for o in storage.list_objects(spec) if _is_data_file(o[0])]
+      if not found:
+        raise PrepareError(f'input {spec!r} holds no .txt, .jsonl or .parquet objects.')
+      for url, key, size, version in found:
+        if url not in seen:
+          seen.add(url)
+          sources.append(Source(path=url, key=key, size=size, version=version))
+      continue
     if os.path.isdir(spec):
       found = [(p, os.path.relpath(p, spec)) for p in glob.glob(os.path.join(spec, '**', '*'), recursive=True)
                if os.path.isfile(p) and _is_data_file(p)]
@@ -74,8 +88,14 @@ def expand_inputs(specs: Sequence[str]) -> list[Source]:
   return sources
 
 
+@contextlib.contextmanager
 def _open(path: str):
-  return gzip.open(path, 'rb') if path.lower().endswith('.gz') else open(path, 'rb')
+  with storage.open_file(path) as f:
+    if path.lower().endswith('.gz'):
+      with gzip.open(f, 'rb') as g:
+        yield g
+    else:
+      yield f
 
 
 def _normalise_newlines(text: str, counts: dict) -> str:
@@ -143,7 +163,8 @@ def units(source: Source, counts: dict, *, text_field: str = 'text', block_bytes
     except ImportError as e:
       raise PrepareError(f'{source.path}: reading parquet needs pyarrow (pip install pyarrow).') from e
     try:
-      meta = pq.ParquetFile(source.path).metadata
+      with storage.open_file(source.path) as f:
+        meta = pq.ParquetFile(f).metadata
       names = meta.schema.to_arrow_schema().names
     except Exception as e:  # pyarrow raises its own ArrowInvalid/OSError family for corrupt files
       _warn_skip(counts, 'dropped_unreadable_files', f'{source.path}: {e}')
@@ -278,7 +299,8 @@ def _read_row_group(unit: Unit, counts: dict, text_field: str) -> Iterator[tuple
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top  # optional: only parquet inputs need it
   source = unit.source
   try:
-    column = pq.ParquetFile(source.path).read_row_group(unit.start, columns=[text_field]).column(0)
+    with storage.open_file(source.path) as f:
+      column = pq.ParquetFile(f).read_row_group(unit.start, columns=[text_field]).column(0)
   except Exception as e:  # pylint: disable=broad-except  -- pyarrow's ArrowInvalid/OSError family
     _warn_skip(counts, 'dropped_unreadable_files', f'{source.path} row group {unit.start}: {e}')
     return

@@ -16,6 +16,7 @@ object or the new one), a "move" is copy-then-delete, and an appended log is kep
 
 import base64
 import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -429,6 +430,34 @@ def tree_bytes(path: str) -> int:
   return total
 
 
+# ---------------------------------------------------------------- inputs read in place
+
+def open_file(path: str):
+  """A local file or a bucket object opened for binary reading; seekable (a seek on an object is a ranged read)."""
+  if not is_url(path):
+    return open(os.path.expanduser(path), 'rb')  # pylint: disable=consider-using-with
+  fs, key = filesystem(path)
+  return fs.open(key, 'rb')
+
+
+def list_objects(spec: str) -> list[tuple[str, str, int, str]]:
+  """(URL, name relative to the spec, size, the store's hash) of each object a bucket URL names: the object
+  itself, every object under the prefix, or a glob's matches (its URLs as names), from one listing."""
+  fs, key = filesystem(spec)
+  fs.invalidate_cache(key)
+  prefix = spec.split('://', 1)[0] + '://'
+  if glob.has_magic(key):
+    found = {name: info for name, info in fs.glob(key, detail=True).items() if info.get('type') != 'directory'}
+    return [(prefix + name, prefix + name, int(info['size']), _object_hash(spec, info))
+            for name, info in sorted(found.items())]
+  key = key.rstrip('/')
+  if fs.isfile(key):
+    info = fs.info(key)
+    return [(spec, key.rsplit('/', 1)[-1], int(info['size']), _object_hash(spec, info))]
+  return [(prefix + name, name[len(key):].lstrip('/'), int(info['size']), _object_hash(spec, info))
+          for name, info in sorted(fs.find(key, detail=True).items())]
+
+
 # ---------------------------------------------------------------- integrity from the store's own hashes
 
 def hashes(path: str, skip: tuple[str, ...] = ()) -> tuple[str, dict[str, str]]:
@@ -450,15 +479,23 @@ def hashes(path: str, skip: tuple[str, ...] = ()) -> tuple[str, dict[str, str]]:
     return 'sha256', sums
   fs, key = filesystem(path)
   fs.invalidate_cache(key)
-  algorithm = 'crc32c' if scheme(path) == 'gs' else 'etag'
   sums = {}
   for name, info in fs.find(key, detail=True).items():
     rel = name[len(key):].lstrip('/')
     if rel in skip:
       continue
-    value = info.get('crc32c') if algorithm == 'crc32c' else (info.get('ETag') or info.get('etag'))
-    sums[rel] = str(value).strip('"') if value is not None else f'size:{info.get("size")}'
-  return algorithm, sums
+    sums[rel] = _object_hash(path, info)
+  return _hash_algorithm(path), sums
+
+
+def _hash_algorithm(url: str) -> str:
+  return 'crc32c' if scheme(url) == 'gs' else 'etag'
+
+
+def _object_hash(url: str, info: dict) -> str:
+  """The hash the store keeps for the object `info` describes (one entry of a listing)."""
+  value = info.get('crc32c') if _hash_algorithm(url) == 'crc32c' else (info.get('ETag') or info.get('etag'))
+  return str(value).strip('"') if value is not None else f'size:{info.get("size")}'
 
 
 def crc32c_b64(data: bytes) -> str:
