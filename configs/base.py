@@ -75,6 +75,9 @@ def get_config() -> ml_collections.ConfigDict:
   d.paths = ''  # prepared dataset directories (from `python -m jaxlm.data.prepare`), comma-separated; stream: parquet/jsonl/txt files, dirs, globs (datasets of a mixture split by ';')
   d.tokenizer = ''  # stream: the tokenizer (.model, tokenizer.json, or a directory with one)
   d.text_field = 'text'  # stream: jsonl field / parquet column holding the text
+  d.stream_format = 'text'  # stream: text documents | chat (jsonl conversations, loss on assistant turns, as prepare --format=chat)
+  d.chat_template = ''  # stream chat: chatml | llama3 | '' (the tokenizer's own)
+  d.empty_think = 'mask'  # stream chat: an empty <think></think> the template writes is masked (mask) or trained (train)
   d.stream_lanes = 0  # stream: K lanes, each packing its own units; global row k = row k // K of lane k % K (0 = train.batch_size)
   d.eval_paths = ''  # stream: held-out files to evaluate on (there is no held-out split)
   d.weights = ''  # mixture weights for `paths`, comma-separated; empty = proportional to tokens (stream: equal)

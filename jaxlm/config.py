@@ -18,6 +18,7 @@ from jaxlm import pipeline as pipeline_lib
 from jaxlm import preflight
 from jaxlm import sharding
 from jaxlm import stability
+from jaxlm.data import chat as chat_lib
 from jaxlm.data import pipeline
 from jaxlm.errors import ConfigError  # noqa: F401
 
@@ -261,6 +262,10 @@ def _data_errors(d) -> list[str]:
       e.append('data.source=stream needs data.paths: parquet / jsonl / txt files, directories or globs.')
     if not d.get('tokenizer'):
       e.append('data.source=stream needs data.tokenizer: a .model, a tokenizer.json, or a directory with one.')
+  if d.get('stream_format', 'text') not in ('text', 'chat'):
+    e.append(f'data.stream_format={d.stream_format!r} is unknown; use text or chat.')
+  if d.get('empty_think', 'mask') not in chat_lib.EMPTY_THINK:
+    e.append(f'data.empty_think={d.empty_think!r} is unknown; use one of {", ".join(chat_lib.EMPTY_THINK)}.')
   if d.get('stream_lanes', 0) < 0:
     e.append(f'data.stream_lanes={d.stream_lanes} must be >= 0 (0 = train.batch_size).')
   if d.weights and d.source != 'stream' and len(d.weights.split(',')) != len(d.paths.split(',')):

@@ -10,6 +10,11 @@ process p of P always holds the same lanes and tokenizes only those. The batches
 seed, K and T: not of the process count. A lane's position is a cursor (epoch, unit, document, token); the
 checkpointed position is every lane's cursor, so a resume on another process count reads the same rows.
 
+Chat data (data.stream_format=chat: jsonl conversations) streams as `prepare --format=chat` stores it: each
+record rendered through the chat template with its loss weights (chat.encode), cut at a turn end to fit (chat.fit),
+and packed whole: a lane adds conversations to its row while the next fits, then pads the row (weight 0) and starts
+the next with it, so no conversation is split and attention never crosses one.
+
 What it gives up against `prepare`: no global document shuffle (documents keep their order inside a unit; units
 are shuffled per epoch) and no held-out split (evaluate on explicit held-out files).
 """
@@ -21,6 +26,7 @@ import os
 import grain
 import numpy as np
 
+from jaxlm.data import chat as chat_lib
 from jaxlm.data import readers
 from jaxlm.data import stream as stream_lib
 from jaxlm.errors import DataError
@@ -44,7 +50,7 @@ class Lanes:
 
   def __init__(self, units: list[list], tokenizer, *, lanes: int, seq_len: int, seed: int,
                weights: list[float] | None = None, text_field: str = 'text', txt_docs: str = 'file',
-               cross_document_attention: bool = False, shuffle: bool = True):
+               cross_document_attention: bool = False, shuffle: bool = True, chat: tuple | None = None):
     for d, found in enumerate(units):
       if len(found) < lanes:
         raise DataError(f'data.source=stream: dataset {d} of data.paths holds {len(found)} units (parquet row '
@@ -57,6 +63,7 @@ class Lanes:
     self.tok, self.lanes, self.seq_len, self.seed = tokenizer, lanes, seq_len, seed
     self.text_field, self.txt_docs = text_field, txt_docs
     self.cross, self.shuffle = cross_document_attention, shuffle
+    self.chat = chat  # (template, empty_think) for chat data, else None
     self.eos = tokenizer.separator_id
     self._orders = collections.OrderedDict()
 
@@ -72,8 +79,12 @@ class Lanes:
     return [int(u) for u in self._orders[key][lane::self.lanes]]
 
   def texts(self, unit: int):
-    """The documents of one unit, in order."""
+    """The documents of one unit, in order: texts, or for chat data the parsed records of its lines."""
     UNITS_OPENED[unit] += 1
+    if self.chat:
+      for _, record in readers.read_records(self.units[unit], collections.Counter()):
+        yield record
+      return
     for _, text in readers.read_unit(self.units[unit], collections.Counter(), text_field=self.text_field,
                                      txt_docs=self.txt_docs):
       yield text
@@ -84,8 +95,19 @@ class Lanes:
       for d, text in enumerate(self.texts(u)):
         yield u, d, text
 
-  def example(self, text: str) -> tuple[np.ndarray, np.ndarray]:
-    """A document's inputs [EOS] + ids and targets ids + [EOS], as the prepared stream packs them."""
+  def example(self, text) -> tuple[np.ndarray, np.ndarray] | None:
+    """A document's inputs [EOS] + ids and targets ids + [EOS], as the prepared stream packs them; for chat data
+    a record's (ids, loss weights) as prepare stores them, or None where prepare skips it (a bad record, or one
+    with no turn end within seq_len + 1 tokens)."""
+    if self.chat:
+      template, empty_think = self.chat
+      try:
+        ids, weights, turn_ends = chat_lib.encode(self.tok, template, chat_lib.messages_of(text),
+                                                  empty_think=empty_think)
+      except chat_lib.BadRecord:
+        return None
+      fitted = chat_lib.fit(ids, weights, turn_ends, self.seq_len + 1)
+      return None if fitted is None else (fitted[0].astype(np.int32), fitted[1].astype(np.float32))
     ids = stream_lib.strip(np.asarray(self.tok.encode_documents([text])[0], np.int32), self.eos, -1)
     return (np.concatenate([[self.eos], ids]).astype(np.int32),
             np.concatenate([ids, [self.eos]]).astype(np.int32))
@@ -116,7 +138,10 @@ class LaneIterator(grain.DatasetIterator):
         self._docs = texts
       text = next(self._docs, None)
       if text is not None:
-        return self.lanes.example(text)
+        if (example := self.lanes.example(text)) is not None:
+          return example
+        c['doc'] += 1  # skipped, as prepare skips it (chat data only: text documents are never empty here)
+        continue
       self._docs = None
       c['unit'], c['doc'], c['token'] = c['unit'] + 1, 0, 0
       if c['unit'] == len(units):
@@ -126,7 +151,32 @@ class LaneIterator(grain.DatasetIterator):
         raise DataError(f'data.source=stream: lane {self.lane} found no document in any of its units; check '
                         f'data.paths and data.text_field')
 
+  def _next_chat_row(self) -> dict:
+    """Whole conversations while the next fits (ids c, weights w add c[:-1], c[1:], w[1:]: stream.ConversationRows'
+    layout), then padding; the one that did not fit stays at the cursor and opens the next row."""
+    T, c = self.lanes.seq_len, self.cursor
+    out = {k: np.zeros(T, np.int32) for k in ('inputs', 'targets', 'segment_ids', 'positions')}
+    out['weights'] = np.zeros(T, np.float32)
+    fill, segment = 0, 0
+    while True:
+      if self._current is None:
+        self._current = self._next_document()
+      ids, weights = self._current
+      n = len(ids) - 1  # <= T: chat.fit kept at most T + 1 tokens
+      if fill + n > T:
+        return out
+      segment += 1
+      out['inputs'][fill:fill + n], out['targets'][fill:fill + n] = ids[:-1], ids[1:]
+      out['weights'][fill:fill + n] = weights[1:]
+      out['segment_ids'][fill:fill + n] = segment
+      out['positions'][fill:fill + n] = np.arange(n, dtype=np.int32)
+      fill += n
+      self._current = None
+      c['doc'] += 1
+
   def __next__(self) -> dict:
+    if self.lanes.chat:
+      return self._next_chat_row()
     T, c = self.lanes.seq_len, self.cursor
     out = {k: np.zeros(T, np.int32) for k in ('inputs', 'targets', 'segment_ids', 'positions')}
     fill, segment = 0, 0
@@ -273,9 +323,21 @@ def open_lanes(data_cfg, *, seed: int, lanes: int, vocab_size: int, paths: str |
   text_field = data_cfg.get('text_field', 'text')
   units = [[u for s in found for u in readers.units(s, collections.Counter(), text_field=text_field)]
            for found in sources]
+  chat = None
+  if data_cfg.get('stream_format', 'text') == 'chat':
+    try:
+      template = chat_lib.template_of(tok, data_cfg.get('chat_template') or None)
+    except ValueError as e:
+      raise DataError(f'{e}; check data.chat_template') from e
+    if template is None:
+      raise DataError(f'data.tokenizer {data_cfg.tokenizer} has no chat template; set data.chat_template (chatml, '
+                      f'llama3) or give the model\'s tokenizer directory')
+    chat = (template, data_cfg.get('empty_think', 'mask'))
   result = Lanes(units, tok, lanes=lanes, seq_len=data_cfg.seq_len, seed=seed, weights=weights,
                  text_field=text_field, cross_document_attention=data_cfg.cross_document_attention,
-                 shuffle=shuffle)
+                 shuffle=shuffle, chat=chat)
   fp = {'data.seq_len': data_cfg.seq_len, 'train.seed': seed, 'tokenizer': tok.sha256, 'data.stream_lanes': lanes,
         'data.paths': [[[s.key, s.size] for s in found] for found in sources], 'data.weights': result.mixture.q}
+  if chat:  # what a chat row holds depends on the template too
+    fp['chat'] = [hashlib.sha256(chat[0].encode()).hexdigest()[:16], chat[1]]
   return result, fp
