@@ -458,3 +458,32 @@ def test_stall_message_cadence():
   text = checkpoint_lib.stall_message(200, 100, waited_s=6.0, interval_s=10.0)  # a 16 s write every 10 s
   assert 'waited 6.0s' in text and 'takes 16.0s' in text and 'every 10.0s (100 steps)' in text
   assert 'checkpoint.every >= 200' in text  # 16 s × 1.25 = 20 s of steps at 0.1 s each
+
+
+@pytest.mark.slow(reason='a trainer on streamed parquet/jsonl, killed with SIGKILL and resumed, against an uninterrupted run')
+def test_sigkill_of_a_streaming_run_resumes_bit_for_bit(tmp_path, data_cache):
+  # data.source=stream: the data position is every lane's cursor; the resumed run must read the same rows.
+  from jaxlm.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  from tests.data import scale_corpus  # pylint: disable=import-outside-toplevel
+  docs = scale_corpus.write(tmp_path / 'corpus')['docs']
+  tokenizer_lib.train(iter(docs), str(tmp_path / 'tok.model'), vocab_size=320)
+  stream = ('--config.data.source=stream', f'--config.data.paths={tmp_path / "corpus"}',
+            f'--config.data.tokenizer={tmp_path / "tok.model"}',
+            f'--config.data.eval_paths={tmp_path / "corpus" / "j0.jsonl"}', '--config.data.seq_len=32',
+            '--config.model.vocab_size=320')
+  _run(tmp_path / 'reference', data_cache, *stream)
+  proc = _start(tmp_path / 'killed', data_cache, *stream)
+  _wait_for_step(proc, tmp_path / 'killed', 10)  # past the checkpoint at step 8: steps 9 and 10 are redone
+  trainer = _trainer_of(proc)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  trainer.wait(timeout=10)
+  out = _run(tmp_path / 'killed', data_cache, *stream)
+  assert 'resumed from checkpoint step' in out.stdout
+  want = {step: losses[0] for step, losses in _losses(tmp_path / 'reference').items()}
+  got = _losses(tmp_path / 'killed')
+  assert sorted(got) == list(range(1, STEPS + 1))
+  for step, losses in got.items():  # every logged loss, redone steps included, is the uninterrupted one
+    assert losses == [want[step]] * len(losses), step
+  jax.tree.map(np.testing.assert_array_equal, _final_params(tmp_path / 'reference'),
+               _final_params(tmp_path / 'killed'))
