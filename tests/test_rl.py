@@ -400,9 +400,22 @@ def test_loss_equals_trls(tmp_path, loss_type, beta):
   ratio = np.exp(logps - old)[mask > 0]
   assert ratio.min() < 1 - epsilon and ratio.max() > 1 + epsilon_high  # clipping acts on both sides
   logged = {k: v[-1] for k, v in trainer._metrics['eval'].items()}  # what TRL logs for this call
-  for name in ('entropy', 'clip_ratio/low_mean', 'clip_ratio/high_mean', 'clip_ratio/region_mean') + (
-      ('kl',) if beta else ()):
+  clip = ('clip_ratio/low_mean', 'clip_ratio/high_mean', 'clip_ratio/region_mean', 'clip_ratio/low_min',
+          'clip_ratio/high_max')
+  for name in ('entropy',) + clip + (('kl',) if beta else ()):
     np.testing.assert_allclose(float(aux[name]), logged[name], atol=1e-5, err_msg=name)
+  # The row-wise bounds by hand: each completion's share of clipped tokens, min (low) and max (high) over rows.
+  adv = batch['advantages']
+  low_rows = (((np.exp(logps - old) < 1 - epsilon) & (adv < 0)) * mask).sum(1) / mask.sum(1)
+  high_rows = (((np.exp(logps - old) > 1 + epsilon_high) & (adv > 0)) * mask).sum(1) / mask.sum(1)
+  assert float(aux['clip_ratio/low_min']) == low_rows.min() and float(aux['clip_ratio/high_max']) == high_rows.max()
+  assert 0 < high_rows.max() < 1 and high_rows.max() > float(aux['clip_ratio/high_mean'])  # not trivially 0 or 1
+  # In 4 microbatches of 2 rows (step.accumulate_gradients): sums add up, the bounds combine as min and max.
+  loss_of = lambda scale, mb, _: objective.loss(mb['logits'] * scale, mb)  # noqa: E731
+  _, pieces = step_lib.accumulate_gradients(jax.value_and_grad(loss_of, has_aux=True), np.float32(1.0),
+                                            dict(batch, logits=logits), jax.random.PRNGKey(0), 4)
+  for name in ('loss', 'entropy') + clip:
+    np.testing.assert_allclose(float(pieces[name]), float(aux[name]), atol=1e-6, err_msg=name)
 
 
 @pytest.mark.parametrize('scale', rl.SCALE_REWARDS)
