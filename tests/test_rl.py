@@ -1,6 +1,7 @@
 """RL with verifiable rewards (jaxlm/rl.py): the sampler's log-probs == the trainer's, the loss and advantages ==
-TRL's GRPOTrainer, exact microbatch / device equivalence, a policy that learns a prompt-dependent task, and a
-resume after kill -9 that replays the same samples."""
+TRL's GRPOTrainer, exact microbatch / device equivalence, a policy that learns a prompt-dependent task (also with
+LoRA, the base frozen and the KL's reference), a resume after kill -9 or SIGTERM that replays the same samples, and
+a broken reward function ending the command with one line."""
 
 import functools
 import json
@@ -445,57 +446,132 @@ def test_advantages_equal_trls(tmp_path, scale):
 
 # ------------------------------------------------------------------------------------ kill -9
 
-@pytest.mark.slow(reason='the RL loop killed with SIGKILL and resumed: trainer processes that compile sampler and step')
-def test_kill_9_then_resume_replays_the_same_samples(tmp_path, seed0_run):
-  """`python -m jaxlm.rl` killed with SIGKILL mid-run, resumed: every step's samples and metrics == the
-  uninterrupted run's (the seed-0 learning run), and so are the final parameters."""
-  import os
-  import signal
-  import subprocess
+def failing(**kw):
+  raise KeyError('answer')
+
+
+def one_short(completion_ids, **kw):
+  return [1.0] * (len(completion_ids) - 1)
+
+
+def command(tmp_path, checkpoint_every: int, rewards: str) -> list[str]:
+  """`python -m jaxlm.rl` as a user types it, on the TINY config (one device, the seed-0 learning run's), with its
+  files written to tmp_path: config.py, a tokenizer.json of the words, prompts.jsonl and rewards.py (this module's
+  reward functions, and slow_match: slow enough to be signalled mid-run). Its run directory: tmp_path / 'run'."""
+  import inspect
   import sys
-  import time
   from tokenizers import Tokenizer, models, pre_tokenizers
-  from tests.helpers import train_env
   from tests.conftest import ROOT
-  cfg, _, uninterrupted = seed0_run
   words = Tokenizer(models.WordLevel({'<|endoftext|>': 0, **{f'w{i}': i for i in range(1, VOCAB)}},
                                      unk_token='<|endoftext|>'))
   words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
   words.save(str(tmp_path / 'tokenizer.json'))
-  import inspect
   (tmp_path / 'config.py').write_text(  # the tests' package is not imported there: its conftest sets 8 devices
       f'from jaxlm.cli import load_file\n\ndef get_config():\n'
       f'  c = load_file({str(ROOT / "configs" / "palm_tiny.py")!r})\n'
       f'  for section, values in {TINY!r}.items():\n    c[section].update(values)\n'
       f'  c.rl.update(tokenizer={str(tmp_path / "tokenizer.json")!r}, prompts={str(tmp_path / "prompts.jsonl")!r})\n'
-      f'  c.mesh.data = 1\n  c.checkpoint.update(every=5, keep=5)\n  return c\n')
-  (tmp_path / 'rewards.py').write_text(  # slow enough to be killed mid-run
+      f'  c.mesh.data = 1\n  c.checkpoint.update(every={checkpoint_every}, keep=5)\n  return c\n')
+  (tmp_path / 'rewards.py').write_text(
       f'import time\n\n{inspect.getsource(match)}\n\ndef slow_match(**kw):\n  time.sleep(0.05)\n'
-      f'  return match(**kw)\n')
+      f'  return match(**kw)\n\n\n{inspect.getsource(failing)}\n\n{inspect.getsource(one_short)}')
   prompts_file(tmp_path)
-  workdir = tmp_path / 'run'
-  proc = subprocess.Popen([sys.executable, '-m', 'jaxlm.rl', f'--config={tmp_path / "config.py"}',
-                           f'--rewards={tmp_path / "rewards.py"}:slow_match', f'--workdir={workdir}'],
-                          cwd=ROOT, env=train_env(devices=1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  return [sys.executable, '-m', 'jaxlm.rl', f'--config={tmp_path / "config.py"}',
+          f'--rewards={tmp_path / "rewards.py"}:{rewards}', f'--workdir={tmp_path / "run"}']
+
+
+def signal_after_step(command_line, workdir, step: int, signum):
+  """Starts `command_line`, sends `signum` once `step` is logged; the process, ended."""
+  import os
+  import subprocess
+  import time
+  from tests.helpers import train_env
+  from tests.conftest import ROOT
+  proc = subprocess.Popen(command_line, cwd=ROOT, env=train_env(devices=1), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE)
   deadline = time.time() + 300
   while time.time() < deadline and proc.poll() is None:
     logged = (workdir / 'metrics.jsonl').read_text() if (workdir / 'metrics.jsonl').exists() else ''
-    if any(json.loads(line).get('kind') == 'train' and json.loads(line)['step'] >= 12 for line in logged.splitlines()):
+    if any(json.loads(line).get('kind') == 'train' and json.loads(line)['step'] >= step
+           for line in logged.splitlines()):
       break
     time.sleep(0.05)
-  os.kill(proc.pid, signal.SIGKILL)
+  os.kill(proc.pid, signum)
   proc.wait()
-  assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
-  cfg = cfg.copy_and_resolve_references()
-  cfg.checkpoint.update(every=5, keep=5)
-  rl_run(cfg, workdir, rewards=(('slow_match', match),))
-  assert [e for e in events_of(workdir) if e['event'] == 'resumed']
+  return proc
+
+
+def replays_the_uninterrupted_run(workdir, uninterrupted) -> None:
+  """Every step of `workdir`'s run (a step redone: its later record) logged what the uninterrupted run did."""
   resumed = {r['step']: r for r in [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
              if r.get('kind') == 'train'}  # a step redone after the kill: its later record
   keys = ('reward', 'reward_std', 'completions/mean_length', 'loss', 'grad_norm', 'entropy', 'update_ratio')
   assert sorted(resumed) == list(range(1, 101))
   for want in uninterrupted:
     assert {k: resumed[want['step']][k] for k in keys} == {k: want[k] for k in keys}, want['step']
+
+
+@pytest.mark.slow(reason='the RL loop killed with SIGKILL and resumed: trainer processes that compile sampler and step')
+def test_kill_9_then_resume_replays_the_same_samples(tmp_path, seed0_run):
+  """`python -m jaxlm.rl` killed with SIGKILL mid-run, resumed: every step's samples and metrics == the
+  uninterrupted run's (the seed-0 learning run), and so are the final parameters."""
+  import signal
+  cfg, _, uninterrupted = seed0_run
+  workdir = tmp_path / 'run'
+  proc = signal_after_step(command(tmp_path, 5, 'slow_match'), workdir, 12, signal.SIGKILL)
+  assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+  cfg = cfg.copy_and_resolve_references()
+  cfg.checkpoint.update(every=5, keep=5)
+  rl_run(cfg, workdir, rewards=(('slow_match', match),))
+  assert [e for e in events_of(workdir) if e['event'] == 'resumed']
+  replays_the_uninterrupted_run(workdir, uninterrupted)
+
+
+@pytest.mark.e2e  # the RL command in a subprocess: compiles sampler and step
+@pytest.mark.slow(reason='the RL loop stopped by SIGTERM and resumed: a trainer process that compiles sampler and step')
+def test_sigterm_saves_exits_zero_and_the_resume_continues_from_it(tmp_path, seed0_run):
+  """A preemption notice (SIGTERM to the command, which its watcher passes on): the step finishes, a checkpoint of
+  it is saved (the only one: checkpoint.every=0), exit 0 (README's table: done, or preempted and saved); the same
+  run resumed from it logs what the uninterrupted seed-0 run did at every step, none lost or redone."""
+  import signal
+  from tests.helpers import read_records
+  cfg, _, uninterrupted = seed0_run
+  workdir = tmp_path / 'run'
+  proc = signal_after_step(command(tmp_path, 0, 'slow_match'), workdir, 8, signal.SIGTERM)
+  stderr = proc.stderr.read().decode()
+  assert proc.returncode == 0 and 'Traceback' not in stderr, stderr[-2000:]
+  [event] = [e for e in read_records(workdir, 'event') if e['event'] == 'preempted']
+  stopped = event['step']
+  assert event['message'].startswith(f'SIGTERM received: stopped after step {stopped}, checkpoint saved'), event
+  assert sorted(p.name for p in (workdir / 'checkpoints').iterdir() if p.name.isdigit()) == [str(stopped)]
+  assert [r['step'] for r in read_records(workdir)] == list(range(1, stopped + 1))
+  cfg = cfg.copy_and_resolve_references()
+  cfg.checkpoint.update(every=0, keep=5)
+  rl_run(cfg, workdir, rewards=(('slow_match', match),))
+  [resumed] = [e for e in events_of(workdir) if e['event'] == 'resumed']
+  assert resumed['step'] == stopped, resumed
+  steps = [r['step'] for r in read_records(workdir)]
+  assert steps == list(range(1, 101)), steps  # none lost, none redone
+  replays_the_uninterrupted_run(workdir, uninterrupted)
+
+
+@pytest.mark.e2e  # the RL command in a subprocess: compiles sampler and step
+@pytest.mark.parametrize('fn, says', [
+    ('failing', "reward function failing raised KeyError: 'answer'; fix failing"),
+    ('one_short', 'reward function one_short returned 31 values for 32 completions; return one float (or None) per '
+                  'completion')])
+def test_a_failing_reward_function_stops_the_command_with_one_line(tmp_path, fn, says):
+  """A reward function that raises, or returns one value too few, ends `python -m jaxlm.rl` at the first step
+  with exit 2 (README: bad config or input; errors.py: RewardError) and one last `jaxlm:` line naming it, no
+  traceback; nothing was trained or saved."""
+  from tests.helpers import assert_fails_with, read_records, train_env
+  from tests.conftest import ROOT
+  import subprocess
+  out = subprocess.run(command(tmp_path, 5, fn), cwd=ROOT, env=train_env(devices=1), capture_output=True, text=True,
+                       timeout=600)
+  assert rl.RewardError.exit_code == 2
+  assert assert_fails_with(out, 2, says) == f'jaxlm: {says}'
+  assert read_records(tmp_path / 'run') == [] and not list((tmp_path / 'run' / 'checkpoints').glob('[0-9]*'))
 
 
 # ------------------------------------------------------------------------------------ config and rewards
