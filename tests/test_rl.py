@@ -199,7 +199,7 @@ def test_equal_rewards_leave_the_parameters_bitwise_unchanged(tmp_path):
 
 
 def lora_config(**rl_overrides):
-  """The TINY config with rank-8 adapters (model.lora), on one device.
+  """The TINY config with rank-16 adapters (model.lora), on one device.
 
   D 64, not 16: the embedding is tied and frozen, and the final norm leaves the hidden state at RMS 1, so the
   adapters can open a logit gap of at most about |u_a - u_b| * sqrt(D) ~ sqrt(2D). At D 16 greedy decoding learns
@@ -207,22 +207,22 @@ def lora_config(**rl_overrides):
   """
   cfg = one_device(tiny_config(**rl_overrides))
   cfg.model.update(d_model=64, mlp_dim=128)
-  cfg.model.lora.rank = 8
+  cfg.model.lora.rank = 16  # seen at rank 8: seeds 1 and 2 stall at 0.75 and 0.86 over the last 10 steps
   return cfg
 
 
-def test_lora_learns_the_task_with_the_base_frozen(tmp_path):
-  """model.lora: only the adapters train (lr 2e-2, as the full run's), the last 10 steps' mean reward >= 0.9 and
-  greedy decoding scores 1.0; every base parameter is bitwise what it started as, and the adapters moved.
-
-  One seed: seeds 1 and 2 reach 0.75 and 0.86 in 100 steps (0.96 and 0.87 in 150), so the three-seed claim is
-  the full fine-tuning test's."""
+@pytest.mark.parametrize('seed', [0, 1, 2])
+def test_lora_learns_the_task_with_the_base_frozen(tmp_path, seed):
+  """model.lora: only the adapters train (lr 2e-2, as the full run's): 100 steps, the last 10 steps' mean reward
+  >= 0.9 and greedy decoding scores 1.0 (seen: 0.97, 0.93, 0.97); every base parameter is bitwise what it started
+  as, and the adapters moved."""
   from jaxlm import checkpoint as checkpoint_lib
   from jaxlm import model as model_lib
   cfg = lora_config()
+  cfg.train.seed = seed
   records = rl_run(cfg, tmp_path)
   rewards = [r['reward'] for r in records]
-  assert np.mean(rewards[:5]) < 0.3 and np.mean(rewards[-10:]) >= 0.9, rewards
+  assert np.mean(rewards[:10]) < 0.3 and np.mean(rewards[-10:]) >= 0.9, rewards
   assert greedy_score(cfg, tmp_path) == 1.0
   assert max(r['logprob_mismatch'] for r in records) < 1e-5
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
@@ -264,7 +264,7 @@ def test_lora_kl_reference_is_the_base_with_adapters_off(tmp_path):
         assert np.abs(policy - base)[mask].max() > 1e-4  # the adapters moved; the reference did not
       state, metrics = r.train_step(state, batch)
       kls.append(float(metrics['kl']))
-  assert kls[0] == 0.0 and kls[-1] > 1e-3, kls  # seen: 0, 0, 0.0024, 0.027
+  assert kls[0] == 0.0 and kls[-1] > 1e-3, kls  # exactly 0 while the policy is its base
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), model_lib.split_adapters(start)[0],
                model_lib.split_adapters(jax.device_get(state.params))[0])
 
