@@ -37,6 +37,7 @@ from jaxlm import faults as faults_lib
 from jaxlm import generate as generate_lib
 from jaxlm import metrics as metrics_lib
 from jaxlm import perf
+from jaxlm import preference as preference_lib
 from jaxlm import rundir
 from jaxlm import sharding
 from jaxlm import stability as stability_lib
@@ -291,7 +292,7 @@ class Run:
   faults: faults_lib.Faults
   env: dict
   train_step: Any = None
-  reference: Any = None  # beta > 0: the frozen reference's parameters
+  reference: Any = None  # beta > 0 without LoRA: the frozen copy of the starting parameters (reference_kind)
   stop: list = dataclasses.field(default_factory=list)
 
 
@@ -385,14 +386,15 @@ def start(cfg, workdir: str, rewards, shutdown: contextlib.ExitStack, tokenizer=
 def restore_or_init(r: Run):
   """The newest intact checkpoint (with its prompt position and guard state), else a fresh or warm start."""
   program = r.program
+  kind = reference_kind(r.cfg)
   with r.acct.track('checkpoint'):
     state, guard_state = r.ckpt.restore(program.abstract_state, program.state_shardings, r.prompts)
-  fresh = jax.block_until_ready(program.init()) if state is None or r.cfg.rl.beta else None
+  fresh = jax.block_until_ready(program.init()) if state is None or kind == 'copy' else None
   if r.cfg.checkpoint.init_from and fresh is not None:
     params = checkpoint_lib.load_params(r.cfg.checkpoint.init_from, program.abstract_state.params,
                                         program.state_shardings.params)
     fresh = fresh.replace(params=params)
-  if r.cfg.rl.beta:
+  if kind == 'copy':
     r.reference = reference_params(fresh)
   if state is not None:
     r.guard.load(guard_state)
@@ -403,8 +405,20 @@ def restore_or_init(r: Run):
   return fresh
 
 
+def reference_kind(cfg) -> str | None:
+  """The KL's reference (rl.beta > 0), named as preference.reference names them; None at beta 0.
+
+  `base` under model.lora: the base stays frozen in the parameters, so the model with its adapters off is the
+  starting policy (its adapters start at B = 0) and costs no second copy of the weights; a warm start that loads
+  trained adapters compares with the base without them, as preference.reference=base does. `copy` otherwise.
+  """
+  if not cfg.rl.beta:
+    return None
+  return 'base' if cfg.model.get('lora', {}).get('rank', 0) else 'copy'
+
+
 def reference_params(initial_state):
-  """The KL's reference policy: a frozen copy of the starting parameters (the LoRA base will take its place)."""
+  """The `copy` reference: a frozen copy of the starting parameters."""
   return jax.tree.map(lambda x: x.copy(), initial_state.params)
 
 
@@ -437,8 +451,8 @@ def rollout(r: Run, state, step: int) -> tuple[dict, dict]:
   local = train_batch(prompt_ids, completions, out.logprobs, adv, keep, seq_len=r.cfg.data.seq_len,
                       max_new_tokens=rl.max_new_tokens, loss_type=rl.loss_type)
   batch = step_lib.global_batch(local, r.program.batch_sharding)
-  if r.reference is not None:
-    batch['ref_logps'] = r.program.score(r.reference, batch)
+  if kind := reference_kind(r.cfg):  # the reference mechanism preference tuning uses (base: adapters off)
+    batch['ref_logps'] = r.program.score(preference_lib.reference_params(kind, state.params, r.reference), batch)
   lengths = np.array([len(c) for c in completions])
   host = {'reward': _nan_none(np.nanmean(rewards)), 'reward_std': _nan_none(_nanstd(rewards)),
           'frac_reward_zero_std': float(zero_std.mean()),

@@ -309,6 +309,11 @@ def split_overwrite(grads: dict, old_fp8):
   return grads['params'], new
 
 
+# Aux metrics that are a max or a min over the batch's rows, not a sum: microbatches combine them so.
+MAX_METRICS = frozenset({'max_logit', 'clip_ratio/high_max'})
+MIN_METRICS = frozenset({'clip_ratio/low_min'})
+
+
 def accumulate_gradients(grad_fn, params, batch: dict, rng, microbatches: int):
   """Gradients and aux metrics of `batch`, computed in `microbatches` sequential pieces and summed.
 
@@ -325,15 +330,17 @@ def accumulate_gradients(grad_fn, params, batch: dict, rng, microbatches: int):
     mb = {k: nn.with_logical_constraint(v, ('act_batch', 'act_seq')) for k, v in mb.items()}
     (_, aux_i), g = grad_fn(params, mb, jax.random.fold_in(rng, i))
     acc_g, acc_aux = carry
-    acc_aux = {k: jnp.maximum(acc_aux[k], v) if k == 'max_logit' else jax.tree.map(jnp.add, acc_aux[k], v)
-               for k, v in aux_i.items()}
+    acc_aux = {k: jnp.maximum(acc_aux[k], v) if k in MAX_METRICS else jnp.minimum(acc_aux[k], v)
+               if k in MIN_METRICS else jax.tree.map(jnp.add, acc_aux[k], v) for k, v in aux_i.items()}
     return (jax.tree.map(jnp.add, acc_g, g), acc_aux), None
 
   # Sums start at zero (a MoE layer's routing statistics too, whatever their shapes), the max at float32's min.
   aux_shapes = jax.eval_shape(lambda: grad_fn(params, jax.tree.map(lambda x: x[0], split), rng)[0][1])
   zero_aux = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), aux_shapes)
-  if 'max_logit' in zero_aux:  # the LM loss's; a preference loss has none
-    zero_aux['max_logit'] = jnp.finfo(jnp.float32).min
+  for k in zero_aux.keys() & MAX_METRICS:  # the LM loss's max_logit; a preference loss has none
+    zero_aux[k] = jnp.finfo(jnp.float32).min
+  for k in zero_aux.keys() & MIN_METRICS:
+    zero_aux[k] = jnp.finfo(jnp.float32).max
   zeros = (jax.tree.map(jnp.zeros_like, params), zero_aux)
   (grads, aux), _ = jax.lax.scan(add, zeros, (split, jnp.arange(microbatches)))
   return grads, aux
@@ -477,9 +484,18 @@ def policy_loss(logits, batch: dict, *, temperature: float, epsilon: float, epsi
   loss = jnp.sum(batch['weights'] * per_token)
   low = (ratio < 1.0 - epsilon) & (advantages < 0)
   high = (ratio > 1.0 + epsilon_high) & (advantages > 0)
+  # low_min / high_max as TRL's GRPOTrainer logs them: the min / max over the batch's completions of each one's
+  # share of clipped tokens (TRL gathers these per-sequence shares from every process, then nanmin / nanmax). Rows
+  # are whole in every microbatch, so a min / max of microbatches' is the batch's; a row with no completion token
+  # is left out (TRL: NaN, skipped), and a batch of such rows logs 1 and 0 where TRL logs NaN.
+  completion = share > 0  # (B, T)
+  tokens = completion.sum(-1)  # (B,)
+  row_share = lambda x: jnp.sum(jnp.where(completion, x.astype(jnp.float32), 0.0), -1) / jnp.maximum(tokens, 1)  # noqa: E731
   aux.update({'loss': loss, 'entropy': jnp.sum(share * entropy),
               'clip_ratio/low_mean': jnp.sum(share * low), 'clip_ratio/high_mean': jnp.sum(share * high),
               'clip_ratio/region_mean': jnp.sum(share * (low | high)),
+              'clip_ratio/low_min': jnp.min(jnp.where(tokens > 0, row_share(low), 1.0)),
+              'clip_ratio/high_max': jnp.max(jnp.where(tokens > 0, row_share(high), 0.0)),
               # sampler vs trainer on the same tokens and parameters: ~0, the first thing to check
               'logprob_mismatch': jnp.sum(share * jnp.abs(logps - batch['old_logps'])),
               'max_logit': logits.max().astype(jnp.float32)})
