@@ -30,6 +30,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxlm import errors
@@ -291,7 +292,7 @@ def generate(model_cfg: model_lib.ModelConfig, params, prompts: list[list[int]],
     prefilled = time.perf_counter()
     out, logprobs, steps, all_logits = decode(params, cache, logits, lengths, jax.random.PRNGKey(seed),
                                               jnp.asarray(slots))
-    out, logprobs = np.asarray(out), np.asarray(logprobs)
+    out, logprobs = _to_host(out), _to_host(logprobs)
     decoded = time.perf_counter()
   steps = int(steps)
   result, reasons, scores, ends = [], [], [], []
@@ -306,7 +307,15 @@ def generate(model_cfg: model_lib.ModelConfig, params, prompts: list[list[int]],
     scores.append(row_logprobs[:len(row) if end is None else end + 1])
     ends.append(None if end is None else row[end])
   return Output(result, reasons, int(lengths.sum()), prefilled - start, decoded - prefilled, compile_seconds,
-                np.asarray(all_logits)[:len(prompts)] if return_logits else None, steps, scores, ends)
+                _to_host(all_logits)[:len(prompts)] if return_logits else None, steps, scores, ends)
+
+
+def _to_host(x) -> np.ndarray:
+  """A global array as numpy, on every process: its rows are spread over processes when the mesh spans them
+  (every process gave the same prompts, so every process gets every row back)."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
 
 
 def generate_without_cache(model_cfg: model_lib.ModelConfig, params, prompts: list[list[int]],

@@ -448,9 +448,14 @@ def rollout(r: Run, state, step: int) -> tuple[dict, dict]:
   adv, rewards, zero_std = advantages(per_func, weights, G, rl.scale_rewards)
   truncated = np.array([why == 'length' for why in out.finish_reasons])
   keep = ~truncated if rl.mask_truncated else np.ones_like(truncated)
-  local = train_batch(prompt_ids, completions, out.logprobs, adv, keep, seq_len=r.cfg.data.seq_len,
-                      max_new_tokens=rl.max_new_tokens, loss_type=rl.loss_type)
-  batch = step_lib.global_batch(local, r.program.batch_sharding)
+  rows = train_batch(prompt_ids, completions, out.logprobs, adv, keep, seq_len=r.cfg.data.seq_len,
+                     max_new_tokens=rl.max_new_tokens, loss_type=rl.loss_type)
+  # Every process sampled and scored every row (the same seed, the same rewards); each gives the train step its
+  # own share of the rows, as a data loader would.
+  index, count = sharding.row_share(r.program.batch_sharding)
+  share = t.batch_size // count
+  batch = step_lib.global_batch({k: v[index * share:(index + 1) * share] for k, v in rows.items()},
+                                r.program.batch_sharding)
   if kind := reference_kind(r.cfg):  # the reference mechanism preference tuning uses (base: adapters off)
     batch['ref_logps'] = r.program.score(preference_lib.reference_params(kind, state.params, r.reference), batch)
   lengths = np.array([len(c) for c in completions])

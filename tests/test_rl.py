@@ -600,3 +600,31 @@ def test_a_reward_function_of_the_wrong_length_or_type_is_named(tmp_path):
   assert np.isnan(got[0, 0]) and got[1, 0] == 2.0
   with pytest.raises(rl.RewardError, match='has no function'):
     rl.load_rewards(f'{tmp_path / "r.py"}:g')
+
+
+@pytest.mark.e2e  # RL commands in subprocesses: one of 1 process, then 2 processes launched together
+@pytest.mark.slow(reason='the RL loop as 2 processes × 2 devices (launch/local.sh) against 1 process × 4 devices')
+def test_two_processes_sample_score_and_train_as_one(tmp_path):
+  """Every process samples and scores every row and trains on its share: the same samples (rewards, lengths) and
+  the same losses as one process on as many devices."""
+  import subprocess
+  from tests.conftest import ROOT
+  from tests.helpers import train_env
+  line = command(tmp_path, 0, 'match')
+  config = (tmp_path / 'config.py').read_text()
+  (tmp_path / 'config.py').write_text(config.replace('c.mesh.data = 1', 'c.mesh.data = -1')
+                                      .replace("'steps': 100", "'steps': 6"))
+  runs = {'one': line[:-1] + [f'--workdir={tmp_path / "one"}'],
+          'two': ['launch/local.sh', '-n', '2', '-d', '2', '--', *line[:-1], f'--workdir={tmp_path / "two"}']}
+  records = {}
+  for name, argv in runs.items():
+    out = subprocess.run(argv, cwd=ROOT, env=train_env(devices=4), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records[name] = [json.loads(x) for x in (tmp_path / name / 'metrics.jsonl').read_text().splitlines()
+                     if json.loads(x).get('kind') == 'train']
+  one, two = records['one'], records['two']
+  assert [r['step'] for r in two] == [r['step'] for r in one] == list(range(1, 7))
+  for key in ('reward', 'completions/mean_length', 'frac_reward_zero_std'):  # the same samples, scored alike
+    assert [r[key] for r in two] == [r[key] for r in one], key
+  np.testing.assert_allclose([r['loss'] for r in two], [r['loss'] for r in one], rtol=1e-5, atol=1e-7)
+  assert max(r['logprob_mismatch'] for r in two) < 1e-5
