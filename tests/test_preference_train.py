@@ -1,5 +1,5 @@
 """Preference tuning through the one step builder: a LoRA model learns a toy preference; LR 0 moves nothing;
-microbatches and device counts give the same update."""
+microbatches and device counts give the same update; through the trainer, a reference=copy run resumes exactly."""
 
 import jax
 import numpy as np
@@ -99,3 +99,63 @@ def test_microbatches_and_device_counts_give_the_same_update(mesh):
     np.testing.assert_allclose(loss, results[0][0], rtol=1e-6)
     np.testing.assert_allclose(margin, results[0][1], rtol=1e-5, atol=1e-7)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), adapters, results[0][2])
+
+
+# Through the trainer (jaxlm.train.run in this process): prepared pairs, a checkpoint, a resume.
+
+
+@pytest.fixture(scope='module')
+def pairs(tmp_path_factory) -> str:
+  from jaxlm.data import prepare as prepare_lib
+  from tests.data import chat_fixtures
+  from tests.data.test_preference_data import _records
+  tmp = tmp_path_factory.mktemp('pairs')
+  path = chat_fixtures.write_jsonl(tmp / 'pairs.jsonl', _records(60))
+  out = str(tmp / 'data')
+  prepare_lib.prepare(prepare_lib.expand_inputs([str(path)]), out, workers=1, eval_fraction=0.2, progress=False,
+                      data_format='preference', tokenizer=chat_fixtures.make_tokenizer(str(tmp / 'tok')), seq_len=64)
+  return out
+
+
+def _run_cfg(pairs: str, steps: int, reference: str = 'copy'):
+  """Full fine-tuning DPO (no LoRA) of palm_tiny on the prepared pairs, every step logged."""
+  c = load_config('palm_tiny')
+  c.data.update(source='prepared', paths=pairs)
+  c.train.update(objective='preference', steps=steps, log_every=1, eval_every=0, eval_batches=1)
+  c.preference.update(loss_type='sigmoid', beta=0.5, reference=reference)
+  c.optim.update(warmup_steps=1)
+  c.stability.policy = 'skip'
+  c.checkpoint.update(every=2, keep=5)
+  return c
+
+
+def _saved_state(workdir, step: int):
+  import orbax.checkpoint as ocp
+  return ocp.StandardCheckpointer().restore(workdir / 'checkpoints' / str(step) / 'state')
+
+
+PREF_KEYS = ('loss', 'rewards/chosen', 'rewards/rejected', 'rewards/accuracies', 'rewards/margins', 'logps/chosen',
+             'logps/rejected')
+
+
+@pytest.mark.e2e  # two trainer runs: seconds of compiles
+def test_a_reference_copy_run_resumed_from_a_checkpoint_continues_like_the_uninterrupted_run(pairs, tmp_path):
+  import shutil
+  from tests.helpers import read_records
+  cfg = _run_cfg(pairs, steps=4)
+  train.run(cfg, str(tmp_path / 'full'))
+  full = read_records(tmp_path / 'full')
+  (tmp_path / 'resumed' / 'checkpoints').mkdir(parents=True)
+  shutil.copytree(tmp_path / 'full' / 'checkpoints' / '2', tmp_path / 'resumed' / 'checkpoints' / '2')
+  train.run(cfg, str(tmp_path / 'resumed'))
+  resumed = read_records(tmp_path / 'resumed')
+  assert [r['step'] for r in resumed] == [3, 4]
+  assert [tuple(r[k] for k in PREF_KEYS) for r in resumed] == [tuple(r[k] for k in PREF_KEYS) for r in full[2:]]
+  assert full[2]['rewards/margins'] != 0  # the policy has moved from its reference: the reference matters here
+  want, got = _saved_state(tmp_path / 'full', 4), _saved_state(tmp_path / 'resumed', 4)
+  for item in ('params', 'reference', 'opt_state'):
+    jax.tree.map(np.testing.assert_array_equal, got[item], want[item])
+  # The frozen copy is the initial weights (program.init's, the same seed), not the trained ones a resume holds.
+  init = jax.device_get(plain_program(_run_cfg(pairs, steps=4), sharding.make_mesh(cfg.mesh)).init().params)
+  jax.tree.map(np.testing.assert_array_equal, got['reference'], init)
+  assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got['params']), jax.tree.leaves(init)))
