@@ -40,6 +40,13 @@ def needs_reference(pref_cfg) -> bool:
   return pref_cfg.loss_type != 'simpo'
 
 
+def reads_cached(train_cfg, pref_cfg) -> bool:
+  """Whether the run's batches carry the cached reference log-probabilities (`ref_logps`): under
+  preference.reference=cached, by a loss that compares with a reference. The one switch: no data setting."""
+  return (train_cfg.get('objective', 'lm') == 'preference' and pref_cfg.reference == 'cached'
+          and needs_reference(pref_cfg))
+
+
 def reference_params(kind: str, params, reference):
   """The parameters the reference forward runs with: under `base` the LoRA model's base (its adapters off, no
   memory beyond B's), under `copy` the frozen copy in TrainState.reference; None for `cached` (the batch holds

@@ -159,3 +159,13 @@ def test_a_reference_copy_run_resumed_from_a_checkpoint_continues_like_the_unint
   init = jax.device_get(plain_program(_run_cfg(pairs, steps=4), sharding.make_mesh(cfg.mesh)).init().params)
   jax.tree.map(np.testing.assert_array_equal, got['reference'], init)
   assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got['params']), jax.tree.leaves(init)))
+
+
+def test_data_reference_logps_is_refused_naming_preference_reference():
+  from jaxlm import config as config_lib
+  c = _run_cfg('data/pairs', steps=4, reference='cached')
+  config_lib.validate(c, 8)  # preference.reference=cached alone is the setting
+  c.data.reference_logps = True  # the setting it replaced, in a config file written before
+  with pytest.raises(config_lib.ConfigError, match='data.reference_logps is not a setting: .*preference.reference='
+                                                   'cached; remove data.reference_logps'):
+    config_lib.validate(c, 8)
