@@ -130,9 +130,12 @@ class ReferenceError(errors.ConfigError):
 
 
 def cached_identity(step_dir: str, meta: dict) -> dict:
-  """What cached log-probabilities belong to: the checkpoint, and the data's tokenizer and chat template."""
+  """What cached log-probabilities belong to: the checkpoint, and the data's tokenizer and chat template (the
+  sha256 of the template text the pairs were rendered with, which a tokenizer's own template changes without
+  changing its tokenizer.json; the --chat_template name for pairs prepared before it was recorded)."""
+  template = meta.get('chat_template_sha256') or meta.get('settings', {}).get('chat_template', '')
   return {'checkpoint': os.path.abspath(step_dir), 'tokenizer_sha256': meta['tokenizer_sha256'],
-          'chat_template': meta.get('settings', {}).get('chat_template', ''), 'pairs': meta['documents']}
+          'chat_template': template, 'pairs': meta['documents']}
 
 
 def read_pairs_meta(data: str) -> dict:

@@ -161,6 +161,67 @@ def test_a_reference_copy_run_resumed_from_a_checkpoint_continues_like_the_unint
   assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got['params']), jax.tree.leaves(init)))
 
 
+def _prepare_again(pairs: str, cached: str, out, **how) -> str:
+  """The jsonl of `pairs` prepared again into `out` as `how` says, the cached log-probabilities of `cached` copied in:
+  what a user has who re-prepares the data with another tokenizer or template and keeps the old cache."""
+  import pathlib
+  import shutil
+  from jaxlm.data import prepare as prepare_lib
+  from jaxlm.tools import reference as reference_tool
+  src = pathlib.Path(pairs).parent
+  how.setdefault('tokenizer', str(src / 'tok'))
+  prepare_lib.prepare(prepare_lib.expand_inputs([str(src / 'pairs.jsonl')]), str(out), workers=1, eval_fraction=0.2,
+                      progress=False, data_format='preference', seq_len=64, **how)
+  shutil.copytree(pathlib.Path(cached) / reference_tool.DIRECTORY, out / reference_tool.DIRECTORY)
+  return str(out)
+
+
+@pytest.mark.e2e  # four trainer runs and the reference tool: seconds of compiles each
+def test_a_cached_reference_run_trains_like_a_copy_run_and_refuses_another_tokenizer_or_template(pairs, tmp_path):
+  import shutil
+  from jaxlm import preference
+  from jaxlm.tools import reference as reference_tool
+  from tests.data import chat_fixtures
+  from tests.helpers import assert_fails_with, read_records, run_cli
+  # The model both runs start from, and its log-probabilities of every pair computed once.
+  start = tmp_path / 'sft'
+  train.run(_run_cfg(pairs, steps=2), str(start))
+  data = str(shutil.copytree(pairs, tmp_path / 'data'))  # the module's pairs stay without a cache
+  reference_tool.compute(str(start), data, batch_size=8)
+  records = {}
+  for kind in ('copy', 'cached'):
+    cfg = _run_cfg(data, steps=3, reference=kind)
+    cfg.checkpoint.update(init_from=str(start / 'checkpoints'), every=0)
+    cfg.optim.warmup_steps = 0  # step 1 moves the policy: steps 2 and 3 compare with the reference
+    train.run(cfg, str(tmp_path / kind))
+    records[kind] = read_records(tmp_path / kind)
+  # Step 1: the policy is the reference, so both losses are ln 2 only if the cache holds the copy's values; steps
+  # 2 and 3 compare a moved policy with them. The cache was computed one sequence per row, the copy's reference
+  # forward on packed rows: float32 sums in another order. So at step 1 every reward is 0 under copy and ~1e-7
+  # under cached, and rewards/accuracies (the share of chosen > rejected, a tie) is compared from step 2 on.
+  np.testing.assert_allclose(records['cached'][0]['loss'], np.log(2), atol=1e-6)
+  for copy_record, cached_record in zip(records['copy'], records['cached'], strict=True):
+    for k in PREF_KEYS[:3] + PREF_KEYS[4:] if copy_record['step'] == 1 else PREF_KEYS:
+      np.testing.assert_allclose(cached_record[k], copy_record[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  assert records['copy'][-1]['rewards/margins'] != 0
+  # Refused: the same pairs prepared again with another chat template, or another tokenizer, under the old cache.
+  template = _prepare_again(pairs, data, tmp_path / 'template', chat_template='chatml')
+  other_tok = chat_fixtures.make_tokenizer(str(tmp_path / 'tok_llama_template_again'), template='chatml')
+  own_template = _prepare_again(pairs, data, tmp_path / 'own_template', tokenizer=other_tok)  # same tokenizer.json
+  tokenizer = _prepare_again(pairs, data, tmp_path / 'tokenizer',
+                             tokenizer=chat_fixtures.make_tokenizer(str(tmp_path / 'tok2'), vocab_size=440))
+  init_from = str(start / 'checkpoints')
+  preference.check_cached(data, init_from)  # its own data: accepted
+  for path, field in ((template, 'chat_template'), (own_template, 'chat_template'), (tokenizer, 'tokenizer_sha256')):
+    with pytest.raises(preference.ReferenceError, match=f'belong to {field}='):
+      preference.check_cached(path, init_from)
+  out = run_cli('jaxlm.train', '--config=configs/palm_tiny.py', f'--workdir={tmp_path / "refused"}',
+                '--config.train.objective=preference', '--config.preference.reference=cached',
+                '--config.data.source=prepared', f'--config.data.paths={template}',
+                f'--config.checkpoint.init_from={init_from}', timeout=300)
+  assert_fails_with(out, 2, 'chat_template', 'jaxlm.tools.reference')
+
+
 def test_data_reference_logps_is_refused_naming_preference_reference():
   from jaxlm import config as config_lib
   c = _run_cfg('data/pairs', steps=4, reference='cached')
