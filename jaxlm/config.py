@@ -180,9 +180,6 @@ def _lora_errors(c) -> list[str]:
   if c.optim.name == 'muon':
     e.append('optim.name=muon cannot run on LoRA adapters (it orthogonalises whole weight matrices, and an '
              'adapter is a rank-r factor); use optim.name=adamw, adafactor or sf_adamw with model.lora.')
-  if c.optim.get('ema', 0.0):
-    e.append('optim.ema does not combine with model.lora yet (the average would hold the frozen base twice); set '
-             'optim.ema=0.')
   return e
 
 

@@ -362,8 +362,11 @@ def evaluate_and_log(r: Run, step: int, state) -> float:
     else:
       loss = evaluate(r.program, params, r.eval_data)
       record = {'eval_loss': loss}
-    if state.ema:
-      record['eval_loss_ema'] = evaluate(r.program, state.ema, r.eval_data)
+    if state.ema:  # the same loss as eval_loss, of the averaged model
+      ema = step_lib.ema_params(state, r.program.model.config)
+      record['eval_loss_ema'] = (evaluate(r.program, ema, r.eval_data) if r.program.preference_eval_step is None
+                                 else step_lib.evaluate_preference(r.program, ema, state.reference,
+                                                                   r.eval_data)['eval_loss'])
     texts = sample_prompts(r, params)
     gen = r.gen(params) if r.gen is not None and r.gen.due(step, r.cfg.train.eval_every, r.cfg.train.steps) \
         else None

@@ -230,3 +230,43 @@ def test_data_reference_logps_is_refused_naming_preference_reference():
   with pytest.raises(config_lib.ConfigError, match='data.reference_logps is not a setting: .*preference.reference='
                                                    'cached; remove data.reference_logps'):
     config_lib.validate(c, 8)
+
+
+@pytest.mark.e2e  # a trainer run: seconds of compiles
+def test_optim_ema_with_lora_averages_the_adapters_alone_and_eval_and_export_use_the_average(pairs, tmp_path):
+  from jaxlm import checkpoint as checkpoint_lib, rundir
+  from jaxlm.data import pipeline as data_lib
+  from tests.helpers import read_records
+  cfg = _run_cfg(pairs, steps=3, reference='base')
+  cfg.model.lora.update(rank=4, alpha=8.0)
+  cfg.optim.update(ema=0.9, warmup_steps=0, lr=3e-2)
+  cfg.checkpoint.update(every=1, keep=5)
+  train.run(cfg, str(tmp_path))
+  program = plain_program(cfg.copy_and_resolve_references(), sharding.make_mesh(cfg.mesh), steps=3)
+  init = jax.device_get(program.init().params)
+  # By hand: the average starts at the initial adapters and takes 0.9 of itself and 0.1 of each step's adapters.
+  decay = np.float32(0.9)
+  want = jax.tree.map(lambda a: np.asarray(a, np.float32), model_lib.split_adapters(init)[1])
+  for s in (1, 2, 3):
+    trained = model_lib.split_adapters(_saved_state(tmp_path, s)['params'])[1]
+    want = jax.tree.map(lambda e, p: decay * e + (np.float32(1) - decay) * p, want, trained)
+  final = _saved_state(tmp_path, 3)
+  base, adapters = model_lib.split_adapters(final['params'])
+  # The average holds the adapters alone (no copy of the frozen base), in float32.
+  assert jax.tree.structure(final['ema']) == jax.tree.structure(adapters) and jax.tree.leaves(base)
+  jax.tree.map(lambda got, w: np.testing.assert_allclose(got, w, rtol=1e-6, atol=1e-9), final['ema'], want)
+  assert all(x.dtype == np.float32 for x in jax.tree.leaves(final['ema']))
+  assert not all(np.allclose(e, a) for e, a in zip(jax.tree.leaves(final['ema']), jax.tree.leaves(adapters)))
+  averaged = model_lib.join_adapters(final['params'], final['ema'])
+  # What hf.export and tools.eval read with --weights=ema: the frozen base with the averaged adapters.
+  step_dir = str(tmp_path / 'checkpoints' / '3')
+  jax.tree.map(np.testing.assert_array_equal, rundir.read_params(step_dir, 'ema'), averaged)
+  loaded = checkpoint_lib.load_params(step_dir, program.abstract_state.params, program.state_shardings.params, 'ema')
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(loaded), averaged)
+  # The trainer's eval_loss_ema is the preference loss of that averaged model on the held-out pairs.
+  batches = data_lib.eval_batches(cfg.data, batch_size=cfg.train.batch_size, num_batches=cfg.train.eval_batches,
+                                  vocab_size=cfg.model.vocab_size)
+  record = read_records(tmp_path, 'eval')[-1]
+  got = step.evaluate_preference(program, jax.device_put(averaged, program.state_shardings.params), {}, batches)
+  np.testing.assert_allclose(record['eval_loss_ema'], got['eval_loss'], rtol=1e-6)
+  assert record['eval_loss_ema'] != record['eval_loss']
