@@ -121,6 +121,20 @@ def read_params(step_path: str, weights: str = 'raw') -> dict:
   return restored[item]
 
 
+def read_reference(step_path: str) -> dict:
+  """The frozen reference copy (preference.reference=copy) in a step's `state` item, as numpy arrays."""
+  state_path = storage.join(step_path, 'state')
+  checkpointer = ocp.PyTreeCheckpointer()
+  meta = checkpointer.metadata(state_path)
+  tree = getattr(getattr(meta, 'item_metadata', meta), 'tree', meta)
+  if not jax.tree.leaves(tree.get('reference', {})):
+    raise RunDirError(f'{state_path} holds no reference copy: the run did not train with '
+                      f'preference.reference=copy; evaluate it with the config it trained with.')
+  as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree['reference'])
+  return checkpointer.restore(state_path, args=ocp.args.PyTreeRestore(
+      item={'reference': tree['reference']}, restore_args={'reference': as_numpy}, partial_restore=True))['reference']
+
+
 def read_metrics(workdir_or_file: str) -> list[dict]:
   """The records of a run's metrics.jsonl ([] if none); a torn last line (a crash mid-write) is skipped."""
   workdir_or_file = str(workdir_or_file)

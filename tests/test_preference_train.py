@@ -270,3 +270,30 @@ def test_optim_ema_with_lora_averages_the_adapters_alone_and_eval_and_export_use
   got = step.evaluate_preference(program, jax.device_put(averaged, program.state_shardings.params), {}, batches)
   np.testing.assert_allclose(record['eval_loss_ema'], got['eval_loss'], rtol=1e-6)
   assert record['eval_loss_ema'] != record['eval_loss']
+
+
+@pytest.mark.e2e  # a trainer run: seconds of compiles
+def test_tools_eval_of_a_preference_run_reports_the_train_steps_preference_metrics_on_held_out_pairs(pairs, tmp_path):
+  from jaxlm import preference
+  from jaxlm.data import pipeline as data_lib
+  from jaxlm.tools import eval as eval_tool
+  cfg = _run_cfg(pairs, steps=2)  # reference=copy: tools.eval reads the frozen copy from the checkpoint
+  cfg.optim.update(warmup_steps=0, lr=3e-2)  # the policy moves away from its reference: rewards are not all 0
+  train.run(cfg, str(tmp_path))
+  got = eval_tool.evaluate_run(str(tmp_path))
+  # The train step's own metrics on the same held-out batch, from the checkpoint's params and frozen copy.
+  program = plain_program(cfg.copy_and_resolve_references(), sharding.make_mesh(cfg.mesh), steps=2)
+  saved = _saved_state(tmp_path, 2)
+  state = program.init()
+  state = state.replace(params=jax.device_put(saved['params'], program.state_shardings.params),
+                        reference=jax.device_put(saved['reference'], program.state_shardings.reference))
+  [batch] = data_lib.eval_batches(cfg.data, batch_size=cfg.train.batch_size, num_batches=cfg.train.eval_batches,
+                                  vocab_size=cfg.model.vocab_size)
+  _, want = program.train_step(state, train.global_batch(batch, program.batch_sharding))
+  want = {k: float(v) for k, v in jax.device_get(want).items()}
+  pairs_in_batch = preference.count_pairs({k: np.asarray(v) for k, v in batch.items()})
+  assert got['pairs'] == float(pairs_in_batch) and got['rewards/margins'] != 0
+  np.testing.assert_allclose(got['preference_loss'], want['loss'], rtol=1e-5)
+  for k in PREF_KEYS[1:]:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  assert got['loss'] != got['preference_loss']  # `loss` stays the LM loss of the completions' tokens
