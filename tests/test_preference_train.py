@@ -254,6 +254,9 @@ def test_optim_ema_with_lora_averages_the_adapters_alone_and_eval_and_export_use
   base, adapters = model_lib.split_adapters(final['params'])
   # The average holds the adapters alone (no copy of the frozen base), in float32.
   assert jax.tree.structure(final['ema']) == jax.tree.structure(adapters) and jax.tree.leaves(base)
+  # Nor does the optimizer state: its arrays are shaped like adapters (moments) or scalars (counts).
+  shapes = {x.shape for x in jax.tree.leaves(adapters)}
+  assert all(np.shape(x) in shapes or np.ndim(x) == 0 for x in jax.tree.leaves(final['opt_state']))
   jax.tree.map(lambda got, w: np.testing.assert_allclose(got, w, rtol=1e-6, atol=1e-9), final['ema'], want)
   assert all(x.dtype == np.float32 for x in jax.tree.leaves(final['ema']))
   assert not all(np.allclose(e, a) for e, a in zip(jax.tree.leaves(final['ema']), jax.tree.leaves(adapters)))
