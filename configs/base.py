@@ -86,7 +86,6 @@ def get_config() -> ml_collections.ConfigDict:
   d.stdlib_max_mb = 24  # cap on stdlib source bytes used (keeps first-run preparation short)
   d.eval_fraction = 0.02  # fraction of documents held out for evaluation, chosen by a hash of their path
   d.cross_document_attention = False  # False: segment ids + positions keep attention inside each document
-  d.reference_logps = False  # preference pairs: read the cached reference log-probs (preference.reference=cached)
   d.num_workers = 0  # Grain worker processes (0 = read in the training process)
   d.prefetch = 2  # batches read ahead per worker
 

@@ -181,9 +181,6 @@ def _lora_errors(c) -> list[str]:
   if c.optim.name == 'muon':
     e.append('optim.name=muon cannot run on LoRA adapters (it orthogonalises whole weight matrices, and an '
              'adapter is a rank-r factor); use optim.name=adamw, adafactor or sf_adamw with model.lora.')
-  if c.optim.get('ema', 0.0):
-    e.append('optim.ema does not combine with model.lora yet (the average would hold the frozen base twice); set '
-             'optim.ema=0.')
   return e
 
 
@@ -210,10 +207,6 @@ def _preference_errors(c) -> list[str]:
   if r.get('reference_dtype', 'float32') not in preference.REFERENCE_DTYPES:
     e.append(f'preference.reference_dtype={r.reference_dtype!r} is unknown; use one of '
              f'{", ".join(preference.REFERENCE_DTYPES)}.')
-  if (r.reference == 'cached') != bool(c.data.get('reference_logps', False)):
-    e.append(f'preference.reference={r.reference} with data.reference_logps={c.data.get("reference_logps", False)}: '
-             f'the cached reference log-probabilities (python -m jaxlm.tools.reference) are read exactly when '
-             f'preference.reference=cached; set both, or neither.')
   if c.model.get('matmul_dtype') == 'fp8':
     e.append('train.objective=preference does not run with model.matmul_dtype=fp8 (the reference forward would '
              'advance the fp8 scales); set model.matmul_dtype=dtype.')
@@ -253,6 +246,9 @@ def _deterministic_errors(c) -> list[str]:
 
 def _data_errors(d) -> list[str]:
   e = []
+  if 'reference_logps' in d:  # one switch, not two that must agree
+    e.append('data.reference_logps is not a setting: cached reference log-probabilities are read when '
+             'preference.reference=cached; remove data.reference_logps.')
   if d.source not in DATA_SOURCES:
     e.append(f'data.source={d.source!r} is unknown; use one of {", ".join(DATA_SOURCES)}.')
   if d.source == 'prepared' and not d.paths:

@@ -40,6 +40,13 @@ def needs_reference(pref_cfg) -> bool:
   return pref_cfg.loss_type != 'simpo'
 
 
+def reads_cached(train_cfg, pref_cfg) -> bool:
+  """Whether the run's batches carry the cached reference log-probabilities (`ref_logps`): under
+  preference.reference=cached, by a loss that compares with a reference. The one switch: no data setting."""
+  return (train_cfg.get('objective', 'lm') == 'preference' and pref_cfg.reference == 'cached'
+          and needs_reference(pref_cfg))
+
+
 def reference_params(kind: str, params, reference):
   """The parameters the reference forward runs with: under `base` the LoRA model's base (its adapters off, no
   memory beyond B's), under `copy` the frozen copy in TrainState.reference; None for `cached` (the batch holds
@@ -123,9 +130,12 @@ class ReferenceError(errors.ConfigError):
 
 
 def cached_identity(step_dir: str, meta: dict) -> dict:
-  """What cached log-probabilities belong to: the checkpoint, and the data's tokenizer and chat template."""
+  """What cached log-probabilities belong to: the checkpoint, and the data's tokenizer and chat template (the
+  sha256 of the template text the pairs were rendered with, which a tokenizer's own template changes without
+  changing its tokenizer.json; the --chat_template name for pairs prepared before it was recorded)."""
+  template = meta.get('chat_template_sha256') or meta.get('settings', {}).get('chat_template', '')
   return {'checkpoint': os.path.abspath(step_dir), 'tokenizer_sha256': meta['tokenizer_sha256'],
-          'chat_template': meta.get('settings', {}).get('chat_template', ''), 'pairs': meta['documents']}
+          'chat_template': template, 'pairs': meta['documents']}
 
 
 def read_pairs_meta(data: str) -> dict:

@@ -86,9 +86,9 @@ def _schedule_free(tree):
 
 
 def read_params(step_path: str, weights: str = 'raw') -> dict:
-  """The `params` subtree (weights='ema': the `ema` one) of a step's `state` item as numpy arrays; the rest is
-  never read, except under optim.name=sf_adamw: there the raw weights are schedule-free's averaged point x (the
-  point it is evaluated at), computed from the saved params y and the state's z."""
+  """The `params` subtree (weights='ema': the `ema` one, on the base for LoRA) of a step's `state` item as numpy
+  arrays; the rest is never read, except under optim.name=sf_adamw: there the raw weights are schedule-free's
+  averaged point x (the point it is evaluated at), computed from the saved params y and the state's z."""
   item = 'ema' if weights == 'ema' else 'params'
   state_path = storage.join(step_path, 'state')
   checkpointer = ocp.PyTreeCheckpointer()
@@ -114,7 +114,25 @@ def read_params(step_path: str, weights: str = 'raw') -> dict:
   as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree[item])
   restored = checkpointer.restore(state_path, args=ocp.args.PyTreeRestore(
       item={item: tree[item]}, restore_args={item: as_numpy}, partial_restore=True))
+  from jaxlm import model as model_lib  # pylint: disable=import-outside-toplevel
+  if item == 'ema' and all(model_lib.is_adapter(k) for k, _ in jax.tree_util.tree_flatten_with_path(tree[item])[0]):
+    # A LoRA run averages its adapters alone: the averaged model is its frozen base with them.
+    return model_lib.join_adapters(read_params(step_path), restored[item])
   return restored[item]
+
+
+def read_reference(step_path: str) -> dict:
+  """The frozen reference copy (preference.reference=copy) in a step's `state` item, as numpy arrays."""
+  state_path = storage.join(step_path, 'state')
+  checkpointer = ocp.PyTreeCheckpointer()
+  meta = checkpointer.metadata(state_path)
+  tree = getattr(getattr(meta, 'item_metadata', meta), 'tree', meta)
+  if not jax.tree.leaves(tree.get('reference', {})):
+    raise RunDirError(f'{state_path} holds no reference copy: the run did not train with '
+                      f'preference.reference=copy; evaluate it with the config it trained with.')
+  as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree['reference'])
+  return checkpointer.restore(state_path, args=ocp.args.PyTreeRestore(
+      item={'reference': tree['reference']}, restore_args={'reference': as_numpy}, partial_restore=True))['reference']
 
 
 def read_metrics(workdir_or_file: str) -> list[dict]:

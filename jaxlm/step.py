@@ -35,7 +35,8 @@ class TrainState:
   lr_scale: jax.Array  # float32 multiplier on updates, set by the host (post-rollback LR, fault drills)
   batches: jax.Array  # int32 batches drawn from the data, skipped ones included (fault drills key on it)
   fp8: Any  # model.matmul_dtype=fp8: the scales and amax histories (model.FP8 collection); else {}
-  ema: Any = dataclasses.field(default_factory=dict)  # optim.ema > 0: float32 average of the params; else {}
+  # optim.ema > 0: float32 average of the trained params (with LoRA the adapters alone: the base never moves); else {}
+  ema: Any = dataclasses.field(default_factory=dict)
   # preference.reference=copy: the frozen initial parameters the loss compares with (checkpointed, so a resume is
   # exact); else {}.
   reference: Any = dataclasses.field(default_factory=dict)
@@ -135,7 +136,7 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
   logical = TrainState(step=replicated, params=param_logical, opt_state=opt_logical, rng=replicated,
                        lr_scale=replicated, batches=replicated,
                        fp8=jax.tree.map(lambda _: replicated, abstract_fp8),  # a few floats per layer
-                       ema=param_logical if optim_cfg.get('ema', 0.0) else {},  # sharded like the parameters
+                       ema=train_logical if optim_cfg.get('ema', 0.0) else {},  # sharded like what trains
                        reference=param_logical if copy else {})
   state_shardings = sharding.logical_to_mesh(logical, mesh)
 
@@ -145,7 +146,7 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
     params = variables['params']
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(trainable(params)), rng=rng,
                       lr_scale=jnp.ones((), jnp.float32), batches=jnp.zeros((), jnp.int32),
-                      fp8=variables.get(model_lib.FP8, {}), ema=optimizer_lib.init_ema(optim_cfg, params),
+                      fp8=variables.get(model_lib.FP8, {}), ema=optimizer_lib.init_ema(optim_cfg, trainable(params)),
                       reference=preference_lib.copy_reference(params, pref_cfg.reference_dtype) if copy else {})
 
   abstract_state = jax.eval_shape(init)
@@ -213,7 +214,8 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
     if fp16:
       metrics['loss_scale'] = optimizer_lib.loss_scale(opt_state)
     # Gradients of the loss (scaled, under float16): not finite exactly when the update was not applied.
-    ema = optimizer_lib.update_ema(optim_cfg, state.ema, params, state.step, jnp.isfinite(metrics['grad_norm']))
+    ema = optimizer_lib.update_ema(optim_cfg, state.ema, trainable(params), state.step,
+                                   jnp.isfinite(metrics['grad_norm']))
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state, fp8=fp8,
                          batches=state.batches + 1, ema=ema), metrics
 
@@ -287,6 +289,11 @@ def eval_params(state: TrainState, m: model_lib.ModelConfig):
   else the parameters themselves."""
   trainable, with_trainable = trainable_split(m)
   return with_trainable(state.params, optimizer_lib.eval_params(state.opt_state, trainable(state.params)))
+
+
+def ema_params(state: TrainState, m: model_lib.ModelConfig):
+  """The averaged model (optim.ema): the moving average of what trains, with LoRA put on the frozen base."""
+  return trainable_split(m)[1](state.params, state.ema)
 
 
 def variables_of(state: TrainState) -> dict:

@@ -31,6 +31,7 @@ from jaxlm import errors
 from jaxlm import faults as faults_lib
 from jaxlm import perf
 from jaxlm import pipeline as pipeline_lib
+from jaxlm import preference as preference_lib
 from jaxlm import preflight
 from jaxlm import metrics as metrics_lib
 from jaxlm import model as model_lib
@@ -126,8 +127,8 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
     held = sharding.bytes_per_device(program.abstract_state.params, program.state_shardings.params)
     say(f'parameters per device: {perf.format_bytes(held)}')
   ramp = config_lib.BatchRamp(t, cfg.data.seq_len)
-  if t.get('objective') == 'preference' and cfg.preference.reference == 'cached':  # theirs, or refused
-    from jaxlm import preference as preference_lib  # pylint: disable=g-import-not-at-top
+  cached = preference_lib.reads_cached(t, cfg.preference)
+  if cached:  # the batches carry the reference's log-probabilities: theirs, or refused
     for path in cfg.data.paths.split(','):
       preference_lib.check_cached(path.strip(), cfg.checkpoint.init_from)
   # Data before compiling: a bad dataset fails in seconds, not after a long compile. The iterator yields ramp
@@ -136,12 +137,14 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
   share, shares = sharding.row_share(program.batch_sharding)  # which rows this process reads
   with acct.phase('data'):
     train_iter = data_lib.make_train_iterator(cfg.data, batch_size=ramp.unit, seed=t.seed, vocab_size=vocab,
-                                              process_index=share, process_count=shares)
+                                              process_index=share, process_count=shares,
+                                              reference_logps=cached)
   if hasattr(train_iter, 'close'):
     shutdown.callback(_quietly, train_iter.close)  # stops Grain's worker processes (data.num_workers > 0)
   with acct.phase('eval data'):
     eval_data = data_lib.eval_batches(cfg.data, batch_size=t.batch_size, num_batches=t.eval_batches,
-                                      vocab_size=vocab, process_index=share, process_count=shares)
+                                      vocab_size=vocab, process_index=share, process_count=shares,
+                                      reference_logps=cached)
   ckpt = checkpoint_lib.Checkpointer(rundir.path(workdir, rundir.CHECKPOINTS), cfg.checkpoint, log.event)
   shutdown.callback(_quietly, ckpt.close)
   profiler = perf.Profiler(cfg.log, workdir, is_primary=primary)
@@ -359,8 +362,11 @@ def evaluate_and_log(r: Run, step: int, state) -> float:
     else:
       loss = evaluate(r.program, params, r.eval_data)
       record = {'eval_loss': loss}
-    if state.ema:
-      record['eval_loss_ema'] = evaluate(r.program, state.ema, r.eval_data)
+    if state.ema:  # the same loss as eval_loss, of the averaged model
+      ema = step_lib.ema_params(state, r.program.model.config)
+      record['eval_loss_ema'] = (evaluate(r.program, ema, r.eval_data) if r.program.preference_eval_step is None
+                                 else step_lib.evaluate_preference(r.program, ema, state.reference,
+                                                                   r.eval_data)['eval_loss'])
     texts = sample_prompts(r, params)
     gen = r.gen(params) if r.gen is not None and r.gen.due(step, r.cfg.train.eval_every, r.cfg.train.steps) \
         else None

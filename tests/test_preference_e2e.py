@@ -79,8 +79,8 @@ def test_sigkill_of_a_lora_dpo_run_resumes_bit_for_bit_and_exports(pairs, tmp_pa
   with pytest.raises(preference.ReferenceError, match='checkpoint'):
     preference.check_cached(pairs, f'{reference}/checkpoints/6')  # an older step (keep=3: 6, 8 and 10 remain)
   cfg = load_config('base').data
-  cfg.update(source='prepared', paths=pairs, seq_len=64, reference_logps=True)
-  rows, _ = data_lib.make_train_rows(cfg, seed=0, vocab_size=512, num_epochs=1)
+  cfg.update(source='prepared', paths=pairs, seq_len=64)
+  rows, _ = data_lib.make_train_rows(cfg, seed=0, vocab_size=512, num_epochs=1, reference_logps=True)
   row = {k: v[None] for k, v in rows[0].items()}
   m = model_lib.ModelConfig.from_config(reference_tool.rundir.read_config(manifest['checkpoint']).model)
   params = model_lib.merge_adapters(reference_tool.rundir.read_params(manifest['checkpoint']), m)

@@ -277,14 +277,14 @@ def is_chat(prepared: Sequence[Prepared]) -> bool:
   return prepared[0].meta.get('content') in ('chat', 'preference')  # preference: pairs of conversations
 
 
-def _conversations(data_cfg, p: Prepared, split: str, *, seed: int, num_epochs: int | None,
-                   shuffle: bool) -> stream_lib.ConversationRows:
+def _conversations(data_cfg, p: Prepared, split: str, *, seed: int, num_epochs: int | None, shuffle: bool,
+                   reference_logps: bool = False) -> stream_lib.ConversationRows:
   source = _source(p, split)
   lengths = stream_lib.document_lengths(p.shards(split), p.meta, data_cfg.get('cache_dir') or None)
   extra = {}
   if p.meta.get('content') == 'preference':
     rows = stream_lib.PairRows
-    if data_cfg.get('reference_logps'):  # preference.reference=cached: tools/reference's files, shard by shard
+    if reference_logps:  # preference.reference=cached: tools/reference's files, shard by shard
       paths = [os.path.join(p.path, 'reference', os.path.basename(s)) for s in p.shards(split)]
       if not all(os.path.exists(x) for x in paths):
         raise DataError(f'{p.path} has no cached reference log-probabilities; compute them with `python -m '
@@ -296,13 +296,14 @@ def _conversations(data_cfg, p: Prepared, split: str, *, seed: int, num_epochs: 
                                      epochs=num_epochs, shuffle=shuffle)
 
 
-def _streams(data_cfg, prepared: Sequence[Prepared], seed: int,
-             num_epochs: int | None) -> list[stream_lib.DocumentStream]:
+def _streams(data_cfg, prepared: Sequence[Prepared], seed: int, num_epochs: int | None,
+             reference_logps: bool = False) -> list[stream_lib.DocumentStream]:
   out = []
   for k, p in enumerate(prepared):
     meta = p.meta
     if meta.get('content') in ('chat', 'preference'):  # whole conversations (pairs) per row, with loss weights
-      out.append(_conversations(data_cfg, p, 'train', seed=_seed(seed, k), num_epochs=num_epochs, shuffle=True))
+      out.append(_conversations(data_cfg, p, 'train', seed=_seed(seed, k), num_epochs=num_epochs, shuffle=True,
+                                reference_logps=reference_logps))
       continue
     source = _source(p, 'train')
     lengths = stream_lib.document_lengths(p.shards('train'), meta, data_cfg.get('cache_dir') or None)
@@ -334,18 +335,26 @@ def steps_for_epochs(data_cfg, train_cfg, vocab_size: int) -> tuple[int, int]:
   return -(-train_cfg.epochs * rows.rows_per_epoch // train_cfg.batch_size), rows.rows_per_epoch
 
 
-def make_train_rows(data_cfg, *, seed: int, vocab_size: int, num_epochs: int | None = None):
-  """(the global row stream as a random-access source, its fingerprint): the same on every process."""
+def make_train_rows(data_cfg, *, seed: int, vocab_size: int, num_epochs: int | None = None,
+                    reference_logps: bool = False):
+  """(the global row stream as a random-access source, its fingerprint): the same on every process.
+
+  reference_logps: preference pairs' rows carry `ref_logps`, the cached reference log-probabilities
+  (preference.reference=cached: `preference.reads_cached`).
+  """
   prepared = _open_all(data_cfg, vocab_size)
   weights = _weights(data_cfg, prepared)
-  rows = stream_lib.Rows(_streams(data_cfg, prepared, seed, num_epochs), weights,
+  rows = stream_lib.Rows(_streams(data_cfg, prepared, seed, num_epochs, reference_logps), weights,
                          data_cfg.cross_document_attention)
   return rows, fingerprint(data_cfg, prepared, weights, seed)
 
 
 def make_train_iterator(data_cfg, *, batch_size: int, seed: int, vocab_size: int, process_index: int | None = None,
-                        process_count: int | None = None, num_epochs: int | None = None) -> 'TrainIterator':
+                        process_count: int | None = None, num_epochs: int | None = None,
+                        reference_logps: bool = False) -> 'TrainIterator':
   """Endless iterator of this process's rows of the global batches (batch_size // process_count rows each).
+
+  reference_logps: as make_train_rows.
 
   `next(it)` gives a batch of `batch_size` global rows; `it.take(size)` one of any multiple of the process count.
   Checkpointable: `get_state()` is the global row position (JSON), the same on every process.
@@ -357,7 +366,8 @@ def make_train_iterator(data_cfg, *, batch_size: int, seed: int, vocab_size: int
     lanes, fp = lanes_lib.open_lanes(data_cfg, seed=seed, lanes=data_cfg.get('stream_lanes') or batch_size,
                                      vocab_size=vocab_size)
     return StreamIterator(lanes, fp, unit=batch_size, process_index=process_index, process_count=process_count)
-  rows, fp = make_train_rows(data_cfg, seed=seed, vocab_size=vocab_size, num_epochs=num_epochs)
+  rows, fp = make_train_rows(data_cfg, seed=seed, vocab_size=vocab_size, num_epochs=num_epochs,
+                             reference_logps=reference_logps)
   it = TrainIterator(rows, fp, unit=batch_size, process_index=process_index, process_count=process_count,
                      num_workers=data_cfg.num_workers, prefetch=data_cfg.prefetch)
   logging.info('data: training iterator ready in %.1fs (%s, seq_len %d, %d workers)', time.time() - start,
@@ -571,8 +581,11 @@ def _short(value) -> str:
 
 
 def eval_batches(data_cfg, *, batch_size: int, num_batches: int, vocab_size: int, process_index: int | None = None,
-                 process_count: int | None = None) -> list[dict]:
-  """The first `num_batches` held-out batches (this process's rows); the same on every call and every run."""
+                 process_count: int | None = None, reference_logps: bool = False) -> list[dict]:
+  """The first `num_batches` held-out batches (this process's rows); the same on every call and every run.
+
+  reference_logps: as make_train_rows.
+  """
   process_index, process_count = _process(process_index, process_count)
   local = _local_batch(batch_size, process_count)
   if data_cfg.source == 'stream':
@@ -581,7 +594,8 @@ def eval_batches(data_cfg, *, batch_size: int, num_batches: int, vocab_size: int
   prepared = _open_all(data_cfg, vocab_size)
 
   if is_chat(prepared):  # held-out conversations packed in order; the loss is over assistant tokens only
-    rows = [_conversations(data_cfg, p, 'eval', seed=0, num_epochs=1, shuffle=False) for p in prepared]
+    rows = [_conversations(data_cfg, p, 'eval', seed=0, num_epochs=1, shuffle=False,
+                           reference_logps=reference_logps) for p in prepared]
     flat = [r.row(k) for r in rows for k in range(r.rows_per_epoch)]
     if len(flat) < batch_size * num_batches:
       logging.warning('data: the held-out conversations fill %d rows, fewer than %d batches of %d; cycling them '

@@ -36,6 +36,7 @@ The embedded default corpus (`stdlib_dataset`) goes through the same `prepare` f
 import collections
 import contextlib
 import fcntl
+import hashlib
 import importlib.util
 import json
 import os
@@ -449,6 +450,8 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
                         'shards_written': dict(where), 'shards_kept': bar.kept, 'seconds': round(seconds, 2)}) + '\n')
 
   meta = _metadata(tok, shards, per_source, counts, settings)
+  if chat is not None:  # the template rendered with: the tokenizer's own lives outside its tokenizer.json's sha256
+    meta['chat_template_sha256'] = hashlib.sha256(chat[0].encode()).hexdigest()
   if data_format == 'preference':
     c = meta['chat']
     bad = sum(c['skipped'].values())

@@ -1,4 +1,5 @@
-"""Evaluate a run's checkpoint: held-out loss, perplexity, bits per byte, and a sample continuation.
+"""Evaluate a run's checkpoint: held-out loss, perplexity, bits per byte, and a sample continuation (a preference
+run's also its pairs' preference loss, rewards and log-probabilities, as its train step computes them).
 
   python -m jaxlm.tools.eval --workdir=runs/palm_small [--step=N] [--batches=16] [--prompt='def '] [--max_tokens=64]
                        [--temperature=0]
@@ -55,6 +56,8 @@ from jaxlm.data import pipeline as data_lib
 from jaxlm import errors
 from jaxlm.hf import export as export_lib
 from jaxlm import model as model_lib
+from jaxlm import preference as preference_lib
+from jaxlm import rundir
 from jaxlm import sharding
 from jaxlm.data import readers as sources_lib
 from jaxlm import step as step_lib
@@ -147,6 +150,16 @@ def _restore(path: str, cfg, mesh, weights: str = 'raw'):
   return program, checkpoint_lib.load_params(path, abstract, shardings, weights)
 
 
+def _reference(path: str, program):
+  """preference.reference=copy: the frozen copy the run saved, placed as the program expects; else {} (under
+  `base` the reference is the parameters with their adapters off, `cached` is in the batches, SimPO has none)."""
+  abstract, shardings = program.abstract_state.reference, program.state_shardings.reference
+  if not abstract:
+    return {}
+  saved = rundir.read_reference(path)
+  return jax.device_put(jax.tree.map(lambda a, w: np.asarray(a, w.dtype), saved, abstract), shardings)
+
+
 def _nats_and_tokens(program, params, batches) -> tuple[float, float]:
   """Summed cross-entropy (nats) and weighted target count of `batches` under `params`."""
   totals = [program.eval_step(params, step_lib.global_batch(b, program.batch_sharding)) for b in batches]
@@ -167,11 +180,18 @@ def evaluate_run(workdir: str, *, step: int | None = None, batches: int | None =
   with jax.sharding.set_mesh(mesh):
     with nn.logical_axis_rules(sharding.RULES):
       program, params = _restore(path, cfg, mesh, weights)
-      eval_data = data_lib.eval_batches(cfg.data, batch_size=batch_size, num_batches=batches, vocab_size=vocab)
+      preference = program.preference_eval_step is not None  # train.objective=preference: pairs, and their metrics
+      eval_data = data_lib.eval_batches(cfg.data, batch_size=batch_size, num_batches=batches, vocab_size=vocab,
+                                        reference_logps=preference and preference_lib.reads_cached(t, cfg.preference))
       nats, tokens = _nats_and_tokens(program, params, eval_data)
+      if preference:
+        pref = step_lib.evaluate_preference(program, params, _reference(path, program), eval_data)
     tokenizer = data_lib.load_tokenizer(cfg.data, vocab)
     result = summarize(nats, tokens, sum(text_bytes(b, tokenizer.decode) for b in eval_data))
     result.update(step=int(os.path.basename(path)), batches=len(eval_data), batch_size=batch_size, weights=weights)
+    if preference:  # the train step's names (TRL's), over the held-out pairs; `loss` stays the LM loss
+      result.update({k.removeprefix('eval_'): v for k, v in pref.items() if k != 'eval_loss'},
+                    preference_loss=pref['eval_loss'])
     if prompt is not None:
       # The separator (EOS for SentencePiece) starts every document in training (data.py).
       ids = [tokenizer.separator_id] + tokenizer.encode(prompt)
@@ -491,6 +511,11 @@ def main(argv):
   print(f'  loss           {r["loss"]:.4f} nats/token')
   print(f'  perplexity     {r["perplexity"]:.2f}')
   print(f'  bits per byte  {r["bits_per_byte"]:.4f}')
+  if 'preference_loss' in r:
+    print(f'preference, {r["pairs"]:.0f} held-out pairs: loss {r["preference_loss"]:.4f}, reward accuracy '
+          f'{r["rewards/accuracies"]:.3f}, margin {r["rewards/margins"]:.4f} (chosen {r["rewards/chosen"]:.4f}, '
+          f'rejected {r["rewards/rejected"]:.4f}), log-probs chosen {r["logps/chosen"]:.2f} rejected '
+          f'{r["logps/rejected"]:.2f}')
   if 'continuation' in r:
     print(f'sample ({"greedy" if FLAGS.temperature == 0 else f"temperature {FLAGS.temperature}"}):')
     print(r['prompt'] + r['continuation'])

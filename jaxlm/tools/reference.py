@@ -6,7 +6,7 @@ Runs the reference model (the run's checkpoint; a LoRA run merged) once over eve
 completion token's log-probability beside the pairs, in `<data>/reference/`: one ArrayRecord shard per pair shard
 (a pair's record: float32 chosen-side then rejected-side values, one per row position the pair fills) and
 `reference.json`, naming the checkpoint, the tokenizer and the chat template they belong to. Training with
-`preference.reference=cached` (and `data.reference_logps=True`) reads them in the batch as `ref_logps` and refuses
+`preference.reference=cached` reads them in the batch as `ref_logps` and refuses
 them when they belong to another checkpoint (its checkpoint.init_from), tokenizer or template.
 """
 
