@@ -85,7 +85,8 @@ ReturnToService=2
 KillWait=5
 # The node's CPUs as declared below, not as counted: more tasks than cores may run.
 SlurmdParameters=config_overrides
-NodeName=${host} NodeAddr=127.0.0.1 CPUs=${CPUS:-4} State=UNKNOWN
+# The machine's memory, so that jobs asking for memory per CPU (datatrove's stages: 2 GB) can be placed.
+NodeName=${host} NodeAddr=127.0.0.1 CPUs=${CPUS:-4} RealMemory=$(( $(awk '/^MemTotal/ {print $2}' /proc/meminfo) / 1024 )) State=UNKNOWN
 PartitionName=debug Nodes=${host} Default=YES MaxTime=INFINITE State=UP
 EOF
   # --force: munged as root, in a directory of its own.

@@ -8,6 +8,7 @@ import pytest
 from jaxlm.data import clean as clean_lib
 from jaxlm.data import prepare as prepare_lib
 from jaxlm.data import readers
+from tests.cluster.test_slurm import slurm  # noqa: F401  pylint: disable=unused-import
 from tests.data import clean_corpus
 
 pytest.importorskip('datatrove')
@@ -76,3 +77,26 @@ def test_missing_datatrove_is_one_line(tmp_path):
   out = subprocess.run([sys.executable, '-c', code, f'--inputs={ROOT / "README.md"}', f'--out={tmp_path}'],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert 'jaxlm[clean]' in assert_fails_with(out, 2)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow(reason='the datatrove stages as dependent Slurm job arrays on a one-node cluster on localhost')
+def test_slurm_executor_keeps_the_same_documents(cleaned, slurm, tmp_path, monkeypatch):
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+  from tests.conftest import ROOT  # pylint: disable=import-outside-toplevel
+  root, _, out = cleaned
+  for name in ('SLURM_CONF', 'PATH'):  # sbatch, and the jobs it queues, see this process's environment
+    monkeypatch.setenv(name, slurm[name])
+  monkeypatch.setenv('PYTHONPATH', str(ROOT))  # the jobs unpickle the stages, which name jaxlm's modules
+  target = tmp_path / 'slurm'
+  clean_lib.clean(readers.expand_inputs([str(root / 'raw')]), str(target), languages=['en'], lid='py3langid',
+                  executor='slurm', tasks=2, slurm={'partition': 'debug', 'time': '00:30:00'})
+  # The command returns once the stages are queued, each depending on the one before: wait for the last's tasks.
+  deadline = time.time() + 600
+  while len(glob.glob(f'{target}/.work/logs/write/completions/*')) < 2:
+    queued = subprocess.run(['squeue', '-h'], capture_output=True, text=True, check=True).stdout.strip()
+    logs = {p: open(p).read()[-1500:] for p in sorted(glob.glob(f'{target}/.work/logs/*/slurm_logs/*.out'))}
+    assert queued and time.time() < deadline, logs  # no job left, the output unfinished: a stage failed
+    time.sleep(2)
+  assert sorted(r['id'] for r in _kept(target)) == sorted(r['id'] for r in _kept(out))
