@@ -352,7 +352,7 @@ def test_inputs_on_a_bucket_are_read_in_place_into_the_same_shards(store, tmp_pa
   sources = readers.expand_inputs([url])
   assert [s.key for s in sources] == [s.key for s in readers.expand_inputs([str(tmp_path / 'corpus')])]
   prepare_lib.prepare(readers.expand_inputs([str(tmp_path / 'corpus')]), str(tmp_path / 'a'), **SETTINGS)
-  prepare_lib.prepare(sources, str(tmp_path / 'b'), block_bytes=300, **SETTINGS)  # ranged reads of the objects
+  prepare_lib.prepare(sources, str(tmp_path / 'b'), block_bytes=1000, **SETTINGS)  # ranged reads of the objects
   skip = ('runs.jsonl', 'plan.json', 'metadata.json')  # the last two name where the inputs were
   files = lambda d: {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.name not in skip}
   assert files(tmp_path / 'b') == files(tmp_path / 'a') and any(n.endswith('.arrayrecord') for n in files(tmp_path / 'a'))
@@ -361,7 +361,7 @@ def test_inputs_on_a_bucket_are_read_in_place_into_the_same_shards(store, tmp_pa
   assert meta[1] == meta[0] and paths[1] == [storage.join(url, s.key) for s in sources]
   storage.write_bytes(storage.join(url, 'j2.jsonl'), (tmp_path / 'corpus' / 'j2.jsonl').read_text() + '{"text": "x"}\n')
   with pytest.raises(readers.PrepareError, match='input j2.jsonl changed'):  # the store's hash says so
-    prepare_lib.prepare(readers.expand_inputs([url]), str(tmp_path / 'b'), block_bytes=300, **SETTINGS)
+    prepare_lib.prepare(readers.expand_inputs([url]), str(tmp_path / 'b'), block_bytes=1000, **SETTINGS)
 
 
 def test_streaming_from_a_bucket_gives_the_rows_of_the_local_files(store, tmp_path):
