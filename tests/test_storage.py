@@ -213,42 +213,57 @@ def test_a_missing_bucket_is_one_line_and_exit_3(store):
       f'--workdir={missing}: bucket no-such-bucket does not exist (or these credentials cannot see it); create it '
       f'or fix the URL')
 
-E2E = ('--config.train.steps=8', '--config.train.log_every=1', '--config.checkpoint.every=4',
-       '--config.stability.spike_window=4')
+E2E = ('--config.train.steps=12', '--config.train.log_every=1', '--config.checkpoint.every=4',
+       '--config.stability.spike_window=4', '--config.data.source=prepared')
 
 
-@pytest.mark.slow(reason='three trainer processes against the GCS emulator: uninterrupted local, SIGTERM, resume')
-def test_sigterm_and_resume_with_a_bucket_workdir_match_an_uninterrupted_local_run(gcs_emulator, tmp_path,
-                                                                                    data_cache, monkeypatch):
+@pytest.mark.slow(reason='four trainer processes against the GCS emulator: uninterrupted local, SIGTERM, kill -9, resume')
+def test_sigterm_kill_9_and_resume_on_a_bucket_match_an_uninterrupted_local_run(gcs_emulator, tmp_path, prepared,
+                                                                                monkeypatch):
+  """The run directory and its prepared data on the bucket; the reference reads the same data from a local disk."""
+  import psutil  # pylint: disable=import-outside-toplevel
+  from jaxlm.data import prepare as prepare_lib  # pylint: disable=import-outside-toplevel
   from tests.helpers import train_command  # pylint: disable=import-outside-toplevel
-  args = (*E2E, f'--config.data.cache_dir={data_cache}')
-  reference = subprocess.run(train_command(tmp_path / 'local', *args), cwd=ROOT, env=train_env(),
-                             capture_output=True, text=True, timeout=600)
-  assert reference.returncode == 0, reference.stderr[-3000:]
   for name, value in store_env('gs', gcs=gcs_emulator).items():
     monkeypatch.setenv(name, value)
-  workdir = f'gs://{BUCKET}/{uuid.uuid4().hex[:12]}/run'
-  env = {**train_env(), **store_env('gs', gcs=gcs_emulator)}
-  proc = subprocess.Popen(train_command(workdir, *args), cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
-  deadline = time.time() + 300
-  while not any(r.get('kind') == 'train' and r['step'] >= 3 for r in rundir.read_metrics(workdir)):
-    assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
-    time.sleep(0.2)
+  base = f'gs://{BUCKET}/{uuid.uuid4().hex[:12]}'
+  prepare_lib.upload_prepared(str(prepared), storage.join(base, 'data'))
+  cache = f'--config.data.cache_dir={tmp_path / "cache"}'
+  reference = subprocess.run(train_command(tmp_path / 'local', *E2E, cache, f'--config.data.paths={prepared}'),
+                             cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=600)
+  assert reference.returncode == 0, reference.stderr[-3000:]
+  workdir, env = storage.join(base, 'run'), {**train_env(), **store_env('gs', gcs=gcs_emulator)}
+  command = train_command(workdir, *E2E, cache, f'--config.data.paths={storage.join(base, "data")}')
+  logged = lambda: max((r['step'] for r in rundir.read_metrics(workdir) if r.get('kind') == 'train'), default=0)
+
+  def start_until(step):
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while logged() < step:
+      assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
+      time.sleep(0.2)
+    return proc
+
+  proc = start_until(3)
   proc.send_signal(signal.SIGTERM)  # a preemption notice: the step finishes, a checkpoint is saved, exit 0
   output = proc.communicate(timeout=300)[0]
   assert proc.returncode == 0, output[-3000:]
   stopped = [r for r in rundir.read_metrics(workdir) if r.get('event') == 'preempted'][-1]['step']
-  assert stopped in rundir.checkpoint_steps(workdir) and stopped < 8
-  again = subprocess.run(train_command(workdir, *args), cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
+  assert stopped in rundir.checkpoint_steps(workdir) and stopped < 8  # the preemption save
+  proc = start_until(stopped + 1)
+  trainer = psutil.Process(proc.pid).children()  # the watcher's training process (cli.run_watched)
+  proc.send_signal(signal.SIGKILL)  # no warning: whatever was in flight is lost
+  proc.wait()
+  psutil.wait_procs(trainer, timeout=10)
+  assert logged() < 12, 'the run ended before the kill -9'
+  again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert again.returncode == 0 and 'resumed from checkpoint step' in again.stdout, again.stderr[-3000:]
   want = {r['step']: r['loss'] for r in rundir.read_metrics(tmp_path / 'local') if r['kind'] == 'train'}
   got = [(r['step'], r['loss']) for r in rundir.read_metrics(workdir) if r['kind'] == 'train']
-  assert sorted({s for s, _ in got}) == list(range(1, 9))
-  for step, loss in got:  # every logged loss, bit for bit the uninterrupted local run's
+  assert sorted({s for s, _ in got}) == list(range(1, 13))
+  for step, loss in got:  # every logged loss, redone steps included, bit for bit the uninterrupted local run's
     assert loss == want[step], step
-  assert rundir.checkpoint_steps(workdir) == sorted({4, stopped, 8})  # the preemption save too (keep=3)
+  assert rundir.checkpoint_steps(workdir)[-1] == 12
   # The tools read a bucket run as a local one: the same held-out loss and greedy sample, to the printed digit.
   evals = [run_cli('jaxlm.tools.eval', f'--workdir={w}', '--batches=1', '--prompt=def', '--max_tokens=4',
                    '--temperature=0', env=env, timeout=300) for w in (tmp_path / 'local', workdir)]
