@@ -170,6 +170,10 @@ def storage_error(path: str, error: BaseException) -> StorageError:
   log.error('writing %s failed: %s: %s', path, type(error).__name__, error)
   number = os_errno(error)
   cause = f'{type(error).__name__}: [Errno {number}] {short_cause(error)}' if number else short_cause(error)
+  if storage.is_url(path):  # a bucket has no free space to report: a refused write is quota, throttling or rights
+    return StorageError(fit_line(f'cannot write {{path}} ({cause}); the store refused the write. Fix: the '
+                                 f'bucket\'s quota or write permission, or another --workdir, then rerun to resume',
+                                 path))
   return StorageError(fit_line(f'cannot write {{path}} ({cause}); {free_space(path)} free there. Fix: '
                                f'free space or use a writable --workdir, then rerun to resume', path))
 

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 import uuid
 
@@ -156,3 +157,61 @@ def store(request, tmp_path, monkeypatch):
 def checkpoint_store(request, tmp_path, monkeypatch):
   """`store` where Orbax can write checkpoints: a local directory and gs:// (s3:// needs a mount: README)."""
   return _location(request, tmp_path, monkeypatch)
+
+
+QUOTA_EXCEEDED = json.dumps({'error': {'code': 403, 'message': 'The project exceeded its storage quota.',
+                                       'errors': [{'reason': 'quotaExceeded', 'domain': 'global'}]}}).encode()
+
+
+@pytest.fixture
+def refusing_gcs(gcs_emulator):
+  """(URL, switch): a pass-through to the GCS emulator that, while `switch` is set, answers every write with 403
+  quotaExceeded, as a bucket over its quota does; reads pass."""
+  import http.client  # pylint: disable=import-outside-toplevel
+  import http.server  # pylint: disable=import-outside-toplevel
+  import threading  # pylint: disable=import-outside-toplevel
+  upstream = urllib.parse.urlparse(gcs_emulator)
+  refuse = threading.Event()
+
+  class Proxy(http.server.BaseHTTPRequestHandler):
+    protocol_version = 'HTTP/1.1'
+
+    def _forward(self):
+      body = self.rfile.read(int(self.headers.get('Content-Length') or 0))
+      if refuse.is_set() and self.command in ('POST', 'PUT', 'PATCH', 'DELETE'):
+        status, headers, data = 403, [('Content-Type', 'application/json')], QUOTA_EXCEEDED
+      else:
+        conn = http.client.HTTPConnection(upstream.hostname, upstream.port, timeout=60)
+        conn.request(self.command, self.path, body=body,
+                     headers={k: v for k, v in self.headers.items() if k.lower() not in ('host', 'connection')})
+        reply = conn.getresponse()
+        status, data = reply.status, reply.read()
+        headers = [(k, v) for k, v in reply.getheaders() if k.lower() not in ('transfer-encoding', 'connection')
+                   and (k.lower() != 'content-length' or self.command == 'HEAD')]
+        conn.close()
+      self.send_response(status)
+      for k, v in headers:
+        self.send_header(k, v)
+      if self.command != 'HEAD':
+        self.send_header('Content-Length', str(len(data)))
+      self.end_headers()
+      if self.command != 'HEAD':
+        self.wfile.write(data)
+
+    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = _forward  # noqa: N815
+
+    def log_message(self, *args):
+      pass
+
+  class Server(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+      pass  # a client that hung up after a refused write: nothing for the test's output
+
+  server = Server(('127.0.0.1', 0), Proxy)
+  thread = threading.Thread(target=server.serve_forever, daemon=True)
+  thread.start()
+  try:
+    yield f'http://127.0.0.1:{server.server_address[1]}', refuse
+  finally:
+    server.shutdown()
+    server.server_close()

@@ -24,7 +24,7 @@ from tests.conftest import ROOT
 from tests.hf.test_export import _hf_llama, hf, spm_model  # noqa: F401  pylint: disable=unused-import
 from tests.helpers import load_config
 from tests.helpers import assert_fails_with, run_cli, train_env
-from tests.stores import checkpoint_store, gcs_emulator, s3_emulator, s3_emulator_checking_keys, store  # noqa: F401  pylint: disable=unused-import
+from tests.stores import checkpoint_store, gcs_emulator, refusing_gcs, s3_emulator, s3_emulator_checking_keys, store  # noqa: F401  pylint: disable=unused-import
 from tests.stores import BUCKET, free_port, store_env
 
 
@@ -269,6 +269,18 @@ def test_sigterm_kill_9_and_resume_on_a_bucket_match_an_uninterrupted_local_run(
                    '--temperature=0', env=env, timeout=300) for w in (tmp_path / 'local', workdir)]
   assert all(e.returncode == 0 for e in evals) and 'loss ' in evals[0].stdout, evals[1].stderr[-3000:]
   assert evals[1].stdout == evals[0].stdout
+  samples = [run_cli('jaxlm.tools.generate', f'--workdir={w}', '--prompt=def', '--max_new_tokens=6',
+                     '--temperature=0', f'--output={tmp_path / f"{i}.jsonl"}', env=env, timeout=300)
+             for i, w in enumerate((tmp_path / 'local', workdir))]
+  assert all(g.returncode == 0 for g in samples), samples[1].stderr[-3000:]
+  assert (tmp_path / '1.jsonl').read_text() == (tmp_path / '0.jsonl').read_text()
+  # checkpoint.init_from's loader reads the bucket run's newest parameters as the local run's, bit for bit.
+  from tests.helpers import plain_program  # pylint: disable=import-outside-toplevel
+  cfg = load_config('palm_tiny')
+  program = plain_program(cfg, sharding.make_mesh(cfg.mesh))
+  a, b = (checkpoint_lib.load_params(str(w), program.abstract_state.params, program.state_shardings.params)
+          for w in (tmp_path / 'local' / 'checkpoints', storage.join(workdir, 'checkpoints')))
+  _equal(a, b)
 
 
 @pytest.fixture(scope='module')
@@ -394,3 +406,40 @@ def test_streaming_from_a_bucket_gives_the_rows_of_the_local_files(store, tmp_pa
   cfg.paths = url
   two = lanes_test._iterators(cfg, 2)  # pylint: disable=protected-access
   assert lanes_test._global_rows(two, 12) == local  # pylint: disable=protected-access
+
+
+@pytest.mark.slow(reason='a trainer against a bucket that starts refusing writes mid-run, then the same command again')
+def test_a_bucket_over_its_quota_stops_the_run_like_a_full_disk_and_loses_nothing(refusing_gcs, tmp_path,
+                                                                                  data_cache):
+  from tests.helpers import train_command  # pylint: disable=import-outside-toplevel
+  url, refuse = refusing_gcs
+  env = {**train_env(), 'STORAGE_EMULATOR_HOST': url}
+  workdir = f'gs://{BUCKET}/{uuid.uuid4().hex[:12]}/run'
+  command = train_command(workdir, '--config.train.steps=8', '--config.train.log_every=1',
+                          '--config.checkpoint.every=2', '--config.stability.spike_window=4',
+                          f'--config.data.cache_dir={data_cache}')
+  os.environ['STORAGE_EMULATOR_HOST'] = url
+  try:
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not rundir.checkpoint_steps(workdir):  # a committed checkpoint to resume from
+      assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:]
+      time.sleep(0.2)
+    logged = max(r['step'] for r in rundir.read_metrics(workdir) if r.get('kind') == 'train')
+    refuse.set()  # every write from now on: 403 quotaExceeded
+    start = time.monotonic()
+    out, err = proc.communicate(timeout=300)
+    elapsed = time.monotonic() - start
+    refuse.clear()
+    assert_fails_with(subprocess.CompletedProcess(command, proc.returncode, out, err), 3, 'Forbidden',
+                      'the store refused the write', 'quota')
+    assert elapsed < 60, elapsed  # at the next write, not after minutes of retries
+    steps = [r['step'] for r in rundir.read_metrics(workdir) if r.get('kind') == 'train']
+    assert steps[:logged] == list(range(1, logged + 1))  # nothing written before the refusal was lost
+    committed = rundir.checkpoint_steps(workdir)[-1]
+    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and f'resumed from checkpoint step {committed}' in again.stdout, \
+        again.stderr[-3000:]
+    assert sorted({r['step'] for r in rundir.read_metrics(workdir) if r.get('kind') == 'train'}) == list(range(1, 9))
+  finally:
+    os.environ.pop('STORAGE_EMULATOR_HOST', None)
