@@ -115,6 +115,20 @@ def assert_fails_with(out, code: int, *says: str) -> str:
   return last
 
 
+def loopback_server(handler, server_class=None):
+  """A generator for a fixture: an HTTP server of `handler` on a free 127.0.0.1 port, serving on a thread; yields
+  its base URL, and shuts it down when the fixture ends."""
+  import http.server
+  import threading
+  server = (server_class or http.server.ThreadingHTTPServer)(('127.0.0.1', 0), handler)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  try:
+    yield f'http://127.0.0.1:{server.server_address[1]}'
+  finally:
+    server.shutdown()
+    server.server_close()
+
+
 def read_records(workdir, kind: str = 'train') -> list[dict]:
   """Records of one kind from <workdir>/metrics.jsonl, in file order."""
   import json

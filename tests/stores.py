@@ -16,6 +16,8 @@ import uuid
 
 import pytest
 
+from tests.helpers import loopback_server
+
 BUCKET = 'jaxlm-test'
 STORES = ('local', 'gs', 's3')
 
@@ -207,11 +209,5 @@ def refusing_gcs(gcs_emulator):
     def handle_error(self, request, client_address):
       pass  # a client that hung up after a refused write: nothing for the test's output
 
-  server = Server(('127.0.0.1', 0), Proxy)
-  thread = threading.Thread(target=server.serve_forever, daemon=True)
-  thread.start()
-  try:
-    yield f'http://127.0.0.1:{server.server_address[1]}', refuse
-  finally:
-    server.shutdown()
-    server.server_close()
+  for url in loopback_server(Proxy, Server):
+    yield url, refuse

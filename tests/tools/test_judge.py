@@ -3,11 +3,11 @@
 import http.server
 import json
 import math
-import threading
 
 import pytest
 
 from jaxlm.tools import judge as judge_lib
+from tests.helpers import loopback_server
 
 # The stub's first-token top log-probabilities: digits the criteria allow, one they do not, and words.
 TOP = [{'token': '2', 'logprob': math.log(0.5)}, {'token': ' 3', 'logprob': math.log(0.25)},
@@ -35,14 +35,8 @@ def stub():
     def log_message(self, *args):
       pass
 
-  server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Handler)
-  thread = threading.Thread(target=server.serve_forever, daemon=True)
-  thread.start()
-  try:
-    yield f'http://127.0.0.1:{server.server_address[1]}/v1', received
-  finally:
-    server.shutdown()
-    server.server_close()
+  for url in loopback_server(Handler):
+    yield f'{url}/v1', received
 
 
 def test_judge_sends_temperature_0_and_weights_the_digits_by_probability(stub):
