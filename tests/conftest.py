@@ -6,10 +6,13 @@ import pathlib
 import shutil
 import sys
 
-# The tests check what programs compute, not how fast their machine code runs: LLVM's cheapest pipeline cuts the
-# CPU time of XLA:CPU compiles, about half of the suite's time, by ~40% (bench/RESULTS.md, "Test suite").
-# Every process of the suite, trainer subprocesses included (tests/helpers.py: train_env), compiles this way.
-FAST_COMPILE_XLA_FLAGS = '--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true'
+# The tests check what programs compute, not how fast their machine code runs: LLVM's cheapest pipeline, XLA:CPU's
+# older elemental emitters instead of its MLIR fusion emitters (whose compiles cost about twice the CPU time) and
+# one codegen thread (2 cores are shared by 2 workers) cut the CPU time of the suite's compiles, about half of
+# its time, by more than half (bench/RESULTS.md, "Test suite"). Every process of the suite, trainer
+# subprocesses included (tests/helpers.py: train_env), compiles this way.
+FAST_COMPILE_XLA_FLAGS = ('--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true '
+                          '--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1')
 
 # Must run before `import jax`: XLA reads the flag once, when the CPU backend starts.
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8 '
