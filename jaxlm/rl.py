@@ -313,7 +313,7 @@ def rl_stability(cfg):
   return y
 
 
-_COMPILED = {}  # (config without seed, mesh) -> (program, compiled train step): reused by runs in one process
+_COMPILED = {}  # (config without seed, mesh) -> (program, compiled train step, seed): reused by runs in one process
 
 
 def program_for(cfg, mesh):
@@ -328,9 +328,9 @@ def program_for(cfg, mesh):
     program = step_lib.build_program(cfg, mesh, objective=objective)
     compiled = program.train_step.lower(program.abstract_state, abstract_batch(
         cfg.train.batch_size, cfg.data.seq_len, program.batch_sharding, objective)).compile()
-    _COMPILED[key] = (program, objective, compiled)
-  program, objective, compiled = _COMPILED[key]
-  if cfg.train.seed != 0:  # init draws from train.seed: only it is rebuilt
+    _COMPILED[key] = (program, objective, compiled, t.seed)
+  program, objective, compiled, seed = _COMPILED[key]
+  if t.seed != seed:  # init draws from train.seed, that of the run that compiled the entry: only it is rebuilt
     program = dataclasses.replace(program, init=step_lib.build_program(cfg, mesh, objective=objective).init)
   return program, objective, compiled
 
