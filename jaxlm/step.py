@@ -108,10 +108,10 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
     dummy = jnp.zeros(tokens.shape, tokens.dtype)
     return model.init({'params': rng}, dummy, dummy + 1, dummy)
 
-  init_params = lambda rng: init_variables(rng)['params']
-
-  # Shapes before values: logical axis names come with the abstract (boxed) parameters.
-  boxed = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0)))
+  # Shapes before values: logical axis names come with the abstract (boxed) variables. The model is traced for
+  # its shapes once here (and once in init's): tracing a model costs more than compiling palm_tiny's step.
+  boxed_variables = jax.eval_shape(lambda: init_variables(jax.random.PRNGKey(0)))
+  boxed = boxed_variables['params']
   param_logical = nn.get_partition_spec(boxed)
   # LoRA: only the adapters are differentiated and have optimizer state; the base is frozen (`trainable`).
   trainable, with_trainable = trainable_split(m)
@@ -122,11 +122,11 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
     tx = optax.apply_if_finite(tx, max_consecutive_errors=2**30)
   if fp16:  # outermost: it sees the scaled gradients, and an overflow is not counted as a skipped step
     tx = optimizer_lib.dynamic_loss_scale(tx, optim_cfg.loss_scale_init, optim_cfg.loss_scale_period)
-  abstract_params = jax.eval_shape(lambda: nn.unbox(init_params(jax.random.PRNGKey(0))))
+  abstract_params = jax.eval_shape(nn.unbox, boxed)
   abstract_opt = jax.eval_shape(tx.init, trainable(abstract_params))
   replicated = jax.sharding.PartitionSpec()
   opt_logical = optimizer_lib.state_logical(tx, abstract_opt, train_logical, trainable(abstract_params))
-  abstract_fp8 = jax.eval_shape(lambda: init_variables(jax.random.PRNGKey(0)).get(model_lib.FP8, {}))
+  abstract_fp8 = boxed_variables.get(model_lib.FP8, {})
   # Preference tuning: which reference the loss compares with (none for SimPO), and what the batch carries.
   preference = pref_cfg is not None
   ref_kind = pref_cfg.reference if preference and preference_lib.needs_reference(pref_cfg) else None
