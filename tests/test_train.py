@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import FAST_COMPILE_XLA_FLAGS, ROOT
 from tests.helpers import read_records, train_command, train_env
 
 
@@ -41,7 +41,8 @@ def test_entry_point_trains_palm_tiny_and_loss_falls(tmp_path, data_cache):
 _FAULTS = '''
 import json, os, resource, sys
 os.environ['JAX_PLATFORMS'] = 'cpu'
-os.environ.pop('XLA_FLAGS', None)  # one device (the setting's own case): all the step's temporaries in one block
+# One device (the setting's own case: all the step's temporaries in one block), compiled as the suite compiles.
+os.environ['XLA_FLAGS'] = sys.argv[1]
 import jaxlm  # first, as `python -m jaxlm.train` does: before JAX starts a thread
 sys.path.insert(0, 'bench')
 import mfu
@@ -70,8 +71,8 @@ def test_host_memory_is_kept_so_steps_do_not_refault_their_temporaries():
   runs = {}
   for keep in ('', '0'):  # unset: the default on one CPU device
     env = dict(os.environ, JAXLM_KEEP_HOST_MEMORY=keep)
-    out = subprocess.run([sys.executable, '-c', _FAULTS], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, '-c', _FAULTS, FAST_COMPILE_XLA_FLAGS], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     runs[keep] = json.loads(out.stdout.strip().splitlines()[-1])
   assert runs['0']['kept'] is False
