@@ -27,7 +27,10 @@ from tests.conftest import ROOT
 from tests.helpers import read_records, train_command, train_env
 from tests.test_multihost import DEVICES, PROCESSES, overrides, wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow(reason='a real Slurm cluster on localhost schedules, preempts and restarts two-process jobs')]
+# One xdist worker runs them all, on one cluster (addopts: --dist=loadgroup): two workers' clusters would each number
+# their jobs from 1, and JAX picks a Slurm job's coordinator port from its job id, so their tasks joined each other.
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group('slurm'),
+              pytest.mark.slow(reason='a real Slurm cluster on localhost schedules, preempts and restarts two-process jobs')]
 
 BINARIES = ('munged', 'slurmctld', 'slurmd', 'sbatch', 'scancel', 'scontrol', 'sinfo', 'squeue')
 STEPS, CHECKPOINT_EVERY = 30, 5
