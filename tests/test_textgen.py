@@ -9,10 +9,6 @@ import pytest
 
 from jaxlm import textgen
 
-# One xdist worker runs this module (addopts: --dist=loadgroup): its session fixtures train two runs and score four
-# samplers, about a minute that a second worker would otherwise spend again.
-pytestmark = pytest.mark.xdist_group('textgen_runs')
-
 
 def test_repetition_counts_each_texts_ngrams_and_skips_texts_without_any():
   texts = ['a b a b a', 'c d e', 'x']  # 'x' has no 2-gram; 'c d e' no 4-gram

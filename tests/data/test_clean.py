@@ -81,7 +81,6 @@ def test_missing_datatrove_is_one_line(tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.slow(reason='the datatrove stages as dependent Slurm job arrays on a one-node cluster on localhost')
-@pytest.mark.xdist_group('slurm')  # with tests/cluster/test_slurm.py: one Slurm cluster at a time
 def test_slurm_executor_keeps_the_same_documents(cleaned, slurm, tmp_path, monkeypatch):
   import subprocess  # pylint: disable=import-outside-toplevel
   import time  # pylint: disable=import-outside-toplevel
