@@ -51,6 +51,11 @@ def _injected(inject: str, kind: str, key: int) -> bool:
 INJECTED_DELAY_S = 0.5
 
 
+def _delay(inject: str, kind: str, key: int) -> float:
+  """The drill's slowdown when `inject` names this device or process, else none."""
+  return INJECTED_DELAY_S if _injected(inject, kind, key) else 0.0
+
+
 def _best_time(fn, iters: int, delay_s: float = 0.0) -> float:
   """Fastest of `iters` calls of fn (compiled first), in seconds; `delay_s` emulates a slow device."""
   jax.block_until_ready(fn())
@@ -72,7 +77,7 @@ def measure_devices(n: int, iters: int, inject: str = '') -> tuple[np.ndarray, n
   times, sums = [], []
   for d in jax.local_devices():
     x, y = jax.device_put(a, d), jax.device_put(b, d)
-    times.append(_best_time(lambda: matmul(x, y), iters, INJECTED_DELAY_S if _injected(inject, 'slow', d.id) else 0.0))
+    times.append(_best_time(lambda: matmul(x, y), iters, _delay(inject, 'slow', d.id)))
     column_sums = np.asarray(matmul(x, y), np.float64).sum(axis=0)
     if _injected(inject, 'wrong', d.id):
       column_sums[n // 3] += 0.1 * np.abs(column_sums).max()  # one corrupted column, as from a flaky multiplier
@@ -86,8 +91,7 @@ def measure_host(iters: int, inject: str = '') -> float:
   mesh = Mesh(np.asarray(local), ('d',))
   x = jax.device_put(np.ones((len(local), 1 << 16), np.float32), NamedSharding(mesh, P('d')))
   total = jax.jit(lambda v: v.sum(axis=0), out_shardings=NamedSharding(mesh, P()))
-  delay = INJECTED_DELAY_S if _injected(inject, 'slowhost', jax.process_index()) else 0.0
-  return _best_time(lambda: total(x), iters, delay)
+  return _best_time(lambda: total(x), iters, _delay(inject, 'slowhost', jax.process_index()))
 
 
 def measure_global(iters: int) -> tuple[float, bool]:
