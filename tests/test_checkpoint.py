@@ -19,7 +19,7 @@ import pytest
 
 from jaxlm import checkpoint as checkpoint_lib
 from jaxlm import sharding, train
-from tests.conftest import ROOT
+from tests.conftest import ROOT, made_once
 from tests.helpers import odd_config, plain_program, random_batch, read_records, train_command, train_env
 
 STEPS = 24
@@ -71,8 +71,10 @@ def _losses(workdir):
 
 @pytest.fixture(scope='module')
 def reference(tmp_path_factory, data_cache):
-  workdir = tmp_path_factory.mktemp('reference')
-  _run(workdir, data_cache)
+  """The uninterrupted run, trained once for the whole run (xdist may give this module's tests to both workers)."""
+  with made_once(tmp_path_factory, 'checkpoint_reference') as (workdir, done):
+    if not done:
+      _run(workdir, data_cache)
   return workdir
 
 

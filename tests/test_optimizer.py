@@ -5,6 +5,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxlm import optimizer
+from tests.conftest import made_once
 from tests.helpers import assert_fails_with, grid, load_config, odd_config, random_batch, read_records
 
 
@@ -300,8 +301,10 @@ def uninterrupted(tmp_path_factory, data_cache):
 
   def get(name):
     if name not in runs:
-      runs[name] = tmp_path_factory.mktemp(name)
-      test_checkpoint._run(runs[name], data_cache, *OPTIMIZERS[name])
+      with made_once(tmp_path_factory, f'uninterrupted_{name}') as (workdir, done):
+        if not done:
+          test_checkpoint._run(workdir, data_cache, *OPTIMIZERS[name])
+      runs[name] = workdir
     return runs[name]
 
   return get

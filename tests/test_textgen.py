@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxlm import textgen
+from tests.conftest import made_once
 
 
 def test_repetition_counts_each_texts_ngrams_and_skips_texts_without_any():
@@ -80,7 +81,7 @@ def test_cut_pairs_take_windows_inside_one_document():
 P, N, PROMPTS = 8, 24, 64  # prompt and continuation tokens, prompts (palm_tiny's sequences are 64 tokens)
 
 
-def _train(tmp_path_factory, data_cache, name, steps, seed, **overrides):
+def _train(workdir, data_cache, steps, seed, **overrides):
   from jaxlm import train
   from tests.helpers import load_config
   cfg = load_config('palm_tiny')
@@ -89,18 +90,21 @@ def _train(tmp_path_factory, data_cache, name, steps, seed, **overrides):
   cfg.optim.update(lr=1e-2, warmup_steps=10)
   cfg.checkpoint.update(every=0, async_save=False)
   cfg.log.update(tensorboard=False, compilation_cache='')
-  workdir = str(tmp_path_factory.mktemp(name))
-  train.run(cfg, workdir)
-  return workdir
+  train.run(cfg, str(workdir))
 
 
 @pytest.fixture(scope='session')
 def textgen_runs(tmp_path_factory, data_cache):
-  """(model workdir, judge workdir): palm_tiny on the stdlib corpus, the judge trained longer on another seed."""
-  # The model scores its own generations at steps 100 and 200 (train.gen_eval).
-  return (_train(tmp_path_factory, data_cache, 'textgen_model', 200, 0, eval_every=100, gen_eval=1,
-                 gen_eval_prompts=16, gen_eval_prompt_tokens=P, gen_eval_tokens=N),
-          _train(tmp_path_factory, data_cache, 'textgen_judge', 300, 1))
+  """(model workdir, judge workdir): palm_tiny on the stdlib corpus, the judge trained longer on another seed.
+  Trained once for the whole run (both xdist workers: ~1 min of CPU each time)."""
+  with made_once(tmp_path_factory, 'textgen_runs') as (path, done):
+    model, judge = path / 'textgen_model', path / 'textgen_judge'
+    if not done:
+      # The model scores its own generations at steps 100 and 200 (train.gen_eval).
+      _train(model, data_cache, 200, 0, eval_every=100, gen_eval=1, gen_eval_prompts=16, gen_eval_prompt_tokens=P,
+             gen_eval_tokens=N)
+      _train(judge, data_cache, 300, 1)
+  return str(model), str(judge)
 
 
 @pytest.fixture(scope='session')
