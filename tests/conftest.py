@@ -23,6 +23,8 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('JAX_TRACEBACK_IN_LOCATIONS_LIMIT', '0')
 os.environ.setdefault('JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS', 'false')
 
+SUBPROCESS_CACHE_ENV = 'JAXLM_TEST_XLA_CACHE'  # see pytest_configure
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -132,7 +134,19 @@ def pytest_configure(config):
   """No persistent compilation cache in the test processes: on this 8-device CPU mesh an executable read back
   from it can run one device's collectives concurrently and deadlock (jaxlm/perf.py, CPU_MESH_CACHE_OFF; issue
   #32). The flag that makes it safe (jaxlm/malloc.py: CPU_MESH_XLA_FLAG) slowed the in-process grids' compiles and
-  steps more than the cache saved (issue #38; bench/RESULTS.md). Trainer subprocesses may take both
-  (JAXLM_TEST_XLA_CACHE: tests/helpers.py, train_env); measured, that gained them ~8 %: opt-in."""
-  del config
+  steps more than the cache saved, whose programs are mostly compiled once each (issue #38; bench/RESULTS.md).
+
+  Trainer and tool subprocesses share one cache for the run, with that flag (tests/helpers.py: train_env): a kill
+  -9 drill starts the same program three or four times. The directory is made here, by the process that starts
+  the xdist workers (they inherit the variable), and removed at the end; JAXLM_TEST_XLA_CACHE=DIR names one
+  instead, JAXLM_TEST_XLA_CACHE=0 turns it off."""
   jax.config.update('jax_enable_compilation_cache', False)
+  if not os.environ.get('PYTEST_XDIST_WORKER') and not os.environ.get(SUBPROCESS_CACHE_ENV):
+    import tempfile
+    config.subprocess_cache = os.environ[SUBPROCESS_CACHE_ENV] = tempfile.mkdtemp(prefix='jaxlm-test-xla-')
+
+
+def pytest_unconfigure(config):
+  if made := getattr(config, 'subprocess_cache', None):
+    shutil.rmtree(made, ignore_errors=True)
+    del os.environ[SUBPROCESS_CACHE_ENV]

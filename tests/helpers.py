@@ -76,22 +76,26 @@ def train_command(workdir, *overrides, config: str = 'palm_tiny') -> list[str]:
 
 
 def train_env(devices: int = 8) -> dict:
-  """Environment for a training subprocess: `devices` fake CPU devices, unbuffered output.
+  """Environment for a training subprocess: `devices` fake CPU devices, unbuffered output, and the run's shared
+  compilation cache (tests/conftest.py: pytest_configure).
 
-  JAXLM_TEST_XLA_CACHE=DIR (opt-in) gives the subprocesses one persistent compilation cache, with the XLA:CPU
-  scheduler setting that makes cached multi-device executables safe (jaxlm/malloc.py: CPU_MESH_XLA_FLAG) and
-  every program cached however quickly it compiled (JAX's default keeps those over 1 s; at -O0 most of ours are
-  faster). Measured on the whole suite it cut the subprocesses' CPU time by ~8 % only (the setting slows their
-  steps about as much as the cache saves; bench/RESULTS.md, "Test suite"), and multi-process jobs aborted with it
-  (the trainer now keeps the cache off there), so it is off by default."""
+  The cache comes with the XLA:CPU scheduler setting that makes cached multi-device executables safe in one
+  process (jaxlm/malloc.py: CPU_MESH_XLA_FLAG; jobs of several processes keep the cache off: jaxlm/distributed.py)
+  and caches every program however quickly it compiled (JAX's default keeps those over 1 s; at -O0 most of ours
+  are faster). A resumed or repeated run then reads its steps back instead of compiling them (measured on the
+  kill -9 drills: ~11 % less CPU time; bench/RESULTS.md, "Test suite")."""
   import os
+  from tests.conftest import SUBPROCESS_CACHE_ENV
   env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1',
              XLA_FLAGS=f'--xla_force_host_platform_device_count={devices} {FAST_COMPILE_XLA_FLAGS}')
-  if os.environ.get('JAXLM_TEST_XLA_CACHE'):
+  if os.environ.get(SUBPROCESS_CACHE_ENV, '0') != '0':
     from jaxlm import malloc
     env['XLA_FLAGS'] += f' {malloc.CPU_MESH_XLA_FLAG}'
-    env['JAX_COMPILATION_CACHE_DIR'] = os.environ['JAXLM_TEST_XLA_CACHE']
+    env['JAX_COMPILATION_CACHE_DIR'] = os.environ[SUBPROCESS_CACHE_ENV]
     env['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
+    # A size limit turns on JAX's file lock around each read and write: without it, a process could read an
+    # entry that another is still writing.
+    env['JAX_COMPILATION_CACHE_MAX_SIZE'] = str(8 << 30)
   return env
 
 

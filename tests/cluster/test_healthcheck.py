@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from jaxlm import malloc
 from jaxlm.cluster import healthcheck
 from tests.conftest import ROOT
 from tests.helpers import run_cli, train_env
@@ -47,12 +48,18 @@ def test_cli_exit_code_and_message():
 
 
 @pytest.mark.slow(reason='two launched processes each start JAX and time their devices')
-def test_two_processes_name_the_slow_host():
+def test_two_processes_name_the_slow_host(tmp_path):
+  # With a compilation cache asked for by the environment (and the scheduler setting that makes one process safe):
+  # processes of one job on a CPU mesh neither read nor write it (jaxlm/distributed.py).
+  cache = tmp_path / 'xla'
+  env = dict(train_env(4), JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
+  env['XLA_FLAGS'] += f' {malloc.CPU_MESH_XLA_FLAG}' * (malloc.CPU_MESH_XLA_FLAG not in env['XLA_FLAGS'])
   result = subprocess.run(['launch/local.sh', '-n', '2', '-d', '4', '--', sys.executable, '-m', 'jaxlm.cluster.healthcheck',
                            '--iters=5', '--slow_factor=10',
-                           '--inject=slowhost:1'], cwd=ROOT, env=train_env(4), capture_output=True,
+                           '--inject=slowhost:1'], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=180)
   assert result.returncode == 1, result.stderr[-3000:]
   assert '8 devices on 2 hosts' in result.stdout
   assert 'BAD process 1' in result.stdout and 'SLOW all-reduce over its devices' in result.stdout
   assert 'BAD process 0' not in result.stdout
+  assert not (cache.exists() and [p.name for p in cache.iterdir() if p.name.endswith('-cache')])
