@@ -186,7 +186,11 @@ def test_metrics_and_tensorboard_survive_a_crash_and_a_resume(store, tmp_path):
   for name in storage.listdir(storage.join(store, 'tb')):
     (local / name).write_bytes(storage.read_bytes(storage.join(store, 'tb', name)))
   steps = []
-  for name in sorted(p.name for p in local.iterdir()):  # one event file per process, in the order written
+  # One event file per writer, in the order written: events.out.tfevents.<time>.<host>.<pid>.<n>, where <n> counts
+  # the writers of one process. Both loggers here are one process, often in one second: by name, writer 10 would
+  # come before writer 9 (seen in a whole-suite run).
+  written = lambda name: (int(name.split('.')[3]), int(name.split('.')[-2]), int(name.split('.')[-1]))
+  for name in sorted((p.name for p in local.iterdir()), key=written):
     acc = event_accumulator.EventAccumulator(str(local / name))
     acc.Reload()
     steps += [e.step for e in acc.Scalars('train/loss')]
