@@ -42,7 +42,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxlm import errors
+from jaxlm import errors, perf
 
 from jaxlm.errors import HUNG_EXIT  # no step finished in time; a restart from the checkpoint may work
 COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV = 'JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID'
@@ -236,11 +236,9 @@ def initialize(dist_cfg) -> bool:
         f'could not join the other processes ({p.source}): {type(e).__name__}: {e}. Every process must run the '
         f'same command within dist.init_timeout_s={dist_cfg.init_timeout_s}s, and process 0\'s coordinator port '
         f'must be reachable from all of them.') from e
-  if jax.default_backend() == 'cpu':
-    # Several CPU processes never read executables back from the persistent cache, whoever asked for it (the
-    # trainer's log.compilation_cache, JAX_COMPILATION_CACHE_DIR for a tool): they aborted in a collective even
-    # with the scheduler setting that makes one process safe (perf.CPU_MESH_CACHE_OFF).
-    jax.config.update('jax_enable_compilation_cache', False)
+  # Whoever asked for the persistent cache (the trainer, JAX_COMPILATION_CACHE_DIR for a tool): several CPU
+  # processes aborted in a collective reading executables back from it (perf.CPU_MESH_CACHE_OFF).
+  perf.keep_compilation_cache_safe()
   if jax.process_index() == 0:
     print(f'distributed: {jax.process_count()} processes, {jax.device_count()} devices ({p.source}); a process '
           f'that loses a peer exits within ~{dist_cfg.peer_timeout_s}s'

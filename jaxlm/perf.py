@@ -352,6 +352,16 @@ def compilation_cache_safe() -> bool:
   return jax.process_count() == 1 and malloc.CPU_MESH_XLA_FLAG in os.environ.get('XLA_FLAGS', '').split()
 
 
+def keep_compilation_cache_safe() -> bool:
+  """Turns JAX's persistent cache off where compilation_cache_safe() says no, a directory set by the environment
+  (JAX_COMPILATION_CACHE_DIR) included; whether it may stay on. Every entry point that starts the backend calls it
+  (the trainer here, every job of several processes in distributed.initialize)."""
+  if compilation_cache_safe():
+    return True
+  jax.config.update('jax_enable_compilation_cache', False)
+  return False
+
+
 def enable_compilation_cache(log_cfg) -> str | None:
   """Turns on JAX's persistent compilation cache at `log.compilation_cache`; call before the first compile.
 
@@ -359,8 +369,7 @@ def enable_compilation_cache(log_cfg) -> str | None:
   of a machine, the test suite's processes included); `log.compilation_cache=''` keeps the cache off all the
   same. None when it is off: not configured, or a CPU mesh where it is unsafe (CPU_MESH_CACHE_OFF says why).
   """
-  if not compilation_cache_safe():
-    jax.config.update('jax_enable_compilation_cache', False)  # a directory set by the environment included
+  if not keep_compilation_cache_safe():
     return None
   path = os.path.expanduser(os.environ.get('JAX_COMPILATION_CACHE_DIR') or log_cfg.compilation_cache)
   if not log_cfg.compilation_cache or not path:

@@ -83,7 +83,7 @@ def train_env(devices: int = 8) -> dict:
   process (jaxlm/malloc.py: CPU_MESH_XLA_FLAG; jobs of several processes keep the cache off: jaxlm/distributed.py)
   and caches every program however quickly it compiled (JAX's default keeps those over 1 s; at -O0 most of ours
   are faster). A resumed or repeated run then reads its steps back instead of compiling them (measured on the
-  kill -9 drills: ~11 % less CPU time; bench/RESULTS.md, "Test suite")."""
+  kill -9 drills: 5–11 % less CPU time; bench/RESULTS.md, "Test suite")."""
   import os
   from tests.conftest import SUBPROCESS_CACHE_ENV
   env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1',

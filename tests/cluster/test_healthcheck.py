@@ -53,7 +53,8 @@ def test_two_processes_name_the_slow_host(tmp_path):
   # processes of one job on a CPU mesh neither read nor write it (jaxlm/distributed.py).
   cache = tmp_path / 'xla'
   env = dict(train_env(4), JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
-  env['XLA_FLAGS'] += f' {malloc.CPU_MESH_XLA_FLAG}' * (malloc.CPU_MESH_XLA_FLAG not in env['XLA_FLAGS'])
+  if malloc.CPU_MESH_XLA_FLAG not in env['XLA_FLAGS']:  # train_env adds it unless JAXLM_TEST_XLA_CACHE=0
+    env['XLA_FLAGS'] += f' {malloc.CPU_MESH_XLA_FLAG}'
   result = subprocess.run(['launch/local.sh', '-n', '2', '-d', '4', '--', sys.executable, '-m', 'jaxlm.cluster.healthcheck',
                            '--iters=5', '--slow_factor=10',
                            '--inject=slowhost:1'], cwd=ROOT, env=env, capture_output=True,
