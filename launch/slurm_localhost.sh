@@ -8,7 +8,8 @@
 #   launch/slurm_localhost.sh stop DIR     # cancels its jobs, stops its daemons
 #
 # Environment: CPUS (default 4: the node declares that many whatever the machine has, so that 2 tasks fit on a
-# 2-core machine). Nothing of the system's Slurm or munge set-up is used or changed: the key, the munge socket,
+# 2-core machine); FIRST_JOB_ID (default 1: give clusters that run side by side distinct ranges, since JAX derives a
+# Slurm job's coordinator port from its job id). Nothing of the system's Slurm or munge set-up is used or changed: the key, the munge socket,
 # the state and the logs (DIR/log) all live in DIR, and the ports are free ones picked at start.
 # Plugins that need no cgroups (proctrack/linuxproc, task/none): containers often have no writable cgroup tree.
 set -euo pipefail
@@ -82,6 +83,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 MpiDefault=none
 ReturnToService=2
+FirstJobId=${FIRST_JOB_ID:-1}
 KillWait=5
 # The node's CPUs as declared below, not as counted: more tasks than cores may run.
 SlurmdParameters=config_overrides

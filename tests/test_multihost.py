@@ -179,8 +179,9 @@ def test_supervised_job_survives_a_hung_and_a_lost_peer_and_matches_one_process(
   logged losses (steps 5-10 from attempt 1, 15-20 from 2, 25-30 from 3) equal the 1-process reference.
   """
   workdir, log = tmp_path / 'run', tmp_path / 'out.log'
+  # Waits as short as a loaded 2-core machine allows: a step takes well under a second here, a heartbeat less.
   train_args = overrides(data_cache, '--config.mesh.dcn_data=2', '--config.dist.stall=1:12,1:22',
-                         '--config.dist.step_timeout_s=20')
+                         '--config.dist.step_timeout_s=10', '--config.dist.peer_timeout_s=10')
   command = [sys.executable, '-m', 'jaxlm.cluster.supervise', '--backoff=1', '--max_restarts=2', '--',
              *local_command(workdir, *train_args)]
   with open(log, 'w') as out:
@@ -202,7 +203,7 @@ def test_supervised_job_survives_a_hung_and_a_lost_peer_and_matches_one_process(
   attempts = text.split('jaxlm.cluster.supervise: attempt ')
   # Attempt 1, the hang: the first process to exit is ended by its watchdog (the other's may fire too, unless
   # JAX ends it first for losing its peer).
-  assert 'of 2: no training step finished for 20s (the last was step 12)' in attempts[1], attempts[1][-5000:]
+  assert 'of 2: no training step finished for 10s (the last was step 12)' in attempts[1], attempts[1][-5000:]
   assert 'attempt 1 failed with exit code 75 (no step finished in time)' in text
   # Attempt 2: the lost peer, noticed by JAX in bounded time with a message that says so.
   assert lost_s < 60, f'the surviving process took {lost_s:.0f}s to notice its lost peer'

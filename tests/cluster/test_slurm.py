@@ -23,7 +23,7 @@ import numpy as np
 import psutil
 import pytest
 
-from tests.conftest import ROOT, suite_dir
+from tests.conftest import ROOT
 from tests.helpers import read_records, train_command, train_env
 from tests.test_multihost import DEVICES, PROCESSES, overrides, wait_for
 
@@ -64,29 +64,28 @@ def slurm(tmp_path_factory):
     pytest.skip('a Slurm cluster on localhost needs root (slurmd starts job steps as their user)')
   if reason := _install_slurm():
     pytest.skip(reason)
-  import filelock
   cluster = tmp_path_factory.mktemp('slurm')
-  # One localhost cluster at a time, whichever xdist worker runs it: each cluster numbers its jobs from 1, and JAX
-  # derives a Slurm job's coordinator port from its job id, so two clusters' job 1s joined one coordinator and
-  # aborted (seen when both workers ran tests of this module at once).
-  with filelock.FileLock(str(suite_dir(tmp_path_factory, 'slurm_cluster.lock'))):
-    start = subprocess.run(['launch/slurm_localhost.sh', 'start', str(cluster)], cwd=ROOT, capture_output=True,
-                           text=True, timeout=180)
-    try:
-      if start.returncode != 0:
-        pytest.skip(f'the Slurm cluster on localhost did not start: {start.stderr[-3000:]}')
-      # Not the caller's Slurm job (were the tests run inside one): only this cluster's.
-      env = {k: v for k, v in train_env(DEVICES).items() if not k.startswith('SLURM_')}
-      yield dict(env, SLURM_CONF=str(cluster / 'slurm.conf'),
-                 # `python` in the batch script: the interpreter running the tests.
-                 PATH=f'{pathlib.Path(sys.executable).parent}{os.pathsep}{env.get("PATH", "")}',
-                 SUPERVISE_ARGS='--max_restarts=3 --backoff=1',
-                 # Timing noise of 8 fake devices on 2 shared cores: a host's all-reduce 3× the other's is no
-                 # fault here (CI once saw 3.0×); the wrong-checksum and real-slowdown drills run in
-                 # test_healthcheck.py.
-                 HEALTHCHECK_ARGS='--slow_factor=10')
-    finally:
-      subprocess.run(['launch/slurm_localhost.sh', 'stop', str(cluster)], cwd=ROOT, timeout=120)
+  # Each xdist worker's clusters number their jobs from a range of their own: JAX derives a Slurm job's coordinator
+  # port from its job id, so two clusters that both started at job 1 had their job 1s join one coordinator and
+  # abort (seen when both workers ran tests of this module at once).
+  worker = int(os.environ.get('PYTEST_XDIST_WORKER', 'gw0').removeprefix('gw') or 0)
+  start = subprocess.run(['launch/slurm_localhost.sh', 'start', str(cluster)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=180, env=dict(os.environ, FIRST_JOB_ID=str(1 + 1000 * worker)))
+  try:
+    if start.returncode != 0:
+      pytest.skip(f'the Slurm cluster on localhost did not start: {start.stderr[-3000:]}')
+    # Not the caller's Slurm job (were the tests run inside one): only this cluster's.
+    env = {k: v for k, v in train_env(DEVICES).items() if not k.startswith('SLURM_')}
+    yield dict(env, SLURM_CONF=str(cluster / 'slurm.conf'),
+               # `python` in the batch script: the interpreter running the tests.
+               PATH=f'{pathlib.Path(sys.executable).parent}{os.pathsep}{env.get("PATH", "")}',
+               SUPERVISE_ARGS='--max_restarts=3 --backoff=1',
+               # Timing noise of 8 fake devices on 2 shared cores: a host's all-reduce 3× the other's is no
+               # fault here (CI once saw 3.0×); the wrong-checksum and real-slowdown drills run in
+               # test_healthcheck.py.
+               HEALTHCHECK_ARGS='--slow_factor=10')
+  finally:
+    subprocess.run(['launch/slurm_localhost.sh', 'stop', str(cluster)], cwd=ROOT, timeout=120)
 
 
 @pytest.fixture(scope='module')
