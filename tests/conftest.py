@@ -28,6 +28,14 @@ SUBPROCESS_CACHE_ENV = 'JAXLM_TEST_XLA_CACHE'  # see pytest_configure
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import gc  # noqa: E402
+
+from jaxlm import cli  # noqa: E402  (no JAX import)
+
+# The commands' garbage-collector setting (cli.quiet_gc) for the test processes too, from before their imports:
+# with Python's default, 5-6 % of an in-process test file's time went to collections (bench/RESULTS.md).
+gc.set_threshold(*cli.GC_THRESHOLD)
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
@@ -144,6 +152,12 @@ def pytest_configure(config):
   if not os.environ.get('PYTEST_XDIST_WORKER') and not os.environ.get(SUBPROCESS_CACHE_ENV):
     import tempfile
     config.subprocess_cache = os.environ[SUBPROCESS_CACHE_ENV] = tempfile.mkdtemp(prefix='jaxlm-test-xla-')
+
+
+def pytest_collection_finish(session):
+  """What imports and collection made lives as long as the worker: out of every later collection."""
+  gc.collect()
+  gc.freeze()
 
 
 def pytest_unconfigure(config):
