@@ -108,13 +108,14 @@ stop() {
     scancel --partition=debug 2>/dev/null || true  # every job of this cluster
     retry_for 30 bash -c '[[ -z "$(squeue -h 2>/dev/null)" ]]' || echo "slurm_localhost.sh: jobs still listed" >&2
   fi
-  local pid_file pid
+  # All three at once: each takes 1.5-2 s to stop, and nothing of this cluster outlives it.
+  local pid_file pids=()
   for pid_file in "${dir}/slurmd.pid" "${dir}/slurmctld.pid" "${dir}/munge/munged.pid"; do
-    alive "${pid_file}" || continue
-    pid="$(cat "${pid_file}")"
-    kill -TERM "${pid}"
-    retry_for 10 bash -c "! kill -0 ${pid}" || kill -KILL "${pid}" 2>/dev/null || true
+    alive "${pid_file}" && pids+=("$(cat "${pid_file}")")
   done
+  ((${#pids[@]})) || return 0
+  kill -TERM "${pids[@]}" 2>/dev/null || true
+  retry_for 10 bash -c "! kill -0 ${pids[*]} 2>/dev/null" || kill -KILL "${pids[@]}" 2>/dev/null || true
 }
 
 case "${action}" in
