@@ -2,9 +2,9 @@
 
 `import jaxlm` applies them (jaxlm/__init__.py), so `python -m jaxlm.train` gets them before JAX is imported.
 JAXLM_KEEP_HOST_MEMORY=0 leaves malloc as it is, =1 tunes it always; unset, it is tuned unless JAX will run on a
-GPU or TPU here (there the step's temporaries live in device memory, not in malloc's) or XLA_FLAGS fakes several
+GPU or TPU here (there the step's temporaries live in device memory, not in malloc's), XLA_FLAGS fakes several
 CPU devices (their threads allocate at once, and one arena serialises them: the 8-device test
-mesh ran slower with it; bench/RESULTS.md, "Reaching 1.0×").
+mesh ran slower with it; bench/RESULTS.md, "Reaching 1.0×"), or the command only compiles (COMPILE_ONLY_COMMANDS).
 """
 
 import ctypes
@@ -12,6 +12,7 @@ import glob
 import os
 import pkgutil
 import re
+import sys
 
 # glibc's <malloc.h> mallopt parameters.
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
@@ -53,6 +54,19 @@ def fake_cpu_devices() -> int:
 CPU_MESH_XLA_FLAG = '--xla_cpu_enable_concurrency_optimized_scheduler=false'
 
 
+# Commands that compile and run no step (pre-flight sizing, for this host or a TPU/GPU target it does not have):
+# nothing of theirs is reused step after step, and one arena serialises the compiler's threads (a TPU compile of
+# tests/test_preflight.py's --fit step took 30 % longer with it: bench/RESULTS.md, "Test suite").
+COMPILE_ONLY_COMMANDS = ('jaxlm.tools.size', 'jaxlm-size')
+
+
+def compile_only_command(argv: list[str] | None = None) -> bool:
+  """Whether this process is one of COMPILE_ONLY_COMMANDS (`python -m jaxlm.tools.size`, or its console script)."""
+  argv = sys.orig_argv if argv is None else argv
+  module = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == '-m'), None)
+  return module in COMPILE_ONLY_COMMANDS or any(os.path.basename(a) in COMPILE_ONLY_COMMANDS for a in argv[:2])
+
+
 def keep_freed_memory() -> bool:
   """Has glibc keep freed host memory for reuse: one malloc arena, no mmap, no trimming. False without glibc.
 
@@ -67,7 +81,7 @@ def keep_freed_memory() -> bool:
   if setting == '0':
     return False
   if setting != '1':
-    if fake_cpu_devices() > 1:
+    if fake_cpu_devices() > 1 or compile_only_command():
       return False
     if accelerator_host():
       return False  # nothing to gain there, and one arena would serialise the host's threads

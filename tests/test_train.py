@@ -93,6 +93,12 @@ def test_host_memory_left_alone_with_fake_devices_or_when_asked(monkeypatch):
   monkeypatch.delenv('XLA_FLAGS')
   monkeypatch.setenv('JAXLM_KEEP_HOST_MEMORY', '0')
   assert host.keep_freed_memory() is False
+  # The pre-flight sizing tool only compiles: one arena would only serialise the compiler's threads.
+  monkeypatch.delenv('JAXLM_KEEP_HOST_MEMORY')
+  for argv in (['python', '-m', 'jaxlm.tools.size', '--target=v5e:2x2'], ['python3', '/usr/local/bin/jaxlm-size']):
+    monkeypatch.setattr(host.sys, 'orig_argv', argv)
+    assert host.keep_freed_memory() is False, argv
+  assert not host.compile_only_command(['python', '-m', 'jaxlm.train', '--config=configs/palm_small.py'])
   # libtpu installed (the test extra has it, for pre-flight compiles) is not a TPU host without TPU devices.
   monkeypatch.setattr(host.pkgutil, 'iter_modules', lambda: [types.SimpleNamespace(name='libtpu')])
   monkeypatch.setattr(host.glob, 'glob', lambda pattern: [])
