@@ -31,6 +31,7 @@ def cleaned(tmp_path_factory):
   return root, info, root / 'local'
 
 
+@pytest.mark.e2e  # datatrove's stages over the planted corpus: seconds, not a unit's time
 def test_clean_drops_foreign_and_copies_and_keeps_english(cleaned):
   _, info, out = cleaned
   rows = _kept(out)
@@ -47,6 +48,7 @@ def test_clean_drops_foreign_and_copies_and_keeps_english(cleaned):
   assert len(rows) == english  # and nothing else was lost: one survivor per document and its copies
 
 
+@pytest.mark.e2e  # datatrove's stages over the planted corpus: seconds, not a unit's time
 def test_prepare_reads_the_cleaned_output(cleaned, tmp_path):
   root, info, out = cleaned
   meta = prepare_lib.prepare(readers.expand_inputs([str(out)]), str(tmp_path / 'prep'), vocab_size=320,
