@@ -115,14 +115,15 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 # Python's default (700, 10, 10) runs a young collection every 700 allocations; tracing a model allocates millions
-# of short-lived objects, and every full collection walks each object the imports made.
-GC_THRESHOLD = (50_000, 20, 100)
+# of short-lived objects, and every full collection walks each object the imports made. The older generations keep
+# Python's ratios, so cyclic garbage (which may hold device arrays) still goes within a bounded number of steps.
+GC_THRESHOLD = (50_000, 10, 10)
 
 
 def quiet_gc() -> None:
   """Fewer, cheaper cyclic garbage collections for the rest of a command's process: what the imports made moves
-  out of every later collection (it lives as long as the process), and young collections come 70x less often.
-  Startup, tracing and steps spend far less time collecting (bench/RESULTS.md, "Test suite"); memory held by
+  out of every later collection (it lives as long as the process), and every generation is collected 70x less
+  often. Startup, tracing and steps spend less time collecting (bench/RESULTS.md, "Test suite"); memory held by
   cyclic garbage is freed a little later."""
   gc.collect()
   gc.freeze()
