@@ -166,6 +166,7 @@ def run_watched() -> None:
   PR_SET_PDEATHSIG, so a SIGKILL of this process ends the run as before); elsewhere the command runs unwatched.
   """
   if os.environ.get(WATCHED) or not sys.platform.startswith('linux'):
+    gc.set_threshold(*GC_THRESHOLD)  # the process that runs the command, before its imports (see quiet_gc)
     return
   libc = ctypes.CDLL(None, use_errno=True)
   pr_set_pdeathsig = 1
