@@ -9,8 +9,9 @@
 #
 # Environment: CPUS (default 4: the node declares that many whatever the machine has, so that 2 tasks fit on a
 # 2-core machine); FIRST_JOB_ID (default 1: give clusters that run side by side distinct ranges, since JAX derives a
-# Slurm job's coordinator port from its job id). Nothing of the system's Slurm or munge set-up is used or changed: the key, the munge socket,
-# the state and the logs (DIR/log) all live in DIR, and the ports are free ones picked at start.
+# Slurm job's coordinator port from its job id). Nothing of the system's Slurm or munge set-up is used or changed:
+# the key, the munge socket, the state and the logs (DIR/log) all live in DIR, and the ports are free ones picked at
+# start.
 # Plugins that need no cgroups (proctrack/linuxproc, task/none): containers often have no writable cgroup tree.
 set -euo pipefail
 

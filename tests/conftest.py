@@ -156,16 +156,14 @@ def pytest_configure(config):
 
 def pytest_collection_finish(session):
   """What imports and collection made lives as long as the worker: out of every later collection."""
-  gc.collect()
-  gc.freeze()
+  cli.quiet_gc()
 
 
 def pytest_unconfigure(config):
   # pytest ends a session with five full collections, to surface exceptions raised in finalizers; after hundreds of
   # compiled programs each walked JAX's caches for about a second. One here, with pytest's hook still listening,
   # finds the same; frozen afterwards, the survivors are not walked four more times.
-  gc.collect()
-  gc.freeze()
+  cli.quiet_gc()
   if made := getattr(config, 'subprocess_cache', None):
     shutil.rmtree(made, ignore_errors=True)
     del os.environ[SUBPROCESS_CACHE_ENV]
