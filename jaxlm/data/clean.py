@@ -23,7 +23,9 @@ finished (datatrove's own completion markers), so an interrupted clean resumes.
 import collections
 import json
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from absl import app
@@ -44,6 +46,50 @@ LIDS = ('ft176', 'py3langid')
 
 class CleanError(errors.DataError):
   """Input or settings that clean cannot use; the message says what to change."""
+
+
+def ray_runtime_env(runtime_env: dict | None = None) -> dict:
+  """`runtime_env` (a new dict) with the worker setup hook a Ray job that cleans needs: ray.init(runtime_env=...).
+
+  Every Ray worker of the job runs the hook when it starts (a public runtime_env field, named by module path; Ray
+  honours it for a job, not for one actor). A new dict each call: ray.init adds its own keys to the one it gets.
+  """
+  return {**(runtime_env or {}), 'worker_process_setup_hook': 'jaxlm.data.clean.default_sigterm_in_forks'}
+
+
+def default_sigterm_in_forks() -> None:
+  """Forks the processes of a Ray worker with SIGTERM's default action (the kernel ends them), not Ray's handler.
+
+  datatrove runs an actor's ranks in a forked multiprocess Pool; at the pool's exit the parent SIGTERMs the
+  workers still waiting for work and joins them. A worker forked with a Python-level SIGTERM handler (the Ray
+  worker's) that is signalled before it has finished starting loses the signal: the handler only marks it, and
+  CPython clears those marks in a new child. That worker then waits on the pool's lock for ever, and so does the
+  join. So the handler is set aside in the parent for the fork itself: the child starts with the default action
+  (no Python involved), and the Ray worker gets its own handler back at once. Main thread only: Python sets
+  handlers nowhere else (a fork from another thread keeps Ray's handler, as before).
+  """
+  saved = []
+
+  def before():
+    if threading.current_thread() is threading.main_thread():
+      saved.append(signal.signal(signal.SIGTERM, signal.SIG_DFL))
+
+  def after_in_parent():
+    if saved:
+      signal.signal(signal.SIGTERM, saved.pop())
+
+  os.register_at_fork(before=before, after_in_parent=after_in_parent, after_in_child=saved.clear)
+
+
+def _ray_job(ray) -> None:
+  """Starts Ray with ray_runtime_env() (the cluster at RAY_ADDRESS, else a local one), or checks the caller's job."""
+  if not ray.is_initialized():
+    ray.init(address=os.environ.get('RAY_ADDRESS') or None, include_dashboard=False, log_to_driver=False,
+             runtime_env=ray_runtime_env())
+  elif not ray.get_runtime_context().runtime_env.get('worker_process_setup_hook'):
+    raise CleanError('this Ray job was started without a worker setup hook, and datatrove\'s rank pools can then '
+                     'hang at exit; ray.init(..., runtime_env=jaxlm.data.clean.ray_runtime_env()) (a hook of your '
+                     'own must call jaxlm.data.clean.default_sigterm_in_forks)')
 
 
 def _datatrove():
@@ -134,9 +180,10 @@ def clean(sources: list, out: str, *, languages: Sequence[str], executor: str = 
     raise CleanError(f'lid={lid!r} is unknown; use one of {", ".join(LIDS)}')
   if executor == 'ray':
     try:
-      import ray  # pylint: disable=g-import-not-at-top,unused-import
+      import ray  # pylint: disable=g-import-not-at-top
     except ImportError:
       raise CleanError('--executor=ray needs Ray; pip install "jaxlm[ray]"') from None
+    _ray_job(ray)
   tasks = tasks or len(sources)
   work = os.path.join(out, '.work')
   previous = None
@@ -201,9 +248,6 @@ def main(argv: Sequence[str]) -> None:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   if not FLAGS.inputs or not FLAGS.out:
     raise CleanError('--inputs and --out are required; e.g. --inputs=raw/ --out=data/clean')
-  if FLAGS.executor == 'ray':
-    import ray  # pylint: disable=g-import-not-at-top
-    ray.init(address=os.environ.get('RAY_ADDRESS') or None, include_dashboard=False, log_to_driver=False)
   slurm = {'partition': FLAGS.slurm_partition, 'time': FLAGS.slurm_time} if FLAGS.executor == 'slurm' else None
   stats = clean(readers.expand_inputs(FLAGS.inputs), FLAGS.out, languages=FLAGS.languages,
                 executor=FLAGS.executor, tasks=FLAGS.tasks, workers=FLAGS.workers, lid=FLAGS.lid,

@@ -27,7 +27,9 @@ def ray_cluster(tmp_path_factory):
   """
   pytest.importorskip('ray')
   port = _free_port()
-  env = dict(os.environ, RAY_USAGE_STATS_ENABLED='0', PYTHONPATH=str(ROOT))  # workers import this tree's jaxlm
+  # PYTHONPATH: workers import this tree's jaxlm. RAY_AUTH_MODE: Ray turns token auth on where the variable is unset
+  # and ~/.ray/auth_token exists (any local ray.init writes one); this cluster's nodes must agree, so: off.
+  env = dict(os.environ, RAY_USAGE_STATS_ENABLED='0', PYTHONPATH=str(ROOT), RAY_AUTH_MODE='disabled')
   logs = tmp_path_factory.mktemp('ray')
   common = ['--block', '--num-cpus=1', '--object-store-memory=100000000', '--disable-usage-stats']
   ray_bin = os.path.join(os.path.dirname(sys.executable), 'ray')

@@ -1,7 +1,9 @@
 """`python -m jaxlm.data.clean`: datatrove's language, quality and MinHash stages on a planted corpus."""
 
 import collections
+import functools
 import glob
+import signal
 
 import pytest
 
@@ -61,10 +63,45 @@ def test_prepare_reads_the_cleaned_output(cleaned, tmp_path):
 def test_ray_executor_keeps_the_same_documents(cleaned, ray_cluster):
   import ray  # pylint: disable=g-import-not-at-top
   root, _, out = cleaned
-  ray.init(address=ray_cluster, include_dashboard=False, log_to_driver=False)
+  run = functools.partial(clean_lib.clean, readers.expand_inputs([str(root / 'raw')]), str(root / 'ray'),
+                          languages=['en'], executor='ray', lid='py3langid', tasks=2, tasks_per_job=16)
+
+  @ray.remote
+  def sigterm_a_fork() -> tuple[int | None, bool]:
+    """Forks a child that waits on a held lock, as a rank pool's idle worker does, and SIGTERMs it: its exit code
+    (None: alive after 30 s), and whether this Ray worker still has a SIGTERM handler of its own. Defined here so
+    that Ray ships it by value, without importing this module."""
+    import multiprocessing  # pylint: disable=g-import-not-at-top
+    import time  # pylint: disable=g-import-not-at-top
+    ctx = multiprocessing.get_context('fork')
+    lock = ctx.Lock()
+    lock.acquire()
+    child = ctx.Process(target=lock.acquire)
+    child.start()
+    time.sleep(0.5)
+    child.terminate()
+    child.join(30)
+    code = child.exitcode
+    if code is None:
+      child.kill()
+      child.join()
+    return code, signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
+
+  ray.init(address=ray_cluster, include_dashboard=False, log_to_driver=False)  # a caller's job, without the hook
   try:
-    clean_lib.clean(readers.expand_inputs([str(root / 'raw')]), str(root / 'ray'), languages=['en'],
-                    executor='ray', lid='py3langid', tasks=2, tasks_per_job=16)
+    with pytest.raises(clean_lib.CleanError, match='without a worker setup hook'):
+      run()
+    code, handled = ray.get(sigterm_a_fork.remote())
+    assert code != -signal.SIGTERM and handled  # the child inherits the Ray worker's own handler
+  finally:
+    ray.shutdown()
+  ray.init(address=ray_cluster, include_dashboard=False, log_to_driver=False,
+           runtime_env=clean_lib.ray_runtime_env())
+  try:
+    # What ends a rank pool's workers at its exit: SIGTERM's default action in a process a Ray worker forked; the
+    # Ray worker keeps its handler.
+    assert ray.get(sigterm_a_fork.remote()) == (-signal.SIGTERM, True)
+    run()
   finally:
     ray.shutdown()
   assert sorted(r['id'] for r in _kept(root / 'ray')) == sorted(r['id'] for r in _kept(out))
