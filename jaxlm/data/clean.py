@@ -33,6 +33,7 @@ from absl import flags
 
 from jaxlm import cli
 from jaxlm import errors
+from jaxlm.data import engine
 from jaxlm.data import readers
 
 try:  # the one module that needs datatrove: a missing one is reported by clean(), as one line
@@ -81,12 +82,10 @@ def default_sigterm_in_forks() -> None:
   os.register_at_fork(before=before, after_in_parent=after_in_parent, after_in_child=saved.clear)
 
 
-def _ray_job(ray) -> None:
+def _ray_job() -> None:
   """Starts Ray with ray_runtime_env() (the cluster at RAY_ADDRESS, else a local one), or checks the caller's job."""
-  if not ray.is_initialized():
-    ray.init(address=os.environ.get('RAY_ADDRESS') or None, include_dashboard=False, log_to_driver=False,
-             runtime_env=ray_runtime_env())
-  elif not ray.get_runtime_context().runtime_env.get('worker_process_setup_hook'):
+  ray = engine.init_ray(os.environ.get('RAY_ADDRESS', ''), where='RAY_ADDRESS', runtime_env=ray_runtime_env())
+  if not ray.get_runtime_context().runtime_env.get('worker_process_setup_hook'):
     raise CleanError('this Ray job was started without a worker setup hook, and datatrove\'s rank pools can then '
                      'hang at exit; ray.init(..., runtime_env=jaxlm.data.clean.ray_runtime_env()) (a hook of your '
                      'own must call jaxlm.data.clean.default_sigterm_in_forks)')
@@ -180,10 +179,10 @@ def clean(sources: list, out: str, *, languages: Sequence[str], executor: str = 
     raise CleanError(f'lid={lid!r} is unknown; use one of {", ".join(LIDS)}')
   if executor == 'ray':
     try:
-      import ray  # pylint: disable=g-import-not-at-top
+      import ray  # pylint: disable=g-import-not-at-top,unused-import
     except ImportError:
       raise CleanError('--executor=ray needs Ray; pip install "jaxlm[ray]"') from None
-    _ray_job(ray)
+    _ray_job()
   tasks = tasks or len(sources)
   work = os.path.join(out, '.work')
   previous = None

@@ -57,6 +57,32 @@ class Local:
       self.pool.shutdown(cancel_futures=True)
 
 
+def init_ray(address: str = '', *, where: str = '--ray_address', **init_kwargs):
+  """ray.init on the cluster at `address` (host:port of its head), or on a Ray instance started here; the module.
+
+  A head that nobody answers at is refused in seconds, as one line naming `where` the address came from; ray.init
+  alone retries for minutes first."""
+  import ray  # pylint: disable=g-import-not-at-top  (the caller has said how to install it)
+  if ray.is_initialized():
+    return ray
+  host, _, port = address.rpartition(':')
+  error = None
+  if address and '://' not in address and address != 'auto':  # a head's host:port (not Ray Client's ray://)
+    try:
+      socket.create_connection((host, int(port)), timeout=5).close()
+    except (OSError, ValueError) as e:
+      error = e
+  if error is None:
+    try:
+      ray.init(address=address or None, include_dashboard=False, logging_level='WARNING', log_to_driver=False,
+               **init_kwargs)
+      return ray
+    except (ConnectionError, RuntimeError, ValueError) as e:
+      error = e
+  raise errors.StorageError(f'cannot reach the Ray cluster at {address or "(local)"} ({error}); check {where} '
+                            f'(host:port of the head node) and that the cluster runs') from error
+
+
 class Ray:
   """Tasks on a Ray cluster (`address`), or on a Ray instance started here when no address is given."""
 
@@ -65,15 +91,8 @@ class Ray:
       import ray  # pylint: disable=g-import-not-at-top
     except ImportError:
       raise errors.DataError('--engine=ray needs Ray; pip install "jaxlm[ray]" (or use --engine=local)') from None
-    self.ray = ray
     self.started = not ray.is_initialized()
-    if self.started:
-      try:
-        ray.init(address=address or None, include_dashboard=False, logging_level='WARNING', log_to_driver=False,
-                 **({} if address else {'num_cpus': workers or None}))
-      except (ConnectionError, RuntimeError, ValueError) as e:
-        raise errors.StorageError(f'cannot reach the Ray cluster at {address or "(local)"} ({e}); check '
-                                  f'--ray_address (host:port of the head node) and that the cluster runs') from e
+    self.ray = init_ray(address, **({} if address else {'num_cpus': workers or None}))
     self.workers = workers or int(ray.cluster_resources().get('CPU', 1))
     self._remote = {}
 

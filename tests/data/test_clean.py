@@ -118,6 +118,26 @@ def test_missing_datatrove_is_one_line(tmp_path):
   assert 'jaxlm[clean]' in assert_fails_with(out, 2)
 
 
+def test_a_ray_address_nobody_answers_at_is_one_line_in_seconds(tmp_path):
+  import os  # pylint: disable=g-import-not-at-top
+  import socket  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  from tests.conftest import ROOT  # pylint: disable=g-import-not-at-top
+  from tests.helpers import assert_fails_with  # pylint: disable=g-import-not-at-top
+  pytest.importorskip('ray')
+  with socket.socket() as s:  # a port bound and not listening: nobody answers there
+    s.bind(('127.0.0.1', 0))
+    env = dict(os.environ, RAY_ADDRESS=f'127.0.0.1:{s.getsockname()[1]}')
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, '-m', 'jaxlm.data.clean', f'--inputs={ROOT / "README.md"}',
+                          f'--out={tmp_path}', '--executor=ray', '--lid=py3langid'],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert time.monotonic() - start < 60  # ray.init alone retried for over 5 minutes
+  assert_fails_with(out, 3, 'cannot reach the Ray cluster at 127.0.0.1:', 'check RAY_ADDRESS')
+
+
 @pytest.mark.e2e
 @pytest.mark.slow(reason='the datatrove stages as dependent Slurm job arrays on a one-node cluster on localhost')
 def test_slurm_executor_keeps_the_same_documents(cleaned, slurm, tmp_path, monkeypatch):
