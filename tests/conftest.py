@@ -172,10 +172,9 @@ def pytest_configure(config):
   jax.config.update('jax_enable_compilation_cache', True)
   jax.config.update('jax_compilation_cache_dir', cache)
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
-  # No size limit: with one, JAX lists and reads the access time of every entry on each write (its LRU eviction),
-  # ~45 ms a compile once the run has thousands. Without one there is no file lock either, so a process may read an
-  # entry another is still writing: JAX then warns that the entry did not decompress and compiles the program.
-  jax.config.update('jax_compilation_cache_max_size', -1)
+  # A size limit turns on JAX's file lock around each read and write: without it, a process could read an entry
+  # that another is still writing.
+  jax.config.update('jax_compilation_cache_max_size', 8 << 30)
 
 
 def pytest_collection_finish(session):

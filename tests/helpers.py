@@ -93,7 +93,9 @@ def train_env(devices: int = 8) -> dict:
     env['XLA_FLAGS'] += f' {malloc.CPU_MESH_XLA_FLAG}'
     env['JAX_COMPILATION_CACHE_DIR'] = os.environ[SUBPROCESS_CACHE_ENV]
     env['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
-    env['JAX_COMPILATION_CACHE_MAX_SIZE'] = '-1'  # as in the test processes (tests/conftest.py: pytest_configure)
+    # A size limit turns on JAX's file lock around each read and write: without it, a process could read an
+    # entry that another is still writing.
+    env['JAX_COMPILATION_CACHE_MAX_SIZE'] = str(8 << 30)
   return env
 
 
