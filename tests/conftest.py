@@ -30,14 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import gc  # noqa: E402
 
-from jaxlm import cli, malloc  # noqa: E402  (no JAX import)
-
-# The test processes share the run's compilation cache (pytest_configure), so they compile with the XLA:CPU
-# scheduler setting that makes executables read back from it safe on this 8-device mesh (jaxlm/malloc.py:
-# CPU_MESH_XLA_FLAG). XLA reads XLA_FLAGS when the backend starts, at the first device query.
-if (os.environ.get(SUBPROCESS_CACHE_ENV, '') != '0'
-    and malloc.CPU_MESH_XLA_FLAG not in os.environ['XLA_FLAGS'].split()):
-  os.environ['XLA_FLAGS'] += f' {malloc.CPU_MESH_XLA_FLAG}'
+from jaxlm import cli  # noqa: E402  (no JAX import)
 
 # The commands' garbage-collector setting (cli.quiet_gc) for the test processes too, from before their imports:
 # with Python's default, 5-6 % of an in-process test file's time went to collections (bench/RESULTS.md).
@@ -146,35 +139,19 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_configure(config):
-  """One persistent compilation cache for every process of the run: the test processes (xdist workers) and the
-  trainer and tool subprocesses they start (tests/helpers.py: train_env). A grid, a fixture and a kill -9 drill
-  compile many of the same programs again (a fresh model or step function per test is a new jit to JAX, but the
-  same program to XLA); a cache hit skips XLA's compile (bench/RESULTS.md, "Test suite").
+  """No persistent compilation cache in the test processes: on this 8-device CPU mesh an executable read back
+  from it can run one device's collectives concurrently and deadlock (jaxlm/perf.py, CPU_MESH_CACHE_OFF; issue
+  #32). The flag that makes it safe (jaxlm/malloc.py: CPU_MESH_XLA_FLAG) slowed the in-process grids' compiles and
+  steps more than the cache saved, whose programs are mostly compiled once each (issue #38; bench/RESULTS.md).
 
-  On this 8-device CPU mesh an executable read back from the cache ran one device's collectives concurrently and
-  deadlocked under XLA:CPU's concurrency-optimized scheduler (jaxlm/perf.py, CPU_MESH_CACHE_OFF; issue #32), so
-  every process of the run compiles with that scheduler off (above; malloc.CPU_MESH_XLA_FLAG). Jobs of several
-  processes keep the cache off all the same (jaxlm/distributed.py). Every program is cached, however quickly it
-  compiled (JAX's default keeps those over 1 s; at -O0 most of ours are faster).
-
-  The directory is made here, by the process that starts the xdist workers (they inherit the variable), and removed
-  at the end; JAXLM_TEST_XLA_CACHE=DIR names one instead, JAXLM_TEST_XLA_CACHE=0 turns the cache off."""
+  Trainer and tool subprocesses share one cache for the run, with that flag (tests/helpers.py: train_env): a kill
+  -9 drill starts the same program three or four times. The directory is made here, by the process that starts
+  the xdist workers (they inherit the variable), and removed at the end; JAXLM_TEST_XLA_CACHE=DIR names one
+  instead, JAXLM_TEST_XLA_CACHE=0 turns it off."""
+  jax.config.update('jax_enable_compilation_cache', False)
   if not os.environ.get('PYTEST_XDIST_WORKER') and not os.environ.get(SUBPROCESS_CACHE_ENV):
     import tempfile
     config.subprocess_cache = os.environ[SUBPROCESS_CACHE_ENV] = tempfile.mkdtemp(prefix='jaxlm-test-xla-')
-  cache = os.environ[SUBPROCESS_CACHE_ENV]
-  if cache == '0':
-    jax.config.update('jax_enable_compilation_cache', False)
-    return
-  # In the environment too: the trainer, run in this process, points JAX at JAX_COMPILATION_CACHE_DIR when it is set
-  # (perf.enable_compilation_cache) instead of its configured directory.
-  os.environ['JAX_COMPILATION_CACHE_DIR'] = cache
-  jax.config.update('jax_enable_compilation_cache', True)
-  jax.config.update('jax_compilation_cache_dir', cache)
-  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
-  # A size limit turns on JAX's file lock around each read and write: without it, a process could read an entry
-  # that another is still writing.
-  jax.config.update('jax_compilation_cache_max_size', 8 << 30)
 
 
 def pytest_collection_finish(session):
@@ -190,4 +167,3 @@ def pytest_unconfigure(config):
   if made := getattr(config, 'subprocess_cache', None):
     shutil.rmtree(made, ignore_errors=True)
     del os.environ[SUBPROCESS_CACHE_ENV]
-    os.environ.pop('JAX_COMPILATION_CACHE_DIR', None)
