@@ -65,22 +65,16 @@ def init_ray(address: str = '', *, where: str = '--ray_address', **init_kwargs):
   import ray  # pylint: disable=g-import-not-at-top  (the caller has said how to install it)
   if ray.is_initialized():
     return ray
-  host, _, port = address.rpartition(':')
-  error = None
-  if address and '://' not in address and address != 'auto':  # a head's host:port (not Ray Client's ray://)
-    try:
+  try:
+    if address and '://' not in address and address != 'auto':  # a head's host:port (not Ray Client's ray://)
+      host, _, port = address.rpartition(':')
       socket.create_connection((host, int(port)), timeout=5).close()
-    except (OSError, ValueError) as e:
-      error = e
-  if error is None:
-    try:
-      ray.init(address=address or None, include_dashboard=False, logging_level='WARNING', log_to_driver=False,
-               **init_kwargs)
-      return ray
-    except (ConnectionError, RuntimeError, ValueError) as e:
-      error = e
-  raise errors.StorageError(f'cannot reach the Ray cluster at {address or "(local)"} ({error}); check {where} '
-                            f'(host:port of the head node) and that the cluster runs') from error
+    ray.init(address=address or None, include_dashboard=False, logging_level='WARNING', log_to_driver=False,
+             **init_kwargs)
+  except (OSError, RuntimeError, ValueError) as e:  # ConnectionError is an OSError
+    raise errors.StorageError(f'cannot reach the Ray cluster at {address or "(local)"} ({e}); check {where} '
+                              f'(host:port of the head node) and that the cluster runs') from e
+  return ray
 
 
 class Ray:

@@ -3,7 +3,12 @@
 import collections
 import functools
 import glob
+import os
 import signal
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -11,7 +16,9 @@ from jaxlm.data import clean as clean_lib
 from jaxlm.data import prepare as prepare_lib
 from jaxlm.data import readers
 from tests.cluster.test_slurm import slurm  # noqa: F401  pylint: disable=unused-import
+from tests.conftest import ROOT
 from tests.data import clean_corpus
+from tests.helpers import assert_fails_with
 
 pytest.importorskip('datatrove')
 pytest.importorskip('py3langid')
@@ -108,10 +115,6 @@ def test_ray_executor_keeps_the_same_documents(cleaned, ray_cluster):
 
 
 def test_missing_datatrove_is_one_line(tmp_path):
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-  from tests.conftest import ROOT  # pylint: disable=g-import-not-at-top
-  from tests.helpers import assert_fails_with  # pylint: disable=g-import-not-at-top
   code = 'import sys; sys.modules["datatrove"] = None; from jaxlm.data import clean; clean.console()'
   out = subprocess.run([sys.executable, '-c', code, f'--inputs={ROOT / "README.md"}', f'--out={tmp_path}'],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -119,13 +122,6 @@ def test_missing_datatrove_is_one_line(tmp_path):
 
 
 def test_a_ray_address_nobody_answers_at_is_one_line_in_seconds(tmp_path):
-  import os  # pylint: disable=g-import-not-at-top
-  import socket  # pylint: disable=g-import-not-at-top
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-  import time  # pylint: disable=g-import-not-at-top
-  from tests.conftest import ROOT  # pylint: disable=g-import-not-at-top
-  from tests.helpers import assert_fails_with  # pylint: disable=g-import-not-at-top
   pytest.importorskip('ray')
   with socket.socket() as s:  # a port bound and not listening: nobody answers there
     s.bind(('127.0.0.1', 0))
@@ -141,9 +137,6 @@ def test_a_ray_address_nobody_answers_at_is_one_line_in_seconds(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.slow(reason='the datatrove stages as dependent Slurm job arrays on a one-node cluster on localhost')
 def test_slurm_executor_keeps_the_same_documents(cleaned, slurm, tmp_path, monkeypatch):
-  import subprocess  # pylint: disable=import-outside-toplevel
-  import time  # pylint: disable=import-outside-toplevel
-  from tests.conftest import ROOT  # pylint: disable=import-outside-toplevel
   root, _, out = cleaned
   for name in ('SLURM_CONF', 'PATH'):  # sbatch, and the jobs it queues, see this process's environment
     monkeypatch.setenv(name, slurm[name])
