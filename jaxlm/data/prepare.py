@@ -211,6 +211,14 @@ def _write_shard(out: str, split: str, index: int, texts: list[str], dtype: str)
   return stats
 
 
+def _remove_temp_files(out: str) -> None:
+  """Deletes shard temp files (`<name>.tmp-<pid>`): those of an interrupted writer are never complete or read."""
+  for name in os.listdir(out):
+    if '.tmp-' in name:
+      with contextlib.suppress(FileNotFoundError):  # its writer renamed it meanwhile
+        os.remove(os.path.join(out, name))
+
+
 def _shard_done(out: str, split: str, index: int) -> dict | None:
   name = _shard_name(split, index)
   try:
@@ -368,9 +376,7 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
     logging.info('prepare: resuming in %s (completed shards are kept)', out)
   else:
     _write_json(plan_path, settings)
-  for name in os.listdir(out):  # temp files of an interrupted run; never complete, so never read
-    if '.tmp-' in name:
-      os.remove(os.path.join(out, name))
+  _remove_temp_files(out)
 
   counts = _new_counts()
   model_path = os.path.join(out, 'tokenizer.json' if tokenizer_kind == 'bytelevel_bpe' else 'tokenizer.model')
@@ -438,6 +444,9 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
       bar.add(stats, written)
   finally:
     runner.close()
+  # A worker killed mid-shard (its task ran again elsewhere), or a task of a killed earlier driver that outlived
+  # the sweep at the start, leaves its temp file: every shard is final now, so no writer of this run owns one.
+  _remove_temp_files(out)
   bar.draw(force=True)
   docs_per_source = collections.Counter()
   for u, c in zip(units, found):

@@ -204,6 +204,23 @@ def test_interrupted_run_resumes_without_redoing_completed_shards(tmp_path, monk
   assert meta['documents'] == len(TEXTS)
 
 
+def test_a_shard_whose_first_writer_died_leaves_no_temp_file(tmp_path, monkeypatch):
+  # A worker killed -9 mid-shard (its task then runs again elsewhere) leaves `<shard>.tmp-<its pid>` behind.
+  d = _write_txt(tmp_path / 'in', TEXTS)
+  clean = _prepare([d], tmp_path / 'clean')
+  real = prepare_lib._write_shard
+
+  def retried(out, split, index, texts, dtype):
+    if (split, index) == ('train', 1):
+      open(os.path.join(out, f'{split}-{index:05d}.arrayrecord.tmp-999'), 'w').write('half a shard')
+    return real(out, split, index, texts, dtype)
+
+  monkeypatch.setattr(prepare_lib, '_write_shard', retried)
+  meta = _prepare([d], tmp_path / 'out')
+  assert sorted(os.listdir(tmp_path / 'out')) == sorted(os.listdir(tmp_path / 'clean'))
+  assert meta == clean
+
+
 def test_rerun_with_other_settings_is_refused(tmp_path):
   d = _write_txt(tmp_path / 'in', TEXTS)
   _prepare([d], tmp_path / 'out')
