@@ -1,38 +1,13 @@
-"""launch/local.sh itself: a preempted job (SIGTERM to the launcher) checkpoints and the launcher exits 0."""
+"""launch/local.sh itself: how it reports a process that JAX aborted.
+
+A preempted job (SIGTERM to the launcher: every process checkpoints, the launcher exits 0) is drilled on a bucket
+workdir in tests/test_multihost.py (test_two_processes_on_a_bucket_workdir_...): the same launcher path, one job
+fewer to train."""
 
 import os
-import signal
 import subprocess
 
-import pytest
-
 from tests.conftest import ROOT
-from tests.helpers import read_records, train_env
-from tests.test_multihost import DEVICES, local_command, overrides, wait_for
-
-
-@pytest.mark.slow(reason='the launcher starts two trainers that compile, train, checkpoint on SIGTERM and exit')
-def test_sigterm_to_the_launcher_checkpoints_every_process_and_exits_0(tmp_path, data_cache):
-  # What a scheduler does on preemption: SIGTERM to the launcher only, which passes it on to its processes.
-  # Its `wait -n` is interrupted by the trap then, and must wait again rather than trip over `set -u`.
-  workdir = tmp_path / 'run'
-  launcher = subprocess.Popen(
-      local_command(workdir, *overrides(data_cache, '--config.train.steps=100000', '--config.train.log_every=1')),
-      cwd=ROOT, env=train_env(DEVICES), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-      start_new_session=True)
-  try:
-    wait_for(lambda: len(read_records(workdir)) >= 2, 300, 'training steps in metrics.jsonl')
-    launcher.send_signal(signal.SIGTERM)
-    out, err = launcher.communicate(timeout=120)
-  finally:
-    if launcher.poll() is None:
-      os.killpg(launcher.pid, signal.SIGKILL)  # never leave training processes behind
-  assert 'unbound variable' not in err, err[-3000:]
-  assert launcher.returncode == 0, (out + err)[-5000:]
-  [event] = [r for r in read_records(workdir, 'event') if r['event'] == 'preempted']
-  assert 'checkpoint saved' in event['message'], event
-  saved = workdir / 'checkpoints' / str(event['step'])
-  assert sorted(p.name for p in (saved / 'data').glob('process_*')) == ['process_0-of-2.json', 'process_1-of-2.json']
 
 
 def test_a_process_aborted_by_jax_for_a_lost_peer_is_reported_as_jaxlms_lost_peer_failure():
