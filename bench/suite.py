@@ -14,11 +14,35 @@ the summed wall over two, plus collection.
 import argparse
 import collections
 import json
+import statistics
 
 
 def load(path: str) -> list[dict]:
+  """The test records (the probe records are read by probes())."""
+  return [r for r in _lines(path) if 'id' in r]
+
+
+def probes(path: str) -> list[float]:
+  """The box-speed probes' seconds (tests/timing.py: one fixed loop's CPU time); none in files from before them."""
+  return sorted(r['probe_s'] for r in _lines(path) if 'probe_s' in r)
+
+
+def _lines(path: str) -> list[dict]:
   with open(path) as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+def speed_line(after: list[float], before: list[float]) -> str:
+  """The probes' median and spread; with both runs' probes, how much slower the box ran for `after`."""
+  if not after:
+    return 'box speed: no probes in this file'
+  median = lambda xs: statistics.median(xs) * 1e3
+  line = (f'box speed: fixed-loop probe median {median(after):.0f} ms over {len(after)} probes '
+          f'({after[0] * 1e3:.0f}-{after[-1] * 1e3:.0f} ms)')
+  if before:
+    line += (f'; before {median(before):.0f} ms: this box ran {median(after) / median(before):.2f}x as slow, so '
+             f'compare walls divided by that')
+  return line
 
 
 def kinds(r: dict) -> dict:
@@ -52,10 +76,12 @@ def main() -> None:
   a = p.parse_args()
   after = load(a.after)
   before = load(a.before) if a.before else []
+  speed = speed_line(probes(a.after), probes(a.before) if a.before else [])
   wall = sum(r['wall_s'] for r in after)
   print(f'{len(after)} tests, {wall:.0f} s summed wall ({wall / 2 / 60:.1f} min over 2 workers), '
         f'{sum(r["e2e"] for r in after)} e2e; in-process compiles {sum(r["compiles"] for r in after):.0f}, '
         f'persistent-cache hits {sum(r["cache_hits"] for r in after):.0f}')
+  print(speed)
   failed = [r['id'] for r in after if r.get('outcome', 'passed') == 'failed']
   if failed:
     print(f'{len(failed)} failed: ' + ', '.join(failed))

@@ -4,6 +4,11 @@
 suite-timing.jsonl): wall seconds of setup + call + teardown, CPU seconds of the test process and of the child
 processes it waited for, and the in-process JAX time by phase (tracing, lowering to MLIR, XLA compile) with the
 number of compiles and persistent-cache hits, read from jax.monitoring's events.
+
+Every PROBE_EVERY tests (and at a worker's start) it also writes a probe record: the CPU seconds this thread takes
+for one fixed pure-Python loop. A shared box's speed moves between hours by more than most changes save (bench/
+RESULTS.md, "Test suite"), so two runs' figures compare only together with their probes (bench/suite.py prints
+both and their ratio).
 """
 
 import json
@@ -18,6 +23,8 @@ _EVENTS = {'/jax/core/compile/jaxpr_trace_duration': 'trace_s',
            '/jax/core/compile/backend_compile_duration': 'compile_s'}
 _totals = dict.fromkeys([*_EVENTS.values(), 'compiles', 'cache_hits'], 0.0)
 _outcomes = {}
+PROBE_EVERY = 20
+_tests_done = [0]
 
 
 def _on_duration(event, duration, **_):
@@ -35,6 +42,20 @@ def pytest_configure(config):
   import jax
   jax.monitoring.register_event_duration_secs_listener(_on_duration)
   jax.monitoring.register_event_listener(_on_event)
+  _write(_probe())
+
+
+def _probe() -> dict:
+  """CPU seconds of this thread for a fixed loop (~0.05 s): the box's speed now, whatever else runs beside it."""
+  start, total = time.thread_time(), 0
+  for i in range(1_000_000):
+    total += i
+  return dict(probe_s=time.thread_time() - start, worker=os.environ.get('PYTEST_XDIST_WORKER', ''))
+
+
+def _write(record: dict) -> None:
+  with open(os.environ.get('JAXLM_TIMING', 'suite-timing.jsonl'), 'a') as f:
+    f.write(json.dumps(record) + '\n')
 
 
 def _cpu(who) -> float:
@@ -57,5 +78,7 @@ def pytest_runtest_protocol(item, nextitem):
                 wall_s=time.monotonic() - start[0], cpu_self_s=_cpu(resource.RUSAGE_SELF) - start[1],
                 cpu_children_s=_cpu(resource.RUSAGE_CHILDREN) - start[2],
                 **{k: _totals[k] - before[k] for k in _totals}, worker=os.environ.get('PYTEST_XDIST_WORKER', ''))
-  with open(os.environ.get('JAXLM_TIMING', 'suite-timing.jsonl'), 'a') as f:
-    f.write(json.dumps(record) + '\n')
+  _write(record)
+  _tests_done[0] += 1
+  if _tests_done[0] % PROBE_EVERY == 0:
+    _write(_probe())
