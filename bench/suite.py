@@ -1,14 +1,14 @@
 """Where the test suite's time goes: tables from the records tests/timing.py writes.
 
-  JAXLM_TIMING=/tmp/after.jsonl python -m pytest -q -n 2 -p tests.timing
+  JAXLM_TIMING=/tmp/after.jsonl python -m pytest -q -n 3 -p tests.timing
   python bench/suite.py /tmp/after.jsonl [--before=/tmp/before.jsonl] [--top=25]
 
 Kinds, summed over tests (seconds): `children` is the CPU time of the processes a test started and waited for
 (JAX import, compiles and steps of trainer subprocesses, launchers); `compile` / `trace+lower` the in-process
 XLA compile and JAX tracing time; `in-process rest` the test process's other CPU time (steps, data, I/O);
 `waiting` the wall time that neither the test process nor its children spent on a CPU (sleeps, timeouts, a
-subprocess's start before it is counted, or a loaded machine's queue). With -n 2 the suite's wall time is about
-the summed wall over two, plus collection.
+subprocess's start before it is counted, or a loaded machine's queue). With -n N the suite's wall time is about
+the summed wall over N, plus collection.
 """
 
 import argparse
@@ -77,8 +77,8 @@ def main() -> None:
   after = load(a.after)
   before = load(a.before) if a.before else []
   speed = speed_line(probes(a.after), probes(a.before) if a.before else [])
-  wall = sum(r['wall_s'] for r in after)
-  print(f'{len(after)} tests, {wall:.0f} s summed wall ({wall / 2 / 60:.1f} min over 2 workers), '
+  wall, workers = sum(r['wall_s'] for r in after), len({r['worker'] for r in after})
+  print(f'{len(after)} tests, {wall:.0f} s summed wall ({wall / workers / 60:.1f} min over {workers} workers), '
         f'{sum(r["e2e"] for r in after)} e2e; in-process compiles {sum(r["compiles"] for r in after):.0f}, '
         f'persistent-cache hits {sum(r["cache_hits"] for r in after):.0f}')
   print(speed)

@@ -77,7 +77,7 @@ def made_once(tmp_path_factory, name: str):
 
 @pytest.fixture(scope='session')
 def data_cache(tmp_path_factory) -> pathlib.Path:
-  """One prepared copy of the stdlib corpus for every test of the run, both xdist workers included
+  """One prepared copy of the stdlib corpus for every test of the run, every xdist worker included
   (`--config.data.cache_dir`; jaxlm.data.prepare locks it while the first process prepares it)."""
   path = suite_dir(tmp_path_factory, 'data_cache')
   path.mkdir(parents=True, exist_ok=True)

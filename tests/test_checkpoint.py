@@ -71,7 +71,7 @@ def _losses(workdir):
 
 @pytest.fixture(scope='module')
 def reference(tmp_path_factory, data_cache):
-  """The uninterrupted run, trained once for the whole run (xdist may give this module's tests to both workers)."""
+  """The uninterrupted run, trained once for the whole run (xdist may give this module's tests to several workers)."""
   with made_once(tmp_path_factory, 'checkpoint_reference') as (workdir, done):
     if not done:
       _run(workdir, data_cache)

@@ -96,7 +96,7 @@ def _train(workdir, data_cache, steps, seed, **overrides):
 @pytest.fixture(scope='session')
 def textgen_runs(tmp_path_factory, data_cache):
   """(model workdir, judge workdir): palm_tiny on the stdlib corpus, the judge trained longer on another seed.
-  Trained once for the whole run (both xdist workers: ~1 min of CPU each time)."""
+  Trained once for the whole run (every xdist worker included: ~1 min of CPU each time)."""
   with made_once(tmp_path_factory, 'textgen_runs') as (path, done):
     model, judge = path / 'textgen_model', path / 'textgen_judge'
     if not done:
