@@ -17,19 +17,12 @@ import json
 import statistics
 
 
-def load(path: str) -> list[dict]:
-  """The test records (the probe records are read by probes())."""
-  return [r for r in _lines(path) if 'id' in r]
-
-
-def probes(path: str) -> list[float]:
-  """The box-speed probes' seconds (tests/timing.py: one fixed loop's CPU time); none in files from before them."""
-  return sorted(r['probe_s'] for r in _lines(path) if 'probe_s' in r)
-
-
-def _lines(path: str) -> list[dict]:
+def load(path: str) -> tuple[list[dict], list[float]]:
+  """(the test records, the box-speed probes' seconds, sorted): tests/timing.py writes both kinds into one file;
+  files from before the probes have none."""
   with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+    lines = [json.loads(line) for line in f if line.strip()]
+  return [r for r in lines if 'id' in r], sorted(r['probe_s'] for r in lines if 'probe_s' in r)
 
 
 def speed_line(after: list[float], before: list[float]) -> str:
@@ -40,8 +33,8 @@ def speed_line(after: list[float], before: list[float]) -> str:
   line = (f'box speed: fixed-loop probe median {median(after):.0f} ms over {len(after)} probes '
           f'({after[0] * 1e3:.0f}-{after[-1] * 1e3:.0f} ms)')
   if before:
-    line += (f'; before {median(before):.0f} ms: this box ran {median(after) / median(before):.2f}x as slow, so '
-             f'compare walls divided by that')
+    line += (f'; before {median(before):.0f} ms: this box ran {median(after) / median(before):.2f}x as slow by '
+             f'the probe (it catches part of a box\'s drift, not all)')
   return line
 
 
@@ -74,10 +67,10 @@ def main() -> None:
   p.add_argument('--before', default='')
   p.add_argument('--top', type=int, default=25)
   a = p.parse_args()
-  after = load(a.after)
-  before = load(a.before) if a.before else []
-  speed = speed_line(probes(a.after), probes(a.before) if a.before else [])
-  wall, workers = sum(r['wall_s'] for r in after), len({r['worker'] for r in after})
+  after, after_probes = load(a.after)
+  before, before_probes = load(a.before) if a.before else ([], [])
+  speed = speed_line(after_probes, before_probes)
+  wall, workers = sum(r['wall_s'] for r in after), max(len({r['worker'] for r in after}), 1)
   print(f'{len(after)} tests, {wall:.0f} s summed wall ({wall / workers / 60:.1f} min over {workers} workers), '
         f'{sum(r["e2e"] for r in after)} e2e; in-process compiles {sum(r["compiles"] for r in after):.0f}, '
         f'persistent-cache hits {sum(r["cache_hits"] for r in after):.0f}')

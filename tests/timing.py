@@ -7,8 +7,8 @@ number of compiles and persistent-cache hits, read from jax.monitoring's events.
 
 Every PROBE_EVERY tests (and at a worker's start) it also writes a probe record: the CPU seconds this thread takes
 for one fixed pure-Python loop. A shared box's speed moves between hours by more than most changes save (bench/
-RESULTS.md, "Test suite"), so two runs' figures compare only together with their probes (bench/suite.py prints
-both and their ratio).
+RESULTS.md, "Test suite"), so two runs' figures are read beside their probes (bench/suite.py prints both and their
+ratio; the probe catches part of the drift, not all).
 """
 
 import json
