@@ -1,6 +1,6 @@
 """Where the test suite's time goes: tables from the records tests/timing.py writes.
 
-  JAXLM_TIMING=/tmp/after.jsonl python -m pytest -q -n 3 -p tests.timing
+  JAXLM_TIMING=/tmp/after.jsonl python -m pytest -q -n 3 --dist worksteal -p tests.timing
   python bench/suite.py /tmp/after.jsonl [--before=/tmp/before.jsonl] [--top=25]
 
 Kinds, summed over tests (seconds): `children` is the CPU time of the processes a test started and waited for
