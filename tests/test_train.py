@@ -50,7 +50,7 @@ from jaxlm import perf
 from jaxlm import metrics
 from jaxlm.cli import load_file
 cfg = load_file('configs/palm_small.py')
-cfg.train.batch_size = 4
+cfg.train.batch_size = 2  # temporaries of ~41 MiB: past the threshold below
 bench = mfu.Bench(cfg)
 for _ in range(4):  # the heap grows to its working size in the first steps
   bench.step()

@@ -1,11 +1,12 @@
 """launch/slurm_gpu.sbatch under a real Slurm: a one-node cluster on localhost (launch/slurm_localhost.sh).
 
 The batch script runs in its CPU form, the same file with the GPU defaults overridden on the sbatch command line:
-2 tasks on the one node, 4 fake CPU devices each, one 8-device job. Each job must train exactly like a 1-process
-8-device run of the same config (the global batches do not depend on the process count): preempted with Slurm's
-SIGTERM to the batch shell and submitted again, and with one task SIGKILLed so that the supervisor inside the
-allocation restarts srun. (An uninterrupted job is the first one of the SIGTERM test up to its signal, and the
-killed-task job's second attempt to the end: a job of its own would train the same steps a third time.)
+2 tasks on the one node, 2 fake CPU devices each (tests/test_multihost.py: DEVICES), one 4-device job. Each job
+must train exactly like a 1-process run of the same config on as many devices (the global batches do not depend
+on the process count): preempted with Slurm's SIGTERM to the batch shell and submitted again, and with one task
+SIGKILLed so that the supervisor inside the allocation restarts srun. (An uninterrupted job is the first one of the
+SIGTERM test up to its signal, and the killed-task job's second attempt to the end: a job of its own would train
+the same steps a third time.)
 
 Needs root and Debian's slurm-wlm and munge (installed here with apt-get when missing); skipped otherwise.
 """
@@ -91,8 +92,8 @@ def slurm(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def reference(tmp_path_factory, data_cache):
-  """({step: loss}, final eval loss) of the same config as one process on 8 devices: the data stream does not
-  depend on the process count (jaxlm/data/stream.py), so the 2-task Slurm job must match it."""
+  """({step: loss}, final eval loss) of the same config as one process on the job's devices: the data stream does
+  not depend on the process count (jaxlm/data/stream.py), so the 2-task Slurm job must match it."""
   workdir = tmp_path_factory.mktemp('single') / 'run'
   run = subprocess.run(train_command(workdir, *train_args(data_cache)), cwd=ROOT, env=train_env(PROCESSES * DEVICES),
                        capture_output=True, text=True, timeout=600)
@@ -183,7 +184,7 @@ def test_batch_script_trains_like_one_process_and_after_sigterm_to_its_shell_the
   state, code, log = wait_job(job, slurm, tmp_path)
   assert (state, code) == ('COMPLETED', '0:0'), log[-5000:]
   # The README's one-machine command: one job of 2 tasks, one attempt, which ends 0 when preempted too.
-  assert f'distributed: 2 processes, 8 devices (Slurm job {job}, 2 tasks)' in log, log[-5000:]
+  assert f'distributed: 2 processes, {PROCESSES * DEVICES} devices (Slurm job {job}, 2 tasks)' in log, log[-5000:]
   assert 'jaxlm.cluster.supervise: attempt 1 finished (exit code 0)' in log, log[-5000:]
   [event] = [r for r in read_records(workdir, 'event') if r['event'] == 'preempted']
   assert 'checkpoint saved' in event['message'] and event['step'] < STEPS, event
