@@ -77,7 +77,7 @@ def _jaxlm_loss(m, params, ref_params, batch, pref):
     logits = model.apply({'params': p}, batch['inputs'], batch['segment_ids'], batch['positions'])
     return preference.loss(logits, batch, ref, pref, num_pairs)
 
-  return jax.value_and_grad(loss, has_aux=True)(params)
+  return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)  # one program, as the train step runs it
 
 
 def _pref(loss_type):

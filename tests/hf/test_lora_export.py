@@ -28,7 +28,7 @@ def _lora_model(parallel_block: bool):
   c.model.lora.update(rank=RANK, alpha=ALPHA)
   m = model_lib.ModelConfig.from_config(c.model)
   tokens = np.zeros((1, 8), np.int32)
-  params = model_lib.Decoder(m).init(jax.random.PRNGKey(0), tokens, tokens + 1, tokens)['params']
+  params = jax.jit(model_lib.Decoder(m).init)(jax.random.PRNGKey(0), tokens, tokens + 1, tokens)['params']
   rng = np.random.default_rng(0)
   # Trained-looking adapters: B non-zero, so every adapter changes the logits.
   params = jax.tree_util.tree_map_with_path(
@@ -62,7 +62,7 @@ def _peft_model(base, adapter_dir):
 def test_peft_adapter_and_merged_export_give_jaxlm_lora_logits(parallel_block, tmp_path, caplog):
   m, params = _lora_model(parallel_block)
   tokens = np.random.default_rng(1).integers(0, m.vocab_size, (2, 11)).astype(np.int32)
-  want = np.asarray(model_lib.Decoder(m).apply({'params': params}, tokens, np.ones_like(tokens),
+  want = np.asarray(jax.jit(model_lib.Decoder(m).apply)({'params': params}, tokens, np.ones_like(tokens),
                                                 np.broadcast_to(np.arange(11), tokens.shape)))
   (tmp_path / 'base').mkdir()
   base = _hf_base(m, params, tmp_path / 'base')
