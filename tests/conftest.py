@@ -163,6 +163,7 @@ def pytest_unconfigure(config):
   # pytest ends a session with five full collections, to surface exceptions raised in finalizers; after hundreds of
   # compiled programs each walked JAX's caches for about a second. One here, with pytest's hook still listening,
   # finds the same; frozen afterwards, the survivors are not walked four more times.
+  gc.collect()
   cli.quiet_gc()
   if made := getattr(config, 'subprocess_cache', None):
     shutil.rmtree(made, ignore_errors=True)
