@@ -470,10 +470,7 @@ class Checkpointer:
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         data_state = self._read_data(step_dir) if data_iter is not None else None
       except _Misfit as e:
-        raise ConfigError(
-            f'checkpoint {step} in {self.directory} does not fit this run ({e}); it is intact and left in place: '
-            f'resume with the config it was written with, or start a new --workdir with '
-            f'checkpoint.init_from={self.directory} (parameters only, any optimizer)') from None
+        raise self._misfit_error(step, str(e), 'it is intact and left in place') from None
       except Exception as e:  # pylint: disable=broad-except  -- corrupt: fall back to an older step
         unreadable += 1
         aside = self._move_aside(step)
@@ -489,6 +486,32 @@ class Checkpointer:
       raise CheckpointError(f'no checkpoint in {self.directory} could be read (see the warnings above). '
                             f'Fix: move the directory aside to start afresh, or repair it.')
     return None, {}
+
+  def refuse_misfit(self, abstract_state, shardings, identity: dict | None = None) -> None:
+    """Refuses, as `restore` would, a newest checkpoint that does not fit this run, from its metadata alone: called
+    before the train step is compiled, so a config that cannot resume fails in seconds, not after the compile.
+
+    Anything else (no checkpoint, one whose metadata cannot be read) is left to `restore`, which moves a corrupt
+    step aside and tries the one before it.
+    """
+    self._join_hashing()
+    self.manager.reload()
+    steps = self.manager.all_steps()
+    if not steps:
+      return
+    step = max(steps)
+    try:
+      problem = misfit(storage.join(self.directory, str(step)), with_shardings(abstract_state, shardings), identity)
+    except Exception:  # pylint: disable=broad-except  -- unreadable: restore decides what it is
+      return
+    if problem:
+      raise self._misfit_error(step, problem, 'it is left in place')
+
+  def _misfit_error(self, step: int, problem: str, kept: str) -> ConfigError:
+    return ConfigError(
+        f'checkpoint {step} in {self.directory} does not fit this run ({problem}); {kept}: resume with the config '
+        f'it was written with, or start a new --workdir with checkpoint.init_from={self.directory} (parameters '
+        f'only, any optimizer)')
 
   def _move_aside(self, step: int) -> str:
     """Moves an unusable step out of the listing (process 0; the others wait for it)."""

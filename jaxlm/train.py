@@ -161,6 +161,8 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
     from jaxlm import textgen  # pylint: disable=g-import-not-at-top  # runs with gen_eval only
     r.gen = textgen.GenEval(t, eval_data, data_lib.load_tokenizer(cfg.data, vocab), program.model.config,
                             seq_len=cfg.data.seq_len, mesh=mesh)
+  # A checkpoint this config cannot resume is refused before the compile: seconds, not minutes on a large model.
+  ckpt.refuse_misfit(program.abstract_state, program.state_shardings, r.env.get('optimizer'))
   with acct.phase('compile train step'):
     memory = perf.compiled_memory(r.step_for(t.batch_size))
   say(f'compiled the train step in {acct.last_s:.1f}s; per device: {perf.format_memory(memory)}')

@@ -367,6 +367,7 @@ def test_resuming_with_another_optimizer_or_shape_is_refused_and_keeps_the_check
     out = tc._run(workdir, data_cache, f'--config.train.steps={tc.STEPS + 4}', *extra, check=False)
     last = assert_fails_with(out, 2, 'does not fit this run', says, 'checkpoint.init_from=')
     assert 'Traceback' not in out.stderr, last
+    assert 'compiled the train step' not in out.stdout  # refused from the checkpoint's metadata, before the compile
   assert not (tmp_path / 'run' / 'checkpoints.unreadable').exists()  # never quarantined
   assert sorted(p.name for p in (workdir / 'checkpoints').iterdir()) == before
 
