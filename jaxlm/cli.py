@@ -7,6 +7,7 @@ traceback.
 
 import ctypes
 import difflib
+import faulthandler
 import gc
 import importlib.util
 import os
@@ -144,6 +145,12 @@ def run(main: Callable[[list[str]], int | None], *, define: Callable[[], None] |
     flags.mark_flags_as_required(list(required))
 
   def wrapped(argv):
+    # absl turned faulthandler on for every thread. On a fatal signal (XLA's abort() from a C++ thread) walking
+    # the other threads' frames while they run can crash the dump itself (seen: SIGSEGV in an abort's dump while
+    # Orbax's writer thread ran), and the process then ends with the wrong signal (not the restartable abort):
+    # the signalled thread's stack only.
+    if faulthandler.is_enabled():
+      faulthandler.enable(all_threads=False)
     if not flags.FLAGS['verbosity'].present:
       logging.set_verbosity(logging.WARNING)  # libraries' INFO chatter drowns the progress lines; -v 0 shows it
     try:

@@ -24,6 +24,28 @@ def test_entry_points_fail_with_one_line_and_their_code(module, args, code, says
   assert_fails_with(run_cli(module, *args, timeout=300), code, says)
 
 
+def test_a_fatal_signal_dumps_the_signalled_thread_only(tmp_path):
+  """faulthandler walking other threads' frames while they run can crash inside an abort's dump (and the process
+  then dies of SIGSEGV, not the SIGABRT its watcher maps to a restart): a command dumps its own thread only."""
+  import subprocess
+  import sys
+  script = tmp_path / 'aborts.py'
+  script.write_text('\n'.join([
+      'import os, threading, time',
+      'from jaxlm import cli',
+      'def busy():',
+      '  while True: time.sleep(0.001)',
+      'def main(argv):',
+      '  threading.Thread(target=busy, daemon=True).start()',
+      '  time.sleep(0.1)',
+      '  os.abort()',
+      'cli.run(main)']))
+  out = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+  assert out.returncode == -6, (out.returncode, out.stderr[-2000:])  # SIGABRT, as the watcher expects
+  assert 'Fatal Python error: Aborted' in out.stderr and 'in main' in out.stderr, out.stderr[-2000:]
+  assert 'in busy' not in out.stderr, out.stderr[-2000:]  # the other thread is not walked
+
+
 def test_a_process_that_cannot_join_its_job_fails_with_the_distributed_code():
   env = dict(train_env(), JAX_COORDINATOR_ADDRESS='127.0.0.1:9', JAX_NUM_PROCESSES='2', JAX_PROCESS_ID='1')
   out = run_cli('jaxlm.train', TINY, '--config.dist.init_timeout_s=3', env=env, timeout=300)
