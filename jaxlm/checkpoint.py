@@ -492,10 +492,8 @@ class Checkpointer:
     before the train step is compiled, so a config that cannot resume fails in seconds, not after the compile.
 
     Anything else (no checkpoint, one whose metadata cannot be read) is left to `restore`, which moves a corrupt
-    step aside and tries the one before it.
+    step aside and tries the one before it. At start-up the manager's listing is current: no reload, no hashing.
     """
-    self._join_hashing()
-    self.manager.reload()
     steps = self.manager.all_steps()
     if not steps:
       return

@@ -77,7 +77,8 @@ def real(x, seg):
 def loss_grads(fn, q, k, v, seg):
   """Gradients of a random projection of the output at real tokens, for q, k and v."""
   w = jax.random.normal(jax.random.PRNGKey(7), q.shape, jnp.float32) * (seg != 0)[:, :, None, None]
-  return jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, seg).astype(jnp.float32) * w), argnums=(0, 1, 2)))(q, k, v)
+  grads = jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, seg).astype(jnp.float32) * w), argnums=(0, 1, 2))
+  return jax.jit(grads)(q, k, v)  # one program, not one compile per op
 
 
 # --- dispatch -----------------------------------------------------------------------------------------------

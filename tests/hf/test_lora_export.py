@@ -63,7 +63,7 @@ def test_peft_adapter_and_merged_export_give_jaxlm_lora_logits(parallel_block, t
   m, params = _lora_model(parallel_block)
   tokens = np.random.default_rng(1).integers(0, m.vocab_size, (2, 11)).astype(np.int32)
   want = np.asarray(jax.jit(model_lib.Decoder(m).apply)({'params': params}, tokens, np.ones_like(tokens),
-                                                np.broadcast_to(np.arange(11), tokens.shape)))
+                                                         np.broadcast_to(np.arange(11), tokens.shape)))
   (tmp_path / 'base').mkdir()
   base = _hf_base(m, params, tmp_path / 'base')
   with torch.no_grad():

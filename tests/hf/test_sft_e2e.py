@@ -109,7 +109,7 @@ def test_export_loads_in_transformers_with_the_same_chat_ids_and_logits(sft):
     with torch.no_grad():
       theirs = hf_model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
     mine = np.asarray(apply({'params': params}, tokens, np.ones_like(tokens),
-                                  np.arange(tokens.shape[1], dtype=np.int32)[None]))
+                            np.arange(tokens.shape[1], dtype=np.int32)[None]))
     worst = max(worst, float(np.abs(mine - theirs).max()))
   print(f'\nmax |logits(jaxlm) - logits(transformers)| after fine-tuning: {worst:.2e}')
   assert worst <= 1e-4
