@@ -256,6 +256,7 @@ class Checkpointer:
     self.retry = False  # a save failed: try again at the next step
     self.pending: int | None = None  # step of a save whose success is not confirmed yet
     self.last_good: int | None = None
+    self.unsaved: tuple[int, str, str] | None = None  # (step, short cause, free space) of a failed save not yet redone
     self.is_primary = jax.process_index() == 0
     # Writes checksums.json of each confirmed step, one at a time, beside training: a save never waits for it.
     self._hasher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix='jaxlm_checksums')
@@ -361,7 +362,7 @@ class Checkpointer:
     if step not in self.manager.all_steps():
       self._failed(step, RuntimeError('the writer reported success but the step is not on disk'))
       return
-    self.failures, self.last_good = 0, step
+    self.failures, self.last_good, self.unsaved = 0, step, None
     _writer_errors.take()
     timing = self.timings[-1] if self.timings and self.timings[-1]['step'] == step else {}
     if timing:
@@ -420,16 +421,35 @@ class Checkpointer:
                + (f' The background writer logged {len(writer_errors)} error(s) for it.' if writer_errors else ''))
     self.event(step, 'checkpoint_failed', message, directory=self.directory, free_bytes=free,
                failures=self.failures, writer_errors=len(writer_errors))
+    self.unsaved = (step, metrics_lib.short_cause(error), free_text)
     self._clean_partial()
     if self.failures >= self.cfg.max_failures:
-      self.manager.reload()
-      newest = max(self.manager.all_steps(), default=None)  # finalized steps only: a failed save is never listed
+      newest = self._newest_step()
       last = f'step {newest}' if newest is not None else 'none'
       # One short line: the library's whole message is in the checkpoint_failed event above (and metrics.jsonl).
       raise CheckpointError(metrics_lib.fit_line(
           f'{self.failures} checkpoint saves failed in a row (saving step {step} to {{path}}: '
           f'{metrics_lib.short_cause(error)}; {free_text} free); the newest good checkpoint is {last}. Fix: free '
           f'space or use a writable --workdir, then rerun to resume', self.directory))
+
+  def unsaved_error(self) -> CheckpointError | None:
+    """After the last save was waited for: the error a run must end with when its newest save never reached
+    storage (a failed final or preemption save, fewer than max_failures in a row), else None. Exit 3, never 0:
+    the run's newest weights exist nowhere but in the memory of a process about to end."""
+    if self.unsaved is None:
+      return None
+    step, cause, free_text = self.unsaved
+    newest = self._newest_step()
+    resume = (f'a rerun resumes from step {newest}, the newest good checkpoint' if newest is not None
+              else 'no checkpoint was written, so a rerun starts from step 0')
+    return CheckpointError(metrics_lib.fit_line(
+        f'checkpoint of step {step} was not written to {{path}} ({cause}; {free_text} free) and {resume}; fix: '
+        f'free space or use a writable --workdir, then rerun the same command', self.directory))
+
+  def _newest_step(self) -> int | None:
+    """The newest finalized step on storage (a failed save is never listed)."""
+    self.manager.reload()
+    return max(self.manager.all_steps(), default=None)
 
   def _clean_partial(self) -> None:
     """Removes what failed or killed saves left (temporary directories; on a bucket, steps without their commit

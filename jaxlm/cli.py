@@ -151,6 +151,7 @@ def run(main: Callable[[list[str]], int | None], *, define: Callable[[], None] |
     # the signalled thread's stack only.
     if faulthandler.is_enabled():
       faulthandler.enable(all_threads=False)
+    check_locations()
     if not flags.FLAGS['verbosity'].present:
       logging.set_verbosity(logging.WARNING)  # libraries' INFO chatter drowns the progress lines; -v 0 shows it
     try:
@@ -159,6 +160,27 @@ def run(main: Callable[[list[str]], int | None], *, define: Callable[[], None] |
       fail(e)
 
   app.run(wrapped, flags_parser=_parse_flags)
+
+
+# Every command flag that names a file, directory or bucket location (prompts, templates and server URLs are not).
+LOCATION_FLAGS = ('workdir', 'out', 'inputs', 'hf_dir', 'data', 'adapter_out', 'cache_dir', 'tokenizer', 'prompts',
+                  'output', 'samples', 'samples_out', 'embedder', 'scorer', 'documents', 'write_jsonl', 'rewards')
+
+
+def check_locations() -> None:
+  """Refuses a malformed location flag (`gs://`, `gcs://b`, `./x/gs://b`) before any work, naming every one."""
+  from jaxlm.data import storage  # pylint: disable=import-outside-toplevel  -- no JAX: the watcher runs it too
+  problems = []
+  for name in LOCATION_FLAGS:
+    if name in flags.FLAGS and flags.FLAGS[name].present:
+      value = flags.FLAGS[name].value
+      for part in value if isinstance(value, (list, tuple)) else [value]:
+        try:
+          storage.check_location(part, f'--{name}')
+        except errors.ConfigError as e:
+          problems.append(str(e))
+  if problems:
+    fail(errors.ConfigError('\n  - '.join(['bad locations:', *problems]) if len(problems) > 1 else problems[0]))
 
 
 WATCHED = 'JAXLM_WATCHED'  # set in the child that a watcher runs

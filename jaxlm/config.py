@@ -20,6 +20,7 @@ from jaxlm import sharding
 from jaxlm import stability
 from jaxlm.data import chat as chat_lib
 from jaxlm.data import pipeline
+from jaxlm.data import storage
 from jaxlm.errors import ConfigError  # noqa: F401
 
 # Each list of allowed values is declared once, in the module that acts on it; validation reads it there.
@@ -549,6 +550,22 @@ def _rl_errors(c) -> list[str]:
   return e
 
 
+LOCATION_KEYS = ('data.paths', 'data.eval_paths', 'data.tokenizer', 'data.cache_dir', 'checkpoint.init_from',
+                 'rl.prompts', 'rl.tokenizer')  # the config keys that name files, directories or buckets
+
+
+def _location_errors(c) -> list[str]:
+  """A location written as a URL that is not one jaxlm can use (storage.location_problem), per key."""
+  errors = []
+  for key in LOCATION_KEYS:
+    section, name = key.split('.')
+    value = c.get(section, {}).get(name) or ''
+    for part in str(value).replace(';', ',').split(','):
+      if problem := storage.location_problem(part.strip()):
+        errors.append(f'{key}: {problem}')
+  return errors
+
+
 def validate(c: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1, num_slices: int = 1, *,
              rl: bool = False) -> None:
   """Raises ConfigError listing every problem with `c` on `num_devices` devices in `num_processes` processes.
@@ -559,7 +576,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int, num_processes: int 
             + _fp8_errors(c) + _deterministic_errors(c)
             + _data_errors(c.data) + _stream_errors(c) + _train_errors(c.train, c.optim)
             + _gen_eval_errors(c.train, c.data, num_processes) + _mesh_errors(c, num_devices, num_processes, num_slices)
-            + distributed.dist_errors(c.dist) + _other_errors(c) + (_rl_errors(c) if rl else []))
+            + distributed.dist_errors(c.dist) + _other_errors(c) + _location_errors(c) + (_rl_errors(c) if rl else []))
   if errors:
     raise ConfigError('invalid config:\n  - ' + '\n  - '.join(errors))
 

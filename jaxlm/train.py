@@ -304,6 +304,8 @@ def loop(r: Run, state: step_lib.TrainState) -> dict:
   r.log.write(int(state.step), {**acct.summary(), **r.ckpt.stats()}, kind='system')
   if jax.process_index() == 0:
     print(acct.table(), flush=True)
+  if error := r.ckpt.unsaved_error():  # the final (or preemption) save failed: exit 3, never a quiet 0
+    raise error
   return last
 
 
