@@ -20,7 +20,8 @@ import pytest
 from jaxlm import checkpoint as checkpoint_lib
 from jaxlm import sharding, train
 from tests.conftest import ROOT, made_once
-from tests.helpers import odd_config, plain_program, random_batch, read_records, train_command, train_env
+from tests.helpers import (assert_fails_with, odd_config, plain_program, random_batch, read_records, train_command,
+                           train_env)
 
 STEPS = 24
 COMMON = (f'--config.train.steps={STEPS}', '--config.train.log_every=1', '--config.checkpoint.every=4',
@@ -235,6 +236,60 @@ def test_full_disk_is_detected_never_newest_and_resumable(tmp_path, tiny_disk, d
   # Python-side write of the save hit the full disk first (which one does depends on timing).
   assert 'os_error_code' not in last and '[Errno' not in last
   assert all('os_error_code' in e['message'] or '[Errno 28]' in e['message'] for e in failed), failed
+
+
+def _remount(mount, size: str) -> None:
+  """The user frees space: the same tmpfs, its checkpoints kept, grown to `size`."""
+  subprocess.run(['mount', '-o', f'remount,size={size}', str(mount)], check=True)
+
+
+def _assert_final_params_equal(workdir, reference) -> None:
+  jax.tree.map(np.testing.assert_array_equal, _final_params(workdir), _final_params(reference))
+
+
+@pytest.mark.slow(reason='a run whose final save hits a full disk, then the same command after space is freed')
+def test_a_failed_final_save_exits_3_and_the_rerun_ends_as_the_uninterrupted_run(reference, tmp_path, tiny_disk,
+                                                                                data_cache):
+  """One failed save, fewer than checkpoint.max_failures, but the last one: the run's newest weights exist nowhere,
+  so it ends with exit 3 and one line (which step, why, what a rerun resumes from), never 0 (issue #57)."""
+  workdir = tmp_path / 'run'
+  workdir.mkdir()
+  os.symlink(tiny_disk, workdir / 'checkpoints')  # 2 MiB: one palm_tiny checkpoint fits, a second does not
+  out = _run(workdir, data_cache, '--config.checkpoint.every=12', check=False)
+  assert_fails_with(out, 3, f'checkpoint of step {STEPS} was not written', 'No space left on device',
+                    'a rerun resumes from step 12, the newest good checkpoint', 'fix: ')
+  failed = [e['step'] for e in read_records(workdir, 'event') if e['event'] == 'checkpoint_failed']
+  assert failed == [STEPS], failed  # one failure: under the old rule (3 in a row) the run ended with exit 0
+  assert ocp.CheckpointManager(str(tiny_disk)).all_steps() == [12]
+  _remount(tiny_disk, '64m')
+  again = _run(workdir, data_cache, '--config.checkpoint.every=12')
+  assert 'resumed from checkpoint step 12' in again.stdout, again.stdout[-2000:]
+  _assert_final_params_equal(workdir, reference)
+
+
+@pytest.mark.slow(reason='a preempted run whose save hits a full disk, then the same command after space is freed')
+def test_a_failed_preemption_save_exits_3_and_the_rerun_ends_as_the_uninterrupted_run(reference, tmp_path, tiny_disk,
+                                                                                     data_cache):
+  """SIGTERM's save fails: exit 3 (restartable), not 0 (done, or preempted and saved), naming the step not written
+  and the checkpoint a rerun resumes from; the rerun ends with the uninterrupted run's parameters."""
+  workdir = tmp_path / 'run'
+  workdir.mkdir()
+  os.symlink(tiny_disk, workdir / 'checkpoints')
+  # Step 4's save fits; every later one fails (and is retried each step) until the stop signal's save fails too.
+  proc = _start(workdir, data_cache, '--config.checkpoint.max_failures=1000')
+  _wait_for_step(proc, workdir, 5)
+  proc.send_signal(signal.SIGTERM)
+  output = proc.communicate(timeout=300)[0]
+  assert proc.returncode == 3, output[-3000:]
+  [event] = [e for e in read_records(workdir, 'event') if e['event'] == 'preempted']
+  assert 'checkpoint NOT saved' in event['message'], event
+  last = output.strip().splitlines()[-1]
+  assert last.startswith(f'jaxlm: checkpoint of step {event["step"]} was not written') and 'Traceback' not in output
+  assert 'a rerun resumes from step 4, the newest good checkpoint' in last, last
+  _remount(tiny_disk, '64m')
+  again = _run(workdir, data_cache)
+  assert 'resumed from checkpoint step 4' in again.stdout, again.stdout[-2000:]
+  _assert_final_params_equal(workdir, reference)
 
 
 @pytest.mark.e2e  # four compiled programs, a save and three restores
