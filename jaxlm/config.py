@@ -18,6 +18,7 @@ from jaxlm import pipeline as pipeline_lib
 from jaxlm import preflight
 from jaxlm import sharding
 from jaxlm import stability
+from jaxlm import step as step_lib
 from jaxlm.data import chat as chat_lib
 from jaxlm.data import pipeline
 from jaxlm.data import storage
@@ -187,10 +188,10 @@ def _lora_errors(c) -> list[str]:
 
 def _preference_errors(c) -> list[str]:
   """train.objective and the preference section (jaxlm/preference.py)."""
-  from jaxlm import preference, step  # pylint: disable=import-outside-toplevel
+  from jaxlm import preference  # pylint: disable=import-outside-toplevel
   objective = c.train.get('objective', 'lm')
-  if objective not in step.OBJECTIVES:
-    return [f'train.objective={objective!r} is unknown; use one of {", ".join(step.OBJECTIVES)}.']
+  if objective not in step_lib.OBJECTIVES:
+    return [f'train.objective={objective!r} is unknown; use one of {", ".join(step_lib.OBJECTIVES)}.']
   if objective != 'preference':
     return []
   r, e = c.get('preference'), []
@@ -521,16 +522,15 @@ def _stream_errors(c) -> list[str]:
 
 
 def _rl_errors(c) -> list[str]:
-  """The `rl` section (python -m jaxlm.rl); its choice lists live in jaxlm/rl.py, which acts on them."""
+  """The `rl` section (python -m jaxlm.rl); its choice lists are declared beside the policy objective (step.py)."""
   r = c.get('rl')
   if r is None:
     return []
-  from jaxlm import rl  # pylint: disable=import-outside-toplevel  # rl imports this module
   e = []
-  if r.loss_type not in rl.LOSS_TYPES:
-    e.append(f'rl.loss_type={r.loss_type!r} is unknown; use one of {", ".join(rl.LOSS_TYPES)}.')
-  if r.scale_rewards not in rl.SCALE_REWARDS:
-    e.append(f'rl.scale_rewards={r.scale_rewards!r} is unknown; use one of {", ".join(rl.SCALE_REWARDS)}.')
+  if r.loss_type not in step_lib.LOSS_TYPES:
+    e.append(f'rl.loss_type={r.loss_type!r} is unknown; use one of {", ".join(step_lib.LOSS_TYPES)}.')
+  if r.scale_rewards not in step_lib.SCALE_REWARDS:
+    e.append(f'rl.scale_rewards={r.scale_rewards!r} is unknown; use one of {", ".join(step_lib.SCALE_REWARDS)}.')
   if r.num_generations < 2 or c.train.batch_size % r.num_generations:
     e.append(f'rl.num_generations={r.num_generations} must be >= 2 and divide train.batch_size='
              f'{c.train.batch_size} (the completions of each step); group advantages need two or more.')

@@ -7,8 +7,10 @@ ONE train step (jaxlm.step.build_program with a `PolicyObjective`) on per-token 
 type over the global batch. Sampler and trainer are the same Flax model on the same mesh: their log-probs of the
 same tokens agree (`logprob_mismatch`, ~0), so the sampler's are the clipped ratio's old log-probs.
 
-Reads like jaxlm/train.py: `start`, `restore_or_init`, `loop`, and a shutdown that always runs. Checkpoints hold
+There is no second trainer here: `Rollouts` is a batch source of train.py's one loop, so checkpoints, SIGTERM and
+kill -9 resume, rollback, LR scaling, evaluation, goodput and the progress line are the loop's. Checkpoints hold
 the prompt position; samples are seeded by step, so a resumed run draws the samples the killed one would have.
+This module holds rewards, the rollout source, advantages and the command's flags.
 """
 
 if __name__ == '__main__':  # the command runs in a child its watcher waits for; start it before JAX loads (cli.py)
@@ -20,7 +22,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import signal
 from typing import Any, Callable
 
 from absl import flags
@@ -28,23 +29,18 @@ import grain
 import jax
 import numpy as np
 
-from jaxlm import checkpoint as checkpoint_lib
 from jaxlm import cli
 from jaxlm import config as config_lib
 from jaxlm import distributed
 from jaxlm import errors
-from jaxlm import faults as faults_lib
 from jaxlm import generate as generate_lib
-from jaxlm import metrics as metrics_lib
-from jaxlm import perf
 from jaxlm import preference as preference_lib
-from jaxlm import rundir
 from jaxlm import sharding
-from jaxlm import stability as stability_lib
 from jaxlm import step as step_lib
+from jaxlm import train
+# rl.loss_type and rl.scale_rewards: declared beside the objective, where validation reads them too.
+from jaxlm.step import LOSS_TYPES, SCALE_REWARDS  # noqa: F401
 
-LOSS_TYPES = ('grpo', 'bnpo', 'dr_grpo', 'dapo')  # rl.loss_type: how per-token losses are averaged
-SCALE_REWARDS = ('group', 'batch', 'none')  # rl.scale_rewards: advantages divided by the group's / batch's std
 STD_EPS = 1e-4  # added to the std before dividing (TRL's)
 
 
@@ -192,13 +188,6 @@ def train_batch(prompts: list[list[int]], completions: list[list[int]], logprobs
               token_share=share.astype(np.float32))
 
 
-def abstract_batch(batch_size: int, seq_len: int, batch_sharding, objective: step_lib.PolicyObjective) -> dict:
-  """Shapes of one RL batch, for compiling the step ahead of time."""
-  out = step_lib.abstract_batch(batch_size, seq_len, batch_sharding)
-  spec = jax.ShapeDtypeStruct((batch_size, seq_len), np.float32, sharding=batch_sharding)
-  return {**out, **{k: spec for k in objective.batch_keys}}
-
-
 # ---------------------------------------------------------------------------------------------------- prompts
 
 class Prompts(grain.DatasetIterator):
@@ -271,30 +260,7 @@ def read_prompts(rl_cfg, tokenizer, prompt_slots: int) -> list[dict]:
   return records
 
 
-# ---------------------------------------------------------------------------------------------------- the run
-
-@dataclasses.dataclass
-class Run:
-  """What start() sets up for the loop."""
-  cfg: Any
-  workdir: str
-  mesh: jax.sharding.Mesh
-  program: step_lib.Program
-  objective: step_lib.PolicyObjective
-  log: metrics_lib.MetricsLogger
-  acct: perf.TimeAccounting
-  prompts: Prompts
-  tokenizer: Any
-  rewards: list
-  end_id: int | list[int]
-  ckpt: checkpoint_lib.Checkpointer
-  guard: stability_lib.Guard
-  faults: faults_lib.Faults
-  env: dict
-  train_step: Any = None
-  reference: Any = None  # beta > 0 without LoRA: the frozen copy of the starting parameters (reference_kind)
-  stop: list = dataclasses.field(default_factory=list)
-
+# ---------------------------------------------------------------------------------------------------- the rollout source
 
 def objective_of(rl_cfg) -> step_lib.PolicyObjective:
   """The train step's objective for the `rl` section."""
@@ -326,83 +292,13 @@ def program_for(cfg, mesh):
   if key not in _COMPILED:
     objective = objective_of(cfg.rl)
     program = step_lib.build_program(cfg, mesh, objective=objective)
-    compiled = program.train_step.lower(program.abstract_state, abstract_batch(
-        cfg.train.batch_size, cfg.data.seq_len, program.batch_sharding, objective)).compile()
+    compiled = program.train_step.lower(program.abstract_state, step_lib.abstract_batch(
+        cfg.train.batch_size, cfg.data.seq_len, program.batch_sharding, program.batch_extra)).compile()
     _COMPILED[key] = (program, objective, compiled, t.seed)
   program, objective, compiled, seed = _COMPILED[key]
   if t.seed != seed:  # init draws from train.seed, that of the run that compiled the entry: only it is rebuilt
     program = dataclasses.replace(program, init=step_lib.build_program(cfg, mesh, objective=objective).init)
   return program, objective, compiled
-
-
-def run(cfg, workdir: str, rewards: list[tuple[str, Callable]], tokenizer=None, devices=None) -> dict:
-  """Trains the policy as `cfg` says, writing to `workdir`; returns the last logged metrics.
-
-  tokenizer: any with encode / decode / eos_id (default: rl.tokenizer, else the data's); devices: the mesh's
-  (default: all).
-  """
-  with contextlib.ExitStack() as shutdown:
-    r = start(cfg, workdir, rewards, shutdown, tokenizer, devices)
-    state = restore_or_init(r)
-    return loop(r, state)
-
-
-def start(cfg, workdir: str, rewards, shutdown: contextlib.ExitStack, tokenizer=None, devices=None) -> Run:
-  """Everything before the first step; each piece registers its own shutdown on `shutdown`."""
-  acct = perf.TimeAccounting()
-  t, rl = cfg.train, cfg.rl
-  with acct.phase('devices, mesh'):
-    mesh = sharding.make_mesh(cfg.mesh, devices)
-  primary = jax.process_index() == 0
-  log = metrics_lib.MetricsLogger(workdir, cfg.log, total_steps=t.steps, is_primary=primary, config=cfg)
-  shutdown.callback(_quietly, log.close)
-  if tokenizer is None:
-    from jaxlm.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
-    from jaxlm.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
-    tokenizer = (tokenizer_lib.load(os.path.expanduser(rl.tokenizer)) if rl.tokenizer
-                 else data_lib.load_tokenizer(cfg.data, cfg.model.vocab_size))
-  # Every id the model stops at (main's Tokenizer.stop_ids: generation_config's list, eos, separator).
-  end_id = getattr(tokenizer, 'stop_ids', None) or (
-      tokenizer.eos_id if tokenizer.eos_id >= 0 else tokenizer.separator_id)
-  with acct.phase('prompts'):
-    records = read_prompts(rl, tokenizer, cfg.data.seq_len - rl.max_new_tokens)
-  with acct.phase('program'), acct.track('compile'):
-    program, objective, compiled = program_for(cfg, mesh)
-  ckpt = checkpoint_lib.Checkpointer(rundir.path(workdir, rundir.CHECKPOINTS), cfg.checkpoint, log.event)
-  shutdown.callback(_quietly, ckpt.close)
-  guard = stability_lib.Guard(rl_stability(cfg), log.event, log_every=t.log_every,
-                              ledger=rundir.path(workdir, rundir.ROLLBACKS), writes_ledger=primary,
-                              watch=tuple(k.strip() for k in rl.stability_watch.split(',') if k.strip()))
-  r = Run(cfg=cfg, workdir=workdir, mesh=mesh, program=program, objective=objective, log=log, acct=acct,
-          prompts=Prompts(records, t.seed), tokenizer=tokenizer, rewards=rewards, end_id=end_id, ckpt=ckpt,
-          guard=guard, faults=faults_lib.Faults(cfg.faults, cfg.model.vocab_size, log.event),
-          env=checkpoint_lib.environment(cfg, mesh), train_step=compiled)
-  for sig in (signal.SIGTERM, signal.SIGINT):  # preemption: finish the step, save, exit
-    previous = signal.signal(sig, lambda signum, _: r.stop.append(signal.Signals(signum).name))
-    shutdown.callback(signal.signal, sig, previous)
-  return r
-
-
-def restore_or_init(r: Run):
-  """The newest intact checkpoint (with its prompt position and guard state), else a fresh or warm start."""
-  program = r.program
-  kind = reference_kind(r.cfg)
-  with r.acct.track('checkpoint'):
-    state, guard_state = r.ckpt.restore(program.abstract_state, program.state_shardings, r.prompts)
-  fresh = jax.block_until_ready(program.init()) if state is None or kind == 'copy' else None
-  if r.cfg.checkpoint.init_from and fresh is not None:
-    params = checkpoint_lib.load_params(r.cfg.checkpoint.init_from, program.abstract_state.params,
-                                        program.state_shardings.params)
-    fresh = fresh.replace(params=params)
-  if kind == 'copy':
-    r.reference = reference_params(fresh)
-  if state is not None:
-    r.guard.load(guard_state)
-    r.log.event(int(state.step), 'resumed', f'resumed from checkpoint step {int(state.step)} in {r.ckpt.directory} '
-                f'at prompt {r.prompts.position}')
-    return state
-  r.guard.reset_ledger()
-  return fresh
 
 
 def reference_kind(cfg) -> str | None:
@@ -427,49 +323,107 @@ def sample_seed(seed: int, step: int) -> int:
   return int(jax.random.randint(jax.random.fold_in(jax.random.PRNGKey(seed), step), (), 0, 2**31 - 1))
 
 
-def rollout(r: Run, state, step: int) -> tuple[dict, dict]:
-  """Samples, scores and batches one step: (the global batch, host metrics)."""
-  rl, t = r.cfg.rl, r.cfg.train
-  G = rl.num_generations
-  records = r.prompts.take(t.batch_size // G)
-  prompt_ids = [rec['ids'] for rec in records for _ in range(G)]
-  with r.acct.track('sample'):
-    out = generate_lib.generate(
-        r.program.model.config, state.params, prompt_ids, rl.max_new_tokens,
-        sampling=generate_lib.Sampling(rl.temperature, rl.top_k, rl.top_p), seed=sample_seed(t.seed, step),
-        eos_id=r.end_id, mesh=r.mesh, max_len=r.cfg.data.seq_len)
-  completions = [ids + [end] * (end is not None) for ids, end in zip(out.tokens, out.ends)]  # the stop id scored
-  texts = [r.tokenizer.decode(ids) for ids in out.tokens]
-  fields = {k: [rec['fields'].get(k) for rec in records for _ in range(G)]
-            for k in sorted({k for rec in records for k in rec['fields']})}
-  prompts = [rec['prompt'] for rec in records for _ in range(G)]
-  per_func = score(r.rewards, prompts, texts, [list(c) for c in out.tokens], out.finish_reasons, fields)
-  weights = reward_weights(rl, len(r.rewards))
-  adv, rewards, zero_std = advantages(per_func, weights, G, rl.scale_rewards)
-  truncated = np.array([why == 'length' for why in out.finish_reasons])
-  keep = ~truncated if rl.mask_truncated else np.ones_like(truncated)
-  rows = train_batch(prompt_ids, completions, out.logprobs, adv, keep, seq_len=r.cfg.data.seq_len,
-                     max_new_tokens=rl.max_new_tokens, loss_type=rl.loss_type)
-  # Every process sampled and scored every row (the same seed, the same rewards); each gives the train step its
-  # own share of the rows, as a data loader would.
-  index, count = sharding.row_share(r.program.batch_sharding)
-  share = t.batch_size // count
-  batch = step_lib.global_batch({k: v[index * share:(index + 1) * share] for k, v in rows.items()},
-                                r.program.batch_sharding)
-  if kind := reference_kind(r.cfg):  # the reference mechanism preference tuning uses (base: adapters off)
-    batch['ref_logps'] = r.program.score(preference_lib.reference_params(kind, state.params, r.reference), batch)
+class Rollouts:
+  """The RL batch source of train.py's loop: prompts -> the sampler -> rewards -> advantages -> per-token weights.
+
+  Its checkpointed position is the prompt stream's (`iterator`); samples are seeded by step, so a resumed run draws
+  the samples the killed one would have. The train step's objective is the clipped policy gradient
+  (step.PolicyObjective), its program compiled once per config in a process (`program_for`).
+  """
+  evaluates = False  # held-out text is scored only when train.eval_every asks for it
+
+  def __init__(self, cfg, rewards: list[tuple[str, Callable]], tokenizer=None):
+    self.cfg, self.rewards = cfg, rewards
+    self.tokenizer = tokenizer or run_tokenizer(cfg)
+    # Every id the model stops at (main's Tokenizer.stop_ids: generation_config's list, eos, separator).
+    self.end_id = getattr(self.tokenizer, 'stop_ids', None) or (
+        self.tokenizer.eos_id if self.tokenizer.eos_id >= 0 else self.tokenizer.separator_id)
+    records = read_prompts(cfg.rl, self.tokenizer, cfg.data.seq_len - cfg.rl.max_new_tokens)
+    self.iterator = Prompts(records, cfg.train.seed)
+    self.objective = objective_of(cfg.rl)
+    self.reference = None  # beta > 0 without LoRA: the frozen copy of the starting parameters (reference_kind)
+    self.run = None  # the loop's Run, once it began
+
+  def program(self, cfg, mesh):
+    """(program, its train step compiled for train.batch_size): one compile per config shape in a process."""
+    program, _, compiled = program_for(cfg, mesh)
+    return program, compiled
+
+  @staticmethod
+  def stability(cfg) -> tuple[Any, tuple[str, ...]]:
+    """rl_stability's settings; the guard watches rl.stability_watch."""
+    return rl_stability(cfg), tuple(k.strip() for k in cfg.rl.stability_watch.split(',') if k.strip())
+
+  def begin(self, r, state, resumed: bool) -> None:
+    """Keeps the run; under a `copy` reference, copies the starting parameters (a resumed run rebuilds them)."""
+    self.run = r
+    if reference_kind(self.cfg) == 'copy':
+      start = train.initial_state(r, say=False) if resumed else state
+      self.reference = reference_params(start)
+
+  def skip(self, batches: int, step: int) -> None:
+    """Passes over the prompts of `batches` steps (after a rollback)."""
+    del step
+    self.iterator.take(batches * (self.cfg.train.batch_size // self.cfg.rl.num_generations))
+
+  def next(self, state, step: int, size: int) -> tuple[dict, dict]:
+    """Samples, scores and batches the step after `step`: (the global batch, host metrics)."""
+    del size  # RL has no batch ramp: always train.batch_size
+    r, rl, t = self.run, self.cfg.rl, self.cfg.train
+    G = rl.num_generations
+    records = self.iterator.take(t.batch_size // G)
+    prompt_ids = [rec['ids'] for rec in records for _ in range(G)]
+    with r.acct.track('sample'):
+      out = generate_lib.generate(
+          r.program.model.config, state.params, prompt_ids, rl.max_new_tokens,
+          sampling=generate_lib.Sampling(rl.temperature, rl.top_k, rl.top_p), seed=sample_seed(t.seed, step),
+          eos_id=self.end_id, mesh=r.mesh, max_len=self.cfg.data.seq_len)
+    sample_s = r.acct.last_s
+    completions = [ids + [end] * (end is not None) for ids, end in zip(out.tokens, out.ends)]  # the stop id scored
+    texts = [self.tokenizer.decode(ids) for ids in out.tokens]
+    fields = {k: [rec['fields'].get(k) for rec in records for _ in range(G)]
+              for k in sorted({k for rec in records for k in rec['fields']})}
+    prompts = [rec['prompt'] for rec in records for _ in range(G)]
+    per_func = score(self.rewards, prompts, texts, [list(c) for c in out.tokens], out.finish_reasons, fields)
+    adv, rewards, zero_std = advantages(per_func, reward_weights(rl, len(self.rewards)), G, rl.scale_rewards)
+    truncated = np.array([why == 'length' for why in out.finish_reasons])
+    keep = ~truncated if rl.mask_truncated else np.ones_like(truncated)
+    rows = train_batch(prompt_ids, completions, out.logprobs, adv, keep, seq_len=self.cfg.data.seq_len,
+                       max_new_tokens=rl.max_new_tokens, loss_type=rl.loss_type)
+    # Every process sampled and scored every row (the same seed, the same rewards); each gives the train step its
+    # own share of the rows, as a data loader would.
+    index, count = sharding.row_share(r.program.batch_sharding)
+    share = t.batch_size // count
+    batch = step_lib.global_batch({k: v[index * share:(index + 1) * share] for k, v in rows.items()},
+                                  r.program.batch_sharding)
+    if kind := reference_kind(self.cfg):  # the reference mechanism preference tuning uses (base: adapters off)
+      batch['ref_logps'] = r.program.score(preference_lib.reference_params(kind, state.params, self.reference),
+                                           batch)
+    return batch, host_metrics(self.rewards, per_func, rewards, zero_std, completions, truncated, sample_s)
+
+
+def host_metrics(reward_fns, per_func, rewards, zero_std, completions, truncated, sample_s: float) -> dict:
+  """A step's record beyond the train step's: rewards (per function too), completion lengths, sampling time, and
+  the sampled tokens its throughput counts (`step_tokens`)."""
   lengths = np.array([len(c) for c in completions])
   host = {'reward': _nan_none(np.nanmean(rewards)), 'reward_std': _nan_none(_nanstd(rewards)),
           'frac_reward_zero_std': float(zero_std.mean()),
           'completions/mean_length': float(lengths.mean()), 'completions/min_length': float(lengths.min()),
           'completions/max_length': float(lengths.max()), 'completions/clipped_ratio': float(truncated.mean()),
-          'sample_s': r.acct.last_s, 'sampled_tokens': int(lengths.sum())}
-  for j, (name, _) in enumerate(r.rewards):
+          'sample_s': sample_s, 'step_tokens': int(lengths.sum())}
+  for j, (name, _) in enumerate(reward_fns):
     host[f'rewards/{name}/mean'] = _nan_none(np.nanmean(per_func[:, j]) if np.any(~np.isnan(per_func[:, j]))
                                              else np.nan)
     host[f'rewards/{name}/std'] = _nan_none(_nanstd(per_func[:, j]))
-  return batch, host
+  return host
 
+
+def run_tokenizer(cfg):
+  """rl.tokenizer, else the one training finds for cfg.data."""
+  from jaxlm.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
+  from jaxlm.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  return (tokenizer_lib.load(os.path.expanduser(cfg.rl.tokenizer)) if cfg.rl.tokenizer
+          else data_lib.load_tokenizer(cfg.data, cfg.model.vocab_size))
 
 def reward_weights(rl_cfg, n: int) -> np.ndarray:
   """rl.reward_weights as an array (all 1 when empty)."""
@@ -481,86 +435,6 @@ def reward_weights(rl_cfg, n: int) -> np.ndarray:
 def _nan_none(x) -> float | None:
   x = float(x)
   return None if np.isnan(x) else x
-
-
-def loop(r: Run, state) -> dict:
-  """`for step: sample -> reward -> advantages -> train_step -> log / save` until train.steps or a stop signal."""
-  t, acct = r.cfg.train, r.acct
-  last, metrics, step = {}, None, int(state.step)
-  while step < t.steps:
-    batch, host = rollout(r, state, step)
-    state = set_lr_scale(r, state, step)
-    with acct.track('step'):
-      state, metrics = r.train_step(state, batch)
-      jax.block_until_ready(metrics)
-    step_s = acct.last_s
-    step += 1
-    distributed.beat(step)
-    if step % t.log_every == 0 or step == t.steps:
-      values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-      tokens = host.pop('sampled_tokens')
-      values.update(host, train_s=step_s, tokens_per_s=tokens / max(host['sample_s'] + step_s, 1e-9))
-      r.log.write(step, values)
-      last = values
-      if rollback := r.guard.observe(step, values):
-        with acct.track('checkpoint'):
-          state = roll_back(r, rollback)
-        step = int(state.step)
-        continue
-    stopping = distributed.any_process(bool(r.stop))
-    with acct.track('checkpoint'):
-      r.ckpt.on_step(step, t.steps, state, r.prompts, r.env, r.guard.state(), stopping=stopping)
-    if stopping:
-      r.log.event(step, 'preempted', f'{r.stop[0] if r.stop else "a stop signal"} received: stopped after step '
-                  f'{step}, checkpoint {"saved" if r.ckpt.last_good == step else "NOT saved"}; run the same '
-                  f'command to resume.')
-      break
-  with acct.track('final_save'):
-    r.ckpt.close()
-  r.log.write(int(state.step), {**acct.summary(), **r.ckpt.stats()}, kind='system')
-  if jax.process_index() == 0:
-    print(acct.table(), flush=True)
-  if error := r.ckpt.unsaved_error():  # the final (or preemption) save failed: exit 3, never a quiet 0
-    raise error
-  return last
-
-
-def set_lr_scale(r: Run, state, step: int):
-  """The update multiplier for this step: a fault drill's (faults.lr_spike_steps), the post-rollback one, or 1."""
-  drill = r.faults.lr_scale(int(state.batches) + 1)
-  lr_scale = drill if drill is not None else r.guard.lr_scale(step)
-  if lr_scale == float(state.lr_scale):
-    return state
-  r.log.event(step + 1, 'lr_scale', f'learning rate multiplied by {lr_scale:g} from step {step + 1}',
-              lr_scale=lr_scale)
-  return state.replace(lr_scale=jax.device_put(np.float32(lr_scale), r.program.state_shardings.lr_scale))
-
-
-def roll_back(r: Run, rollback: stability_lib.Rollback):
-  """Restores the newest checkpoint before the update that may have caused the trouble; skips its prompts."""
-  r.ckpt.wait()
-  state, _ = r.ckpt.restore(r.program.abstract_state, r.program.state_shardings, r.prompts,
-                            before=rollback.restore_before)
-  if state is None:
-    raise stability_lib.StabilityError(f'{rollback.reason}, but no checkpoint predates update '
-                                       f'{rollback.restore_before}; lower checkpoint.every or raise checkpoint.keep')
-  to_step = int(state.step)
-  skip = r.guard.rolled_back(to_step)
-  abandoned = r.ckpt.delete_after(to_step)
-  r.prompts.take(skip * (r.cfg.train.batch_size // r.cfg.rl.num_generations))
-  first_skipped = int(state.batches) + 1  # batch numbers count skipped ones: a drill keyed on one is not replayed
-  state = state.replace(batches=jax.device_put(np.int32(first_skipped - 1 + skip), r.program.state_shardings.batches))
-  r.log.event(to_step, 'rollback', f'{rollback.reason}: restored checkpoint step {to_step}, skipped prompt batches '
-              f'{first_skipped}-{first_skipped + skip - 1}, deleted checkpoints {abandoned} (rollback {r.guard.rollbacks}/'
-              f'{r.cfg.stability.max_rollbacks})', to_step=to_step, first_bad_step=rollback.first_bad_step)
-  return state
-
-
-def _quietly(close, *args) -> None:
-  try:
-    close(*args)
-  except Exception:  # pylint: disable=broad-except  -- shutdown must not mask the error that ended the run
-    pass
 
 
 # ---------------------------------------------------------------------------------------------------- command
@@ -581,12 +455,14 @@ def main(argv):
   if cfg.rl.reward_weights and len(reward_weights(cfg.rl, 0)) != len(rewards):
     raise errors.ConfigError(f'rl.reward_weights has {len(reward_weights(cfg.rl, 0))} entries for {len(rewards)} '
                              f'reward functions; give one weight per function')
-  workdir = flags.FLAGS.workdir or os.path.join('runs', cfg.name)
-  try:
-    os.makedirs(workdir, exist_ok=True)
-  except OSError as e:
-    raise metrics_lib.storage_error(workdir, e) from e
-  run(cfg, workdir, rewards)
+  run(cfg, train.make_workdir(flags.FLAGS.workdir, cfg), rewards)
+
+
+def run(cfg, workdir: str, rewards: list[tuple[str, Callable]], tokenizer=None, devices=None) -> dict:
+  """Trains the policy as `cfg` says through the one loop (train.run), writing to `workdir`; returns the last
+  logged metrics. tokenizer: any with encode / decode / eos_id (default: rl.tokenizer, else the data's); devices:
+  the mesh's (default: all)."""
+  return train.run(cfg, workdir, source=Rollouts(cfg, rewards, tokenizer), devices=devices)
 
 
 def console() -> None:

@@ -96,11 +96,21 @@ def build_program(cfg, mesh, objective=None) -> Program:
                   objective=objective, pref_cfg=cfg.preference if kind == 'preference' else None)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Loss:
+  """What the train step's loss needs besides the batch: the objective and its reference (preference tuning)."""
+  m: model_lib.ModelConfig
+  model: Any
+  deterministic: bool
+  objective: Any = None  # a loss object over the batch's logits (RL); None: LM or preference
+  pref_cfg: Any = None  # the preference section, under train.objective=preference
+  ref_kind: str | None = None  # the preference reference: copy | base | cached | None (SimPO)
+
+
 def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, microbatches: int,
            skip_nonfinite: bool, scale_updates: bool, objective=None, pref_cfg=None) -> Program:
   m = model_lib.ModelConfig.from_config(model_cfg)
   model = model_lib.Decoder(m, pipeline=pipeline)
-  fp16 = m.dtype == 'float16'
   # Shapes only: building creates no array. Long enough to split over context (2·context zig-zag chunks).
   tokens = jax.ShapeDtypeStruct((1, 8 * sharding.context_size(mesh)), jnp.int32)
 
@@ -111,34 +121,19 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
   # Shapes before values: logical axis names come with the abstract (boxed) variables. The model is traced for
   # its shapes once here (and once in init's): tracing a model costs more than compiling palm_tiny's step.
   boxed_variables = jax.eval_shape(lambda: init_variables(jax.random.PRNGKey(0)))
-  boxed = boxed_variables['params']
-  param_logical = nn.get_partition_spec(boxed)
+  param_logical = nn.get_partition_spec(boxed_variables['params'])
   # LoRA: only the adapters are differentiated and have optimizer state; the base is frozen (`trainable`).
   trainable, with_trainable = trainable_split(m)
-  train_logical = trainable(param_logical)
-  tx = optimizer_lib.make_optimizer(optim_cfg, steps, optimizer_lib.decay_mask(train_logical), train_logical)
-  if skip_nonfinite:
-    # The host decides what persistent NaNs mean (stability.Guard), so never let apply_if_finite give up.
-    tx = optax.apply_if_finite(tx, max_consecutive_errors=2**30)
-  if fp16:  # outermost: it sees the scaled gradients, and an overflow is not counted as a skipped step
-    tx = optimizer_lib.dynamic_loss_scale(tx, optim_cfg.loss_scale_init, optim_cfg.loss_scale_period)
-  abstract_params = jax.eval_shape(nn.unbox, boxed)
-  abstract_opt = jax.eval_shape(tx.init, trainable(abstract_params))
-  replicated = jax.sharding.PartitionSpec()
-  opt_logical = optimizer_lib.state_logical(tx, abstract_opt, train_logical, trainable(abstract_params))
-  abstract_fp8 = boxed_variables.get(model_lib.FP8, {})
+  tx = _optimizer(optim_cfg, steps, trainable(param_logical), skip_nonfinite, m.dtype == 'float16')
   # Preference tuning: which reference the loss compares with (none for SimPO), and what the batch carries.
   preference = pref_cfg is not None
   ref_kind = pref_cfg.reference if preference and preference_lib.needs_reference(pref_cfg) else None
   copy = ref_kind == 'copy'
   batch_extra = ((('pairs', jnp.int32),) + ((('ref_logps', jnp.float32),) if ref_kind == 'cached' else ())
-                 if preference else ())
-  logical = TrainState(step=replicated, params=param_logical, opt_state=opt_logical, rng=replicated,
-                       lr_scale=replicated, batches=replicated,
-                       fp8=jax.tree.map(lambda _: replicated, abstract_fp8),  # a few floats per layer
-                       ema=train_logical if optim_cfg.get('ema', 0.0) else {},  # sharded like what trains
-                       reference=param_logical if copy else {})
-  state_shardings = sharding.logical_to_mesh(logical, mesh)
+                 if preference else tuple((k, jnp.float32) for k in getattr(objective, 'batch_keys', ())))
+  abstract_params = jax.eval_shape(nn.unbox, boxed_variables['params'])
+  state_shardings = _state_shardings(tx, optim_cfg, abstract_params, param_logical, boxed_variables, trainable,
+                                     copy, mesh)
 
   def init():
     rng = jax.random.PRNGKey(seed)
@@ -149,44 +144,94 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
                       fp8=variables.get(model_lib.FP8, {}), ema=optimizer_lib.init_ema(optim_cfg, trainable(params)),
                       reference=preference_lib.copy_reference(params, pref_cfg.reference_dtype) if copy else {})
 
-  abstract_state = jax.eval_shape(init)
+  loss = _Loss(m=m, model=model, deterministic=m.dropout_rate == 0.0, objective=objective,
+               pref_cfg=pref_cfg if preference else None, ref_kind=ref_kind)
   lr = optimizer_lib.schedule(optim_cfg, steps)
-  deterministic = m.dropout_rate == 0.0
+  train_step = _train_step(loss, tx, lr, optim_cfg, trainable, with_trainable,
+                           microbatches=microbatches, skip_nonfinite=skip_nonfinite, scale_updates=scale_updates)
+  batch_sharding = sharding.batch_sharding(mesh)
+  return Program(
+      **_eval_functions(loss, state_shardings, batch_sharding, mesh), batch_extra=batch_extra,
+      model=model, mesh=mesh, schedule=lr, abstract_state=jax.eval_shape(init),
+      state_shardings=state_shardings, batch_sharding=batch_sharding,
+      init=_InContext(jax.jit(init, out_shardings=state_shardings), mesh),
+      train_step=_InContext(jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                                    out_shardings=(state_shardings, None), donate_argnums=0), mesh))
+
+
+def _optimizer(optim_cfg, steps: int, train_logical, skip_nonfinite: bool, fp16: bool):
+  """The optax transformation: optim.name's, never giving up on non-finite steps, float16's loss scale outermost."""
+  tx = optimizer_lib.make_optimizer(optim_cfg, steps, optimizer_lib.decay_mask(train_logical), train_logical)
+  if skip_nonfinite:
+    # The host decides what persistent NaNs mean (stability.Guard), so never let apply_if_finite give up.
+    tx = optax.apply_if_finite(tx, max_consecutive_errors=2**30)
+  if fp16:  # outermost: it sees the scaled gradients, and an overflow is not counted as a skipped step
+    tx = optimizer_lib.dynamic_loss_scale(tx, optim_cfg.loss_scale_init, optim_cfg.loss_scale_period)
+  return tx
+
+
+def _state_shardings(tx, optim_cfg, abstract_params, param_logical, boxed_variables, trainable, copy: bool, mesh):
+  """The TrainState's NamedShardings: parameters and what mirrors them by the rules table, scalars replicated."""
+  train_logical = trainable(param_logical)
+  abstract_opt = jax.eval_shape(tx.init, trainable(abstract_params))
+  replicated = jax.sharding.PartitionSpec()
+  opt_logical = optimizer_lib.state_logical(tx, abstract_opt, train_logical, trainable(abstract_params))
+  logical = TrainState(step=replicated, params=param_logical, opt_state=opt_logical, rng=replicated,
+                       lr_scale=replicated, batches=replicated,
+                       # a few floats per layer
+                       fp8=jax.tree.map(lambda _: replicated, boxed_variables.get(model_lib.FP8, {})),
+                       ema=train_logical if optim_cfg.get('ema', 0.0) else {},  # sharded like what trains
+                       reference=param_logical if copy else {})
+  return sharding.logical_to_mesh(logical, mesh)
+
+
+def _loss_fn(loss: _Loss, state, batch: dict, microbatches: int, scale, with_trainable, rng):
+  """(variables, microbatch, rng) -> (loss · scale, metrics): the objective's loss, plus MoE's routing losses."""
+  m, model = loss.m, loss.model
   moe = m.moe_experts > 0
+  # Every microbatch divides by the whole batch's token count, so summed gradients equal the full batch's.
+  denominator = jnp.maximum(batch['weights'].sum(), 1.0)
+  # Mixture of experts: routing losses over the whole batch's real tokens (and, split into microbatches, its
+  # loads from a routing pass first), so they too add up over microbatches to the whole batch's.
+  moe_tokens = jnp.maximum((batch['segment_ids'] > 0).sum(), 1).astype(jnp.float32) if moe else None
+  moe_loads = None
+  if moe and m.moe_aux_loss and microbatches > 1:
+    moe_loads = routing_loads(model, variables_of(state), batch, rng, microbatches, loss.deterministic)
+  if loss.pref_cfg is not None:  # every microbatch divides by the whole batch's pair count
+    num_pairs = jnp.maximum(preference_lib.count_pairs(batch), 1.0)
+    ref_params = preference_lib.reference_params(loss.ref_kind, state.params, state.reference)
+
+  def loss_of(variables, mb, mb_rng):
+    variables = dict(variables, params=with_trainable(state.params, variables['params']))
+    logits = model.apply(variables, mb['inputs'], mb['segment_ids'], mb['positions'],
+                         deterministic=loss.deterministic, rngs={'dropout': mb_rng},
+                         mutable=[moe_lib.STATS] if moe else False)
+    logits, stats = logits if moe else (logits, None)
+    if loss.pref_cfg is not None:
+      ref = reference_logps(model, loss.ref_kind, ref_params, mb)
+      total, aux = preference_lib.loss(logits, mb, ref, loss.pref_cfg, num_pairs)
+    elif loss.objective is not None:  # its per-token weights are normalised over the whole batch on the host
+      total, aux = loss.objective.loss(logits, mb)
+    else:
+      total, aux = model_lib.loss_fn(logits, mb['targets'], mb['weights'], m.z_loss, denominator)
+    if moe:
+      total = total + moe_lib.loss(stats[moe_lib.STATS], m, moe_tokens, moe_loads)
+      aux = dict(aux, moe=stats[moe_lib.STATS])
+    return total * scale, aux
+
+  return loss_of
+
+
+def _train_step(loss: _Loss, tx, lr, optim_cfg, trainable, with_trainable, *, microbatches: int,
+                skip_nonfinite: bool, scale_updates: bool):
+  """train_step(state, batch) -> (state, metrics): gradients over microbatches, the update, its metrics."""
+  m = loss.m
+  fp16, moe = m.dtype == 'float16', m.moe_experts > 0
 
   def train_step(state: TrainState, batch: dict):
     rng = jax.random.fold_in(state.rng, state.step)
-    # Every microbatch divides by the whole batch's token count, so summed gradients equal the full batch's.
-    denominator = jnp.maximum(batch['weights'].sum(), 1.0)
     scale = optimizer_lib.loss_scale(state.opt_state) if fp16 else 1.0  # float16: small gradients not flushed
-    # Mixture of experts: routing losses over the whole batch's real tokens (and, split into microbatches, its
-    # loads from a routing pass first), so they too add up over microbatches to the whole batch's.
-    moe_tokens = jnp.maximum((batch['segment_ids'] > 0).sum(), 1).astype(jnp.float32) if moe else None
-    moe_loads = None
-    if moe and m.moe_aux_loss and microbatches > 1:
-      moe_loads = routing_loads(model, variables_of(state), batch, rng, microbatches, deterministic)
-    if preference:  # every microbatch divides by the whole batch's pair count
-      num_pairs = jnp.maximum(preference_lib.count_pairs(batch), 1.0)
-      ref_params = preference_lib.reference_params(ref_kind, state.params, state.reference)
-
-    def loss_of(variables, mb, mb_rng):
-      variables = dict(variables, params=with_trainable(state.params, variables['params']))
-      logits = model.apply(variables, mb['inputs'], mb['segment_ids'], mb['positions'],
-                           deterministic=deterministic, rngs={'dropout': mb_rng},
-                           mutable=[moe_lib.STATS] if moe else False)
-      logits, stats = logits if moe else (logits, None)
-      if preference:
-        ref = reference_logps(model, ref_kind, ref_params, mb)
-        total, aux = preference_lib.loss(logits, mb, ref, pref_cfg, num_pairs)
-      elif objective is not None:  # its per-token weights are normalised over the whole batch on the host
-        total, aux = objective.loss(logits, mb)
-      else:
-        total, aux = model_lib.loss_fn(logits, mb['targets'], mb['weights'], m.z_loss, denominator)
-      if moe:
-        total = total + moe_lib.loss(stats[moe_lib.STATS], m, moe_tokens, moe_loads)
-        aux = dict(aux, moe=stats[moe_lib.STATS])
-      return total * scale, aux
-
+    loss_of = _loss_fn(loss, state, batch, microbatches, scale, with_trainable, rng)
     differentiated = dict(variables_of(state), params=trainable(state.params))
     grads, aux = accumulate_gradients(jax.value_and_grad(loss_of, has_aux=True), differentiated, batch, rng,
                                       microbatches)
@@ -219,9 +264,17 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state, fp8=fp8,
                          batches=state.batches + 1, ema=ema), metrics
 
+  return train_step
+
+
+def _eval_functions(loss: _Loss, state_shardings, batch_sharding, mesh) -> dict:
+  """Program's eval_step (held-out cross-entropy sums), score (an objective's log-probs), preference_eval_step
+  and copy_reference, jitted: those this objective has."""
   # Evaluation runs the ordinary matmuls on the same weights (no fp8 state needed): the held-out loss is that
   # of the model tools/eval scores and hf/export writes.
-  eval_model = model_lib.Decoder(model_lib.inference_config(m))
+  eval_model = model_lib.Decoder(model_lib.inference_config(loss.m))
+  objective, pref_cfg, ref_kind = loss.objective, loss.pref_cfg, loss.ref_kind
+  copy = ref_kind == 'copy'
 
   def eval_step(params, batch: dict):
     logits = eval_model.apply({'params': params}, batch['inputs'], batch['segment_ids'], batch['positions'])
@@ -239,24 +292,18 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
     _, sums = preference_lib.loss(logits, batch, ref, pref_cfg, 1.0)  # sums over the pairs
     return dict(sums, pairs=preference_lib.count_pairs(batch))
 
-  batch_sharding = sharding.batch_sharding(mesh)
+  params_s = state_shardings.params
   ref_shardings = state_shardings.reference if copy else None
-  extra = {}
-  if preference:
-    extra['preference_eval_step'] = _InContext(jax.jit(preference_eval_step, in_shardings=(
-        state_shardings.params, ref_shardings if copy else None, batch_sharding)), mesh)
+  out = {'eval_step': _InContext(jax.jit(eval_step, in_shardings=(params_s, batch_sharding)), mesh),
+         'score': None if objective is None else _InContext(
+             jax.jit(score, in_shardings=(params_s, batch_sharding)), mesh)}
+  if pref_cfg is not None:
+    out['preference_eval_step'] = _InContext(jax.jit(preference_eval_step, in_shardings=(
+        params_s, ref_shardings, batch_sharding)), mesh)
   if copy:
-    extra['copy_reference'] = _InContext(jax.jit(
+    out['copy_reference'] = _InContext(jax.jit(
         lambda p: preference_lib.copy_reference(p, pref_cfg.reference_dtype), out_shardings=ref_shardings), mesh)
-  return Program(**extra, batch_extra=batch_extra,
-      model=model, mesh=mesh, schedule=lr, abstract_state=abstract_state, state_shardings=state_shardings,
-      batch_sharding=batch_sharding,
-      init=_InContext(jax.jit(init, out_shardings=state_shardings), mesh),
-      train_step=_InContext(jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
-                                    out_shardings=(state_shardings, None), donate_argnums=0), mesh),
-      eval_step=_InContext(jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding)), mesh),
-      score=None if objective is None else _InContext(
-          jax.jit(score, in_shardings=(state_shardings.params, batch_sharding)), mesh))
+  return out
 
 
 def reference_logps(model, kind: str | None, ref_params, batch: dict):
@@ -434,6 +481,8 @@ def evaluate(program: Program, params, batches: list[dict]) -> float:
 
 
 # RL: the clipped policy-gradient objective of GRPO and its variants (jaxlm/rl.py builds its batches).
+LOSS_TYPES = ('grpo', 'bnpo', 'dr_grpo', 'dapo')  # rl.loss_type: how per-token losses are averaged (rl.token_weights)
+SCALE_REWARDS = ('group', 'batch', 'none')  # rl.scale_rewards: advantages divided by the group's / batch's std
 POLICY_KEYS = ('old_logps', 'advantages', 'token_share')  # with inputs, targets, segment_ids, positions, weights
 
 

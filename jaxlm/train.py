@@ -44,9 +44,38 @@ from jaxlm import stability as stability_lib
 from jaxlm import step as step_lib
 from jaxlm.step import abstract_batch, global_batch, evaluate  # noqa: F401  (the loop's vocabulary)
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file, e.g. configs/palm_small.py.',
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory (checkpoints, metrics). Default: runs/<name>.')
+class DataSource:
+  """The loop's batches from the training data (language modelling, SFT, preference pairs).
+
+  A batch source is what differs between objectives (jaxlm/rl.py's `Rollouts` is the other): `iterator` is the
+  position a checkpoint saves as its `data` item, `next` gives the global batch of a step and the host metrics it
+  adds to the step's record, `skip` passes over batches after a rollback, `stability` names how the guard judges the
+  run, and `begin` sees the state the loop starts from.
+  """
+  objective = None  # the step builder's default loss for train.objective (lm, preference)
+  evaluates = True  # held-out loss at train.eval_every and at the end, on cfg.data's held-out split
+
+  def __init__(self, iterator, ramp: config_lib.BatchRamp, faults: faults_lib.Faults, batch_sharding):
+    self.iterator, self.ramp, self.faults, self.batch_sharding = iterator, ramp, faults, batch_sharding
+
+  def next(self, state, step: int, size: int) -> tuple[dict, dict]:
+    """The global batch of the step after `step` (a fault drill may poison it) and no host metrics."""
+    number = int(state.batches) + 1  # batches drawn so far, skipped ones included, plus this one
+    return global_batch(self.faults.batch(self.ramp.draw(self.iterator, size), number, step + 1),
+                        self.batch_sharding), {}
+
+  def skip(self, batches: int, step: int) -> None:
+    """Draws and drops `batches` batches, the first for the step after `step`."""
+    for i in range(batches):
+      self.ramp.draw(self.iterator, self.ramp.size(step + i))
+
+  @staticmethod
+  def stability(cfg) -> tuple[Any, tuple[str, ...]]:
+    """The guard's settings and the logged values it watches for spikes."""
+    return cfg.stability, ('loss', 'grad_norm')
+
+  def begin(self, r, state, resumed: bool) -> None:
+    """Nothing to prepare: the data position came back with the checkpoint."""
 
 
 @dataclasses.dataclass
@@ -59,8 +88,8 @@ class Run:
   log: metrics_lib.MetricsLogger
   acct: perf.TimeAccounting
   ramp: config_lib.BatchRamp
-  train_iter: Any
-  eval_data: list
+  source: Any  # DataSource, or rl.Rollouts
+  eval_data: list | None  # None: this run does not evaluate (an RL run without train.eval_every)
   ckpt: checkpoint_lib.Checkpointer
   guard: stability_lib.Guard
   faults: faults_lib.Faults
@@ -70,6 +99,11 @@ class Run:
   gen: Any = None  # train.gen_eval's prompts and cached human side (jaxlm/textgen.py), when on
   compiled: dict = dataclasses.field(default_factory=dict)
   stop: list = dataclasses.field(default_factory=list)  # names of the stop signals received
+
+  @property
+  def train_iter(self):
+    """The batch source's checkpointed position (the checkpoint's `data` item)."""
+    return self.source.iterator
 
   def step_for(self, size: int):
     """The train step compiled ahead of time for this batch size (one per ramp stage)."""
@@ -82,30 +116,69 @@ class Run:
     return self.compiled[size]
 
 
-def run(cfg, workdir: str) -> dict:
-  """Trains as `cfg` says, writing to `workdir`; returns the last logged metrics."""
+def run(cfg, workdir: str, source=None, devices=None) -> dict:
+  """Trains as `cfg` says, writing to `workdir`; returns the last logged metrics.
+
+  source: where batches come from (default: cfg.data, as DataSource); devices: the mesh's (default: all).
+  """
   with contextlib.ExitStack() as shutdown:
-    r = start(cfg, workdir, shutdown)
+    r = start(cfg, workdir, shutdown, source, devices)
     state = restore_or_init(r)
     return loop(r, state)
 
 
-def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
+def start(cfg, workdir: str, shutdown: contextlib.ExitStack, source=None, devices=None) -> Run:
   """Everything before the first step; each piece registers its own shutdown on `shutdown`."""
   acct = perf.TimeAccounting()  # wall time from process start: start-up counts against goodput
   t = cfg.train
   with acct.phase('devices, mesh'):  # the first JAX call starts the backend (CUDA, TPU runtime)
     cache = perf.enable_compilation_cache(cfg.log)  # asks the backend for its devices (CPU mesh: off)
-    mesh = sharding.make_mesh(cfg.mesh)
+    mesh = sharding.make_mesh(cfg.mesh, devices)
   primary = jax.process_index() == 0
   log = metrics_lib.MetricsLogger(workdir, cfg.log, total_steps=t.steps, is_primary=primary, config=cfg)
   shutdown.callback(_quietly, log.close)
   say = print if primary else (lambda *a, **k: None)  # the start-up report, from process 0 only
   with acct.track('compile'):  # model.remat=auto compiles its candidates ahead of time
     cfg = resolve_remat(cfg, mesh, say)
+  report_setup(cfg, mesh, cache, say)
+  with acct.phase('program'):
+    program, compiled = build_program(cfg, mesh, source)
+  report_program(program, cfg, mesh, say)
+  ramp = config_lib.BatchRamp(t, cfg.data.seq_len)
+  faults = faults_lib.Faults(cfg.faults, cfg.model.vocab_size, log.event)
+  source, eval_data = open_data(cfg, program, ramp, faults, source, acct, shutdown)
+  ckpt = checkpoint_lib.Checkpointer(rundir.path(workdir, rundir.CHECKPOINTS), cfg.checkpoint, log.event)
+  shutdown.callback(_quietly, ckpt.close)
+  profiler = perf.Profiler(cfg.log, workdir, is_primary=primary)
+  shutdown.callback(_quietly, profiler.stop)
+  shutdown.callback(distributed.disarm)
+  stability, watch = source.stability(cfg)
+  r = Run(cfg=cfg, workdir=workdir, mesh=mesh, program=program, log=log, acct=acct, ramp=ramp,
+          source=source, eval_data=eval_data, ckpt=ckpt, compiled=compiled,
+          guard=stability_lib.Guard(stability, log.event, log_every=t.log_every, watch=watch,
+                                    ledger=rundir.path(workdir, rundir.ROLLBACKS), writes_ledger=primary),
+          faults=faults, profiler=profiler,
+          slow=perf.SlowStepDetector(cfg.log.slow_step_factor, cfg.log.slow_step_count),
+          env=checkpoint_lib.environment(cfg, mesh))
+  if t.get('gen_eval') and eval_data is not None:  # prompts cut once from the held-out batches; human side cached
+    from jaxlm import textgen  # pylint: disable=g-import-not-at-top  # runs with gen_eval only
+    r.gen = textgen.GenEval(t, eval_data, data_lib.load_tokenizer(cfg.data, cfg.model.vocab_size),
+                            program.model.config, seq_len=cfg.data.seq_len, mesh=mesh)
+  # A checkpoint this config cannot resume is refused before the compile: seconds, not minutes on a large model.
+  ckpt.refuse_misfit(program.abstract_state, program.state_shardings, r.env.get('optimizer'))
+  compile_and_check(r, say)
+  # Preemption: SIGTERM / SIGINT let the current step finish, then a checkpoint is written before exit.
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    previous = signal.signal(sig, lambda signum, _: r.stop.append(signal.Signals(signum).name))
+    shutdown.callback(signal.signal, sig, previous)
+  return r
+
+
+def report_setup(cfg, mesh, cache, say) -> None:
+  """The resolved config, the mesh, reproducibility, the compilation cache, the attention kernel and experts."""
   say(f'config:\n{cfg}')
   say(f'mesh: {dict(mesh.shape)} on {mesh.size} {jax.devices()[0].device_kind} devices')
-  say(f'bit-reproducible: {reproducibility(t, jax.devices()[0].platform)}')
+  say(f'bit-reproducible: {reproducibility(cfg.train, jax.devices()[0].platform)}')
   if cfg.log.compilation_cache:
     say(f'compilation cache: {cache or perf.CPU_MESH_CACHE_OFF}')
   m = cfg.model  # which attention kernel runs, and why (deterministic mode rules cuDNN's out on a GPU)
@@ -113,68 +186,73 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
                                            seq_len=cfg.data.seq_len, context=mesh.shape.get('context', 1))[1])
   if experts := moe_lib.describe(m, mesh):  # expert parallelism: the transport that runs, and its buffers
     say(experts)
-  with acct.phase('program'):
-    program = step_lib.build_program(cfg, mesh)
-  active = model_lib.param_count(program.model.config, active=True)  # a mixture of experts: what MFU counts
-  say(f'parameters ({model_lib.param_count(program.model.config):,}'
-      + (f'; {active:,} active per token, which MFU counts' if program.model.config.moe_experts else '') + '):\n'
+
+
+def build_program(cfg, mesh, source) -> tuple[step_lib.Program, dict]:
+  """The program for the source's objective, and any train step already compiled for it ({batch size: step}).
+
+  A source may bring its own (RL reuses a compiled program across runs in one process: rl.program_for).
+  """
+  if source is not None and hasattr(source, 'program'):
+    program, compiled = source.program(cfg, mesh)
+    return program, {cfg.train.batch_size: compiled}
+  return step_lib.build_program(cfg, mesh, objective=getattr(source, 'objective', None)), {}
+
+
+def report_program(program: step_lib.Program, cfg, mesh, say) -> None:
+  """The parameter table (LoRA and pipeline layouts too); fails if parameters are not sharded as asked."""
+  m = program.model.config
+  active = model_lib.param_count(m, active=True)  # a mixture of experts: what MFU counts
+  say(f'parameters ({model_lib.param_count(m):,}'
+      + (f'; {active:,} active per token, which MFU counts' if m.moe_experts else '') + '):\n'
       + sharding.param_table(program.abstract_state.params, program.state_shardings.params))
-  if program.model.config.lora.rank:  # LoRA: what trains and what stays frozen, per device
+  if m.lora.rank:  # LoRA: what trains and what stays frozen, per device
     say(lora_report(program))
   sharding.check_sharded(program.abstract_state.params, program.state_shardings.params, mesh)
   if program.model.pipeline is not None:  # which layers on which stage, the schedule and its bubble
     say(pipeline_lib.describe(program.model.pipeline, cfg.model.num_layers))
     held = sharding.bytes_per_device(program.abstract_state.params, program.state_shardings.params)
     say(f'parameters per device: {perf.format_bytes(held)}')
-  ramp = config_lib.BatchRamp(t, cfg.data.seq_len)
+
+
+def open_data(cfg, program, ramp, faults, source, acct, shutdown) -> tuple[Any, list | None]:
+  """(the batch source, the held-out batches or None): cfg.data's unless a source is given.
+
+  Data before compiling: a bad dataset fails in seconds, not after a long compile. The iterator yields ramp units
+  (the first stage's size); a step draws size // unit of them, so its position stays exact.
+  """
+  t, vocab = cfg.train, cfg.model.vocab_size
   cached = preference_lib.reads_cached(t, cfg.preference)
   if cached:  # the batches carry the reference's log-probabilities: theirs, or refused
     for path in cfg.data.paths.split(','):
       preference_lib.check_cached(path.strip(), cfg.checkpoint.init_from)
-  # Data before compiling: a bad dataset fails in seconds, not after a long compile. The iterator yields ramp
-  # units (the first stage's size); a step draws size // unit of them, so its position stays exact.
-  vocab = cfg.model.vocab_size
   share, shares = sharding.row_share(program.batch_sharding)  # which rows this process reads
-  with acct.phase('data'):
-    train_iter = data_lib.make_train_iterator(cfg.data, batch_size=ramp.unit, seed=t.seed, vocab_size=vocab,
-                                              process_index=share, process_count=shares,
-                                              reference_logps=cached)
-  if hasattr(train_iter, 'close'):
-    shutdown.callback(_quietly, train_iter.close)  # stops Grain's worker processes (data.num_workers > 0)
+  if source is None:
+    with acct.phase('data'):
+      train_iter = data_lib.make_train_iterator(cfg.data, batch_size=ramp.unit, seed=t.seed, vocab_size=vocab,
+                                                process_index=share, process_count=shares,
+                                                reference_logps=cached)
+    if hasattr(train_iter, 'close'):
+      shutdown.callback(_quietly, train_iter.close)  # stops Grain's worker processes (data.num_workers > 0)
+    source = DataSource(train_iter, ramp, faults, program.batch_sharding)
+  if not (source.evaluates or t.eval_every):  # an RL run evaluates on held-out text only when asked to
+    return source, None
   with acct.phase('eval data'):
-    eval_data = data_lib.eval_batches(cfg.data, batch_size=t.batch_size, num_batches=t.eval_batches,
-                                      vocab_size=vocab, process_index=share, process_count=shares,
-                                      reference_logps=cached)
-  ckpt = checkpoint_lib.Checkpointer(rundir.path(workdir, rundir.CHECKPOINTS), cfg.checkpoint, log.event)
-  shutdown.callback(_quietly, ckpt.close)
-  profiler = perf.Profiler(cfg.log, workdir, is_primary=primary)
-  shutdown.callback(_quietly, profiler.stop)
-  shutdown.callback(distributed.disarm)
-  r = Run(cfg=cfg, workdir=workdir, mesh=mesh, program=program, log=log, acct=acct, ramp=ramp,
-          train_iter=train_iter, eval_data=eval_data, ckpt=ckpt,
-          guard=stability_lib.Guard(cfg.stability, log.event, log_every=t.log_every,
-                                    ledger=rundir.path(workdir, rundir.ROLLBACKS), writes_ledger=primary),
-          faults=faults_lib.Faults(cfg.faults, vocab, log.event), profiler=profiler,
-          slow=perf.SlowStepDetector(cfg.log.slow_step_factor, cfg.log.slow_step_count),
-          env=checkpoint_lib.environment(cfg, mesh))
-  if t.get('gen_eval'):  # prompts cut once from the held-out batches; the human side is cached
-    from jaxlm import textgen  # pylint: disable=g-import-not-at-top  # runs with gen_eval only
-    r.gen = textgen.GenEval(t, eval_data, data_lib.load_tokenizer(cfg.data, vocab), program.model.config,
-                            seq_len=cfg.data.seq_len, mesh=mesh)
-  # A checkpoint this config cannot resume is refused before the compile: seconds, not minutes on a large model.
-  ckpt.refuse_misfit(program.abstract_state, program.state_shardings, r.env.get('optimizer'))
-  with acct.phase('compile train step'):
+    return source, data_lib.eval_batches(cfg.data, batch_size=t.batch_size, num_batches=t.eval_batches,
+                                         vocab_size=vocab, process_index=share, process_count=shares,
+                                         reference_logps=cached)
+
+
+def compile_and_check(r: Run, say) -> None:
+  """Compiles the first stage's train step, reports its memory, and refuses (exit 2, the numbers and the cheapest
+  fix) a step that would not fit rather than die out of memory in it."""
+  t = r.cfg.train
+  with r.acct.phase('compile train step'):
     memory = perf.compiled_memory(r.step_for(t.batch_size))
-  say(f'compiled the train step in {acct.last_s:.1f}s; per device: {perf.format_memory(memory)}')
-  log.write(0, {**memory, **perf.device_memory_stats(), 'compile_s': acct.last_s}, kind='system')
-  # Refuse before step 0 (exit 2, the numbers and the cheapest fix) rather than die out of memory in it.
-  with acct.phase('pre-flight'):
-    preflight.check(cfg, r.step_for(t.batch_size), mesh.local_devices)
-  # Preemption: SIGTERM / SIGINT let the current step finish, then a checkpoint is written before exit.
-  for sig in (signal.SIGTERM, signal.SIGINT):
-    previous = signal.signal(sig, lambda signum, _: r.stop.append(signal.Signals(signum).name))
-    shutdown.callback(signal.signal, sig, previous)
-  return r
+  say(f'compiled the train step in {r.acct.last_s:.1f}s; per device: {perf.format_memory(memory)}')
+  r.log.write(0, {**memory, **perf.device_memory_stats(), 'compile_s': r.acct.last_s}, kind='system')
+  with r.acct.phase('pre-flight'):
+    preflight.check(r.cfg, r.step_for(t.batch_size), r.mesh.local_devices)
 
 
 def lora_report(program: step_lib.Program) -> str:
@@ -226,8 +304,17 @@ def restore_or_init(r: Run) -> step_lib.TrainState:
     r.acct.redo_steps(redone)
     r.log.event(start, 'resumed', f'resumed from checkpoint step {start} in {r.ckpt.directory}; '
                 f'{redone} logged steps after it will be redone', redo_steps=redone)
+    r.source.begin(r, state, resumed=True)
     return state
   r.guard.reset_ledger()
+  state = initial_state(r)
+  r.source.begin(r, state, resumed=False)
+  return state
+
+
+def initial_state(r: Run, say: bool = True) -> step_lib.TrainState:
+  """A fresh state, its parameters from checkpoint.init_from when set (a warm start: fresh optimizer, step 0)."""
+  program = r.program
   with r.acct.phase('init'):
     state = jax.block_until_ready(program.init())  # waited for, so its device time is not the first step's
   if init_from := r.cfg.checkpoint.init_from:
@@ -236,7 +323,7 @@ def restore_or_init(r: Run) -> step_lib.TrainState:
     state = state.replace(params=params)
     if program.copy_reference is not None:  # preference.reference=copy: the weights training starts from
       state = state.replace(reference=program.copy_reference(params))
-    if jax.process_index() == 0:
+    if say and jax.process_index() == 0:
       print(f'warm start: parameters from {init_from}, fresh optimizer at step 0')
   return state
 
@@ -257,7 +344,7 @@ def report_data_resume(r: Run, step: int, topology: dict) -> None:
 
 def loop(r: Run, state: step_lib.TrainState) -> dict:
   """`for step: batch -> train_step -> log / eval / save` until train.steps, a stop signal or an error."""
-  t, acct, program = r.cfg.train, r.acct, r.program
+  t, acct = r.cfg.train, r.acct
   window = Window()
   last, metrics, step = {}, None, int(state.step)
   if jax.process_index() == 0:
@@ -267,29 +354,27 @@ def loop(r: Run, state: step_lib.TrainState) -> dict:
   while step < t.steps:
     r.profiler.step(step, block_on=metrics)
     size = r.ramp.size(step)
-    with acct.track('data'):
-      number = int(state.batches) + 1  # batches drawn so far, skipped ones included, plus this one
-      batch = global_batch(r.faults.batch(r.ramp.draw(r.train_iter, size), number, step + 1),
-                           program.batch_sharding)
+    with acct.track('data'):  # an RL rollout's sampling counts in its own bucket, inside this one
+      batch, host = r.source.next(state, step, size)
     window.add(acct.last_s)
-    state = set_lr_scale(r, state, number, step)
+    state = set_lr_scale(r, state, int(state.batches) + 1, step)
     with acct.track('step'):
       state, metrics = r.step_for(size)(state, batch)
       jax.block_until_ready(metrics)  # step time is device time; the next batch is already prefetched
     step += 1
-    window.add(acct.last_s, tokens=size * r.cfg.data.seq_len)
+    window.add(acct.last_s, tokens=host.pop('step_tokens', size * r.cfg.data.seq_len))
     distributed.beat(step)  # the hung-peer watchdog
     if message := r.slow.update(step, acct.last_s):
       r.log.event(step, 'slow_step', message)
     if step % t.log_every == 0 or step == t.steps:
-      last = log_step(r, step, metrics, window, size, eta)
+      last = log_step(r, step, metrics, window, size, eta, host)
       if rollback := r.guard.observe(step, last):
         with acct.track('checkpoint'):
           state = roll_back(r, rollback)
         acct.redo_steps(step - int(state.step))
         step = int(state.step)
         continue
-    if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
+    if r.eval_data is not None and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
       last['eval_loss'] = evaluate_and_log(r, step, state)
     stopping = distributed.any_process(bool(r.stop))  # a signal to any process stops all after the same step
     with acct.track('checkpoint'):
@@ -297,14 +382,20 @@ def loop(r: Run, state: step_lib.TrainState) -> dict:
     if stopping:
       log_preempted(r, step)
       break
+  return shut_down(r, state, metrics, last)
+
+
+def shut_down(r: Run, state, metrics, last: dict) -> dict:
+  """The final save reaching storage, the last system record and the time table; a final save that failed
+  ends the run with exit 3 here, never a quiet 0."""
   distributed.disarm()  # the final save may take longer than a step
   r.profiler.stop(block_on=metrics)
-  with acct.track('final_save'):  # the last save reaching the disk (and its checksums): apart from the saves above
+  with r.acct.track('final_save'):  # the last save reaching the disk (and its checksums): apart from the saves above
     r.ckpt.close()
-  r.log.write(int(state.step), {**acct.summary(), **r.ckpt.stats()}, kind='system')
+  r.log.write(int(state.step), {**r.acct.summary(), **r.ckpt.stats()}, kind='system')
   if jax.process_index() == 0:
-    print(acct.table(), flush=True)
-  if error := r.ckpt.unsaved_error():  # the final (or preemption) save failed: exit 3, never a quiet 0
+    print(r.acct.table(), flush=True)
+  if error := r.ckpt.unsaved_error():  # the final (or preemption) save failed: the newest weights are lost
     raise error
   return last
 
@@ -327,13 +418,16 @@ class Window:
     return taken
 
 
-def log_step(r: Run, step: int, metrics: dict, window: Window, size: int, eta: perf.Eta | None = None) -> dict:
-  """One train record: the step's metrics, throughput and MFU over the window since the last record, and the ETA."""
+def log_step(r: Run, step: int, metrics: dict, window: Window, size: int, eta: perf.Eta | None = None,
+             host: dict | None = None) -> dict:
+  """One train record: the step's metrics (and the source's host metrics: an RL step's rewards), throughput and MFU
+  over the window since the last record, and the ETA."""
   seconds, steps, tokens = window.take()
   m, seq_len = r.program.model.config, r.cfg.data.seq_len
   tokens_per_s = tokens / seconds
   kind, devices = jax.devices()[0].device_kind, r.mesh.size
   values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+  values.update(host or {})
   values.update(tokens_per_s=tokens_per_s, step_time_s=seconds / steps, tokens=r.ramp.tokens(step),
                 batch_size=size,
                 mfu=perf.mfu(tokens_per_s, model_lib.flops_per_token(m, seq_len), devices, kind),
@@ -404,7 +498,8 @@ def log_preempted(r: Run, step: int) -> None:
 
 def set_lr_scale(r: Run, state, number: int, step: int):
   """The update multiplier for this step: a fault drill's, the post-rollback factor, or 1."""
-  lr_scale = r.faults.lr_scale(number) or r.guard.lr_scale(step)
+  drill = r.faults.lr_scale(number)  # a factor of 0 is a drill too (updates multiplied by 0)
+  lr_scale = drill if drill is not None else r.guard.lr_scale(step)
   if lr_scale == float(state.lr_scale):
     return state
   r.log.event(step + 1, 'lr_scale', f'learning rate multiplied by {lr_scale:g} from step {step + 1}'
@@ -435,8 +530,7 @@ def roll_back(r: Run, rollback: stability_lib.Rollback):
   skip = max(r.guard.rolled_back(to_step), rollback.decided_at - to_step)
   abandoned = r.ckpt.delete_after(to_step)  # saved on the bad trajectory: must never be resumed from
   first_skipped = int(state.batches) + 1
-  for i in range(skip):
-    r.ramp.draw(r.train_iter, r.ramp.size(to_step + i))
+  r.source.skip(skip, to_step)
   state = set_scalars(state, program, batches=int(state.batches) + skip)
   r.log.event(to_step, 'rollback',
               f'{rollback.reason}: restored checkpoint step {to_step} (before update {rollback.restore_before}, '
@@ -474,9 +568,15 @@ def _quietly(close, *args) -> None:
     pass
 
 
+def define_flags() -> None:
+  """The command's flags (only when run as a command: importing the trainer defines none)."""
+  config_flags.DEFINE_config_file('config', None, 'Config file, e.g. configs/palm_small.py.', lock_config=True)
+  flags.DEFINE_string('workdir', None, 'Run directory (checkpoints, metrics). Default: runs/<name>.')
+
+
 def main(argv):
   del argv
-  cfg = _CONFIG.value
+  cfg = flags.FLAGS.config
   set_deterministic(cfg.train)
   distributed.initialize(cfg.dist)  # first of all JAX calls: joins the job's other processes, if any
   if cfg.train.get('epochs'):  # train.steps follows from the dataset's size (data/pipeline.py)
@@ -486,7 +586,12 @@ def main(argv):
       print(f'train.epochs={cfg.train.epochs}: {rows:,} rows of {cfg.data.seq_len} tokens per epoch, batch '
             f'{cfg.train.batch_size} -> train.steps={cfg.train.steps}', flush=True)
   config_lib.validate(cfg, jax.device_count(), sharding.num_processes(), sharding.num_slices())
-  workdir = _WORKDIR.value or os.path.join('runs', cfg.name)
+  run(cfg, make_workdir(flags.FLAGS.workdir, cfg))
+
+
+def make_workdir(flag: str | None, cfg) -> str:
+  """--workdir (default runs/<name>), created; a bucket is checked first (endpoint, credentials, bucket)."""
+  workdir = flag or os.path.join('runs', cfg.name)
   if storage.is_url(workdir):
     workdir = storage.normalize(workdir)
     storage.check(workdir)  # a wrong endpoint, missing credentials or bucket: one line, exit 3, in seconds
@@ -496,7 +601,7 @@ def main(argv):
     storage.makedirs(workdir)
   except OSError as e:
     raise metrics_lib.storage_error(workdir, e) from e
-  run(cfg, workdir)
+  return workdir
 
 
 def console() -> None:
@@ -508,7 +613,7 @@ def console() -> None:
     except errors.JaxlmError as e:
       cli.fail(e)
   cli.run_watched()
-  cli.run(main, required=('config',))
+  cli.run(main, define=define_flags, required=('config',))
 
 
 if __name__ == '__main__':

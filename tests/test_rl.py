@@ -259,17 +259,19 @@ def test_lora_kl_reference_is_the_base_with_adapters_off(tmp_path):
   base's after the adapters have moved."""
   import contextlib
   from jaxlm import model as model_lib
+  from jaxlm import train
   cfg = lora_config(beta=0.04)
   cfg.rl.prompts = prompts_file(tmp_path)
   assert rl.reference_kind(cfg) == 'base' and rl.reference_kind(one_device(tiny_config(beta=0.04))) == 'copy'
   with contextlib.ExitStack() as shutdown:
-    r = rl.start(cfg, str(tmp_path), [('match', match)], shutdown, tokenizer=Words(), devices=jax.devices()[:1])
-    state = rl.restore_or_init(r)
-    assert r.reference is None  # no second copy of the parameters
+    source = rl.Rollouts(cfg, [('match', match)], tokenizer=Words())
+    r = train.start(cfg, str(tmp_path), shutdown, source=source, devices=jax.devices()[:1])
+    state = train.restore_or_init(r)
+    assert source.reference is None  # no second copy of the parameters
     start = jax.device_get(state.params)
     kls = []
     for step in range(4):
-      batch, _ = rl.rollout(r, state, step)
+      batch, _ = source.next(state, step, cfg.train.batch_size)
       base = np.asarray(r.program.score(model_lib.adapters_off(start), batch))
       np.testing.assert_array_equal(np.asarray(batch['ref_logps']), base)  # the starting base, bitwise
       policy = np.asarray(r.program.score(state.params, batch))
@@ -278,11 +280,34 @@ def test_lora_kl_reference_is_the_base_with_adapters_off(tmp_path):
         np.testing.assert_array_equal(policy, base)  # adapters at B = 0: the policy is its base
       elif step >= 2:  # (step 0's update is at lr 0: the warm-up starts there)
         assert np.abs(policy - base)[mask].max() > 1e-4  # the adapters moved; the reference did not
-      state, metrics = r.train_step(state, batch)
+      state, metrics = r.step_for(cfg.train.batch_size)(state, batch)
       kls.append(float(metrics['kl']))
   assert kls[0] == 0.0 and kls[-1] > 1e-3, kls  # exactly 0 while the policy is its base
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), model_lib.split_adapters(start)[0],
                model_lib.split_adapters(jax.device_get(state.params))[0])
+
+
+def test_an_rl_run_evaluates_held_out_text_in_the_one_loop(tmp_path):
+  """train.eval_every on an RL run: the trainer's loop scores held-out text at its cadence and counts the time as
+  evaluation, as for any objective (RL's former loop of its own had no evaluation)."""
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  words = Tokenizer(models.WordLevel({'<|endoftext|>': 0, **{f'w{i}': i for i in range(1, VOCAB)}},
+                                     unk_token='<|endoftext|>'))
+  words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  words.save(str(tmp_path / 'tokenizer.json'))
+  rng = np.random.default_rng(0)
+  held_out = tmp_path / 'held_out.jsonl'
+  held_out.write_text(''.join(json.dumps({'text': ' '.join(f'w{i}' for i in rng.integers(1, VOCAB, 40))}) + '\n'
+                              for _ in range(8)))
+  cfg = one_device(tiny_config())
+  cfg.train.update(steps=10, eval_every=5, eval_batches=1)
+  cfg.data.update(source='stream', paths=str(held_out), eval_paths=str(held_out), tokenizer=str(tmp_path / 'tokenizer.json'))
+  rl_run(cfg, tmp_path / 'run')
+  records = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
+  evals = [r for r in records if r.get('kind') == 'eval']
+  assert [r['step'] for r in evals] == [5, 10], evals
+  assert all(np.isfinite(r['eval_loss']) for r in evals) and evals[0]['eval_loss'] != evals[1]['eval_loss']
+  assert [r for r in records if r.get('kind') == 'system'][-1]['eval_s'] > 0  # goodput: evaluation time
 
 
 @pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
