@@ -124,52 +124,6 @@ def _shard_task(out: str, split: str, index: int, pieces: list, reading: plan_li
   return _write_shard(out, split, index, docs, dtype), True, where
 
 
-def _encode_pairs(records: list) -> tuple[list, collections.Counter]:
-  """The stored preference pairs of one shard's records (each whole, or skipped), and counts of what was skipped."""
-  template, max_tokens, _, _ = _WORKER_CHAT
-  out, counts = [], collections.Counter()
-  for record in records:
-    try:
-      chosen, rejected = chat_lib.encode_pair(_WORKER_TOKENIZER, template, record)
-    except chat_lib.BadRecord as e:
-      counts[f'bad_{e.reason}'] += 1
-      continue
-    positions = len(chosen[0]) - 1 + len(rejected[0]) - 1
-    if max_tokens and positions > max_tokens - 1:  # a pair is packed as one unit: both sides in one row
-      counts['dropped_too_long'] += 1
-      continue
-    counts['kept'] += 1
-    counts['longest'] = max(counts['longest'], positions)
-    counts['weighted_tokens'] += int(chosen[1].sum() + rejected[1].sum())
-    out.append((chosen, rejected))
-  return out, counts
-
-
-def _encode_chat(records: list) -> tuple[list[bytes], collections.Counter]:
-  """The stored conversations of one shard's records, and counts of what was cut or skipped."""
-  template, max_tokens, empty_think, pairs = _WORKER_CHAT
-  if pairs:
-    return _encode_pairs(records)
-  out, counts = [], collections.Counter()
-  for record in records:
-    try:
-      ids, weights, turn_ends = chat_lib.encode(_WORKER_TOKENIZER, template, chat_lib.messages_of(record),
-                                                empty_think=empty_think)
-    except chat_lib.BadRecord as e:
-      counts[f'bad_{e.reason}'] += 1
-      continue
-    fitted = chat_lib.fit(ids, weights, turn_ends, max_tokens) if max_tokens else (ids, weights, 'kept')
-    if fitted is None:
-      counts['dropped_too_long'] += 1
-      continue
-    ids, weights, what = fitted
-    counts[what] += 1
-    counts['longest'] = max(counts['longest'], len(ids))
-    counts['weighted_tokens'] += int(weights.sum())
-    out.append((ids, weights))
-  return out, counts
-
-
 def _shard_name(split: str, index: int) -> str:
   return f'{split}-{index:05d}{SHARD_SUFFIX}'
 
@@ -185,17 +139,8 @@ def _write_shard(out: str, split: str, index: int, texts: list[str], dtype: str)
     ids = _WORKER_TOKENIZER.encode_documents(texts)
     records = [np.asarray(doc, dtype=dtype).tobytes() for doc in ids]
     size = sum(len(t.encode()) for t in texts)
-  elif _WORKER_CHAT[3]:  # preference pairs: both sides of a pair in one record
-    pairs, counts = _encode_chat(texts)
-    records = [chat_lib.to_pair_record(c, r, dtype) for c, r in pairs]
-    ids = [np.concatenate([c[0], r[0]]) for c, r in pairs]
-    chat = dict(sorted(counts.items()))
-    size = sum(len(json.dumps(t)) for t in texts)
-  else:  # texts are chat records: stored as ids then one uint8 loss weight per token
-    ids, counts = _encode_chat(texts)
-    records = [chat_lib.to_record(i, w, dtype) for i, w in ids]
-    ids = [i for i, _ in ids]
-    chat = dict(sorted(counts.items()))
+  else:  # texts are chat records: conversations, or preference pairs (chat.encode_shard)
+    records, ids, chat = chat_lib.encode_shard(_WORKER_TOKENIZER, texts, _WORKER_CHAT, dtype)
     size = sum(len(json.dumps(t)) for t in texts)
   writer = array_record_module.ArrayRecordWriter(tmp, ARRAY_RECORD_OPTIONS)
   for record in records:
