@@ -17,6 +17,7 @@ the last). An empty `<think></think>` block the template writes before an answer
 `empty_think='train'`. A template that does not write an assistant's content makes the record bad.
 """
 
+import collections
 import contextvars
 import datetime
 import functools
@@ -301,6 +302,29 @@ def record_tokens(record_bytes: int, dtype: str) -> int:
   return record_bytes // (np.dtype(dtype).itemsize + 1)
 
 
+def encode_conversations(tokenizer, template: str, records: list, *, max_tokens: int,
+                         empty_think: str) -> tuple[list, collections.Counter]:
+  """The (ids, weights) of one shard's conversation records, each cut at a turn end to fit `max_tokens` (0 = kept
+  whole) or dropped, and counts of what was kept, cut or skipped."""
+  out, counts = [], collections.Counter()
+  for record in records:
+    try:
+      ids, weights, turn_ends = encode(tokenizer, template, messages_of(record), empty_think=empty_think)
+    except BadRecord as e:
+      counts[f'bad_{e.reason}'] += 1
+      continue
+    fitted = fit(ids, weights, turn_ends, max_tokens) if max_tokens else (ids, weights, 'kept')
+    if fitted is None:
+      counts['dropped_too_long'] += 1
+      continue
+    ids, weights, what = fitted
+    counts[what] += 1
+    counts['longest'] = max(counts['longest'], len(ids))
+    counts['weighted_tokens'] += int(weights.sum())
+    out.append((ids, weights))
+  return out, counts
+
+
 # Preference pairs (prepare --format=preference): TRL's two dataset shapes, each side rendered whole.
 
 
@@ -390,3 +414,40 @@ def pair_positions(record_bytes: bytes, dtype: str) -> int:
   """Row positions a stored pair fills: (chosen ids - 1) + (rejected ids - 1)."""
   (c, _), (r, _) = from_pair_record(record_bytes, dtype)
   return len(c) - 1 + len(r) - 1
+
+
+def encode_pairs(tokenizer, template: str, records: list, *, max_tokens: int) -> tuple[list, collections.Counter]:
+  """The (chosen, rejected) sides of one shard's preference records, each pair whole or dropped (both sides are
+  packed in one row of `max_tokens` ids, 0 = any length), and counts of what was kept or skipped."""
+  out, counts = [], collections.Counter()
+  for record in records:
+    try:
+      chosen, rejected = encode_pair(tokenizer, template, record)
+    except BadRecord as e:
+      counts[f'bad_{e.reason}'] += 1
+      continue
+    positions = len(chosen[0]) - 1 + len(rejected[0]) - 1
+    if max_tokens and positions > max_tokens - 1:  # a pair is packed as one unit: both sides in one row
+      counts['dropped_too_long'] += 1
+      continue
+    counts['kept'] += 1
+    counts['longest'] = max(counts['longest'], positions)
+    counts['weighted_tokens'] += int(chosen[1].sum() + rejected[1].sum())
+    out.append((chosen, rejected))
+  return out, counts
+
+
+def encode_shard(tokenizer, records: list, settings: tuple, dtype: str) -> tuple[list[bytes], list, dict]:
+  """prepare --format=chat|preference: one shard's jsonl records → (stored records, the ids of each, counts of
+  what was kept, cut or skipped). settings: (template, most ids a record may keep or 0, empty_think, pairs?)."""
+  template, max_tokens, empty_think, pairs = settings
+  if pairs:  # preference pairs: both sides of a pair in one record
+    encoded, counts = encode_pairs(tokenizer, template, records, max_tokens=max_tokens)
+    stored = [to_pair_record(c, r, dtype) for c, r in encoded]
+    ids = [np.concatenate([c[0], r[0]]) for c, r in encoded]
+  else:  # conversations: stored as ids then one uint8 loss weight per token
+    encoded, counts = encode_conversations(tokenizer, template, records, max_tokens=max_tokens,
+                                           empty_think=empty_think)
+    stored = [to_record(i, w, dtype) for i, w in encoded]
+    ids = [i for i, _ in encoded]
+  return stored, ids, dict(sorted(counts.items()))

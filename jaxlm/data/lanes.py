@@ -341,3 +341,79 @@ def open_lanes(data_cfg, *, seed: int, lanes: int, vocab_size: int, paths: str |
   if chat:  # what a chat row holds depends on the template too
     fp['chat'] = [hashlib.sha256(chat[0].encode()).hexdigest()[:16], chat[1]]
   return result, fp
+
+
+class StreamIterator(stream_lib.BatchIterator):
+  """data.source=stream: this process's rows of each global batch, from the lanes it holds.
+
+  Its state: the global row, and the cursors of this process's lanes; the checkpoint joins every process's
+  cursors (checkpoint._read_data), so a resume on any process count finds each lane's cursor.
+  """
+
+  def __init__(self, lanes: Lanes, fp: dict, *, unit: int, process_index: int, process_count: int):
+    super().__init__(fp, unit=unit, process_index=process_index, process_count=process_count)
+    self.lanes = lanes
+    self.cursors: dict = {}  # lane -> cursor, where the lanes start (restored ones)
+
+  def _local(self, size: int) -> LocalRows:
+    return LocalRows(self.lanes, start=self.rows, size=size, process_index=self.process_index,
+                     process_count=self.process_count, cursors=self.cursors)
+
+  def _start(self, size: int) -> None:
+    if self._it is not None:
+      if self.process_count > 1 and self._local(size).owned() != self._local(self._size).owned():
+        raise DataError(f'data.source=stream: a batch of {size} rows moves lanes between processes (from batches '
+                        f'of {self._size}); with several processes keep one batch size (no train.batch_ramp)')
+      self.cursors.update(self._it.get_state())
+    self._stop()
+    ds = self._local(size).batch(size // self.process_count, drop_remainder=True)
+    self._it, self._size = iter(ds), size
+
+  def epoch(self) -> float | None:
+    return None
+
+  def take(self, size: int) -> dict:
+    self._ready_for(size)
+    batch = next(self._it)
+    self.rows += size
+    return batch
+
+  def get_state(self) -> dict:
+    if self._it is not None:
+      lanes = self._it.get_state()
+    else:
+      owned = self._local(self.unit).owned()
+      lanes = {str(j): self.cursors.get(str(j), initial_state(self.lanes)) for j in owned}
+    return {'format': stream_lib.STATE_FORMAT, 'rows': self.rows, 'tokens': self.rows * self.lanes.seq_len,
+            'fields': {**self.fingerprint, **self.expected}, 'topology': self.topology, 'lanes': lanes}
+
+  def set_state(self, state: dict) -> None:
+    """Continues every lane at its saved cursor; refuses (DataError) what cannot continue exactly."""
+    self._stop()
+    self.notes, self.restored = [], state
+    saved, now = state.get('fields', {}), {**self.fingerprint, **self.expected}
+    changed = [f for f in now if f in saved and saved[f] != now[f]]
+    for field in changed:
+      self._changed(field, saved[field], now[field], 'the lanes start again from their first unit')
+    if changed or 'lanes' not in state:
+      self.rows, self.cursors = 0, {}
+      self.notes.append('the stream starts again at row 0 (documents seen before are repeated)')
+      return
+    self.rows, self.cursors = int(state['rows']), dict(state['lanes'])
+    missing = [j for j in self._local(self.unit).owned() if str(j) not in self.cursors]
+    if missing:
+      raise DataError(f'the checkpoint\'s data position has no cursor for lanes {missing[:8]}: not every process '
+                      f'saved its lanes; resume from an older checkpoint')
+
+
+def eval_batches(data_cfg, *, batch_size: int, num_batches: int, vocab_size: int, local: int,
+                 process_index: int) -> list[dict]:
+  """data.source=stream: data.eval_paths (held-out files) packed in order by one lane, cycled if short."""
+  if not data_cfg.get('eval_paths'):
+    raise DataError('data.source=stream has no held-out split: set data.eval_paths to held-out files (kept out '
+                    'of data.paths)')
+  lanes, _ = open_lanes(data_cfg, seed=0, lanes=1, vocab_size=vocab_size, paths=data_cfg.eval_paths, shuffle=False)
+  it = LaneIterator(lanes, 0)
+  rows = [next(it) for _ in range(batch_size * num_batches)]
+  return [{k: np.stack([r[k] for r in rows[b * batch_size:(b + 1) * batch_size]])[
+      process_index * local:(process_index + 1) * local] for k in rows[0]} for b in range(num_batches)]

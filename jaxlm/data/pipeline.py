@@ -7,6 +7,7 @@ Training reads one global stream (jaxlm/data/stream.py), the same on any number 
   → mixture by row (data.paths, data.weights)      mixture row k's dataset is a function of k
   → global batch = the next S rows                 process p keeps rows [p·S/P, (p+1)·S/P) of it
 Per process: MapDataset.source(its rows) → to_iter_dataset → batch(S // P) → mp_prefetch(num_workers).
+data.source=stream reads raw files instead, through the lanes of jaxlm/data/lanes.py and their iterator there.
 
 The document separator: each document contributes [EOS, d1, ..., dn] to the inputs and [d1, ..., dn, EOS] to
 the targets, so a packed row reads `... an EOS b1 b2 ...` with exactly one EOS between documents, every token of a
@@ -365,7 +366,8 @@ def make_train_iterator(data_cfg, *, batch_size: int, seed: int, vocab_size: int
   if data_cfg.source == 'stream':
     lanes, fp = lanes_lib.open_lanes(data_cfg, seed=seed, lanes=data_cfg.get('stream_lanes') or batch_size,
                                      vocab_size=vocab_size)
-    return StreamIterator(lanes, fp, unit=batch_size, process_index=process_index, process_count=process_count)
+    return lanes_lib.StreamIterator(lanes, fp, unit=batch_size, process_index=process_index,
+                                    process_count=process_count)
   rows, fp = make_train_rows(data_cfg, seed=seed, vocab_size=vocab_size, num_epochs=num_epochs,
                              reference_logps=reference_logps)
   it = TrainIterator(rows, fp, unit=batch_size, process_index=process_index, process_count=process_count,
@@ -376,7 +378,7 @@ def make_train_iterator(data_cfg, *, batch_size: int, seed: int, vocab_size: int
   return it
 
 
-class TrainIterator(grain.DatasetIterator):
+class TrainIterator(stream_lib.BatchIterator):
   """This process's rows of each global batch, read ahead by a Grain pipeline; its state is one row counter.
 
   The pipeline: MapDataset.source(this process's rows of batches of `size` rows from the current position)
@@ -386,23 +388,9 @@ class TrainIterator(grain.DatasetIterator):
 
   def __init__(self, rows: stream_lib.Rows, fp: dict, *, unit: int, process_index: int, process_count: int,
                num_workers: int = 0, prefetch: int = 2):
-    super().__init__()
-    self.rows_source, self.fingerprint = rows, fp
-    self.unit, self.process_index, self.process_count = unit, process_index, process_count
+    super().__init__(fp, unit=unit, process_index=process_index, process_count=process_count)
+    self.rows_source = rows
     self.num_workers, self.prefetch = num_workers, prefetch
-    self.rows = 0  # global rows drawn so far (every process the same)
-    self.topology = {'processes': process_count}
-    self.expected: dict = {}  # train.batch_size / train.batch_ramp, set by the trainer (see `expect`)
-    self.allow_change = False
-    self.notes: list[str] = []  # what a resume with allowed data changes skipped or repeated
-    self.restored: dict | None = None  # the state last set
-    self._it, self._size = None, None
-
-  def expect(self, *, allow_change: bool = False, topology: dict | None = None, **fields) -> None:
-    """Run fields saved with the position and checked on restore (e.g. train.batch_size), and this topology."""
-    self.expected.update(fields)
-    self.topology.update(topology or {})
-    self.allow_change = allow_change
 
   def _start(self, size: int) -> None:
     self._stop()
@@ -426,23 +414,10 @@ class TrainIterator(grain.DatasetIterator):
                                                        per_worker_buffer_size=max(self.prefetch, 1)))
     self._it, self._size = iter(ds), size
 
-  def _stop(self) -> None:
-    if self._it is not None and hasattr(self._it, 'close'):
-      self._it.close()
-    self._it, self._size = None, None
-
   def epoch(self) -> float | None:
     """Passes over the dataset drawn so far (None for a mixture): the progress line's epoch."""
     per_epoch = self.rows_source.rows_per_epoch
     return None if not per_epoch else self.rows / per_epoch
-
-  def _ready_for(self, size: int) -> None:
-    """Checks that `size` rows split over the processes and (re)starts the iterator for that batch size."""
-    if size % self.process_count:
-      raise DataError(f'a batch of {size} rows does not split over {self.process_count} processes; use a '
-                      f'multiple of {self.process_count}.')
-    if size != self._size:
-      self._start(size)
 
   def take(self, size: int) -> dict:
     """This process's rows of the next global batch of `size` rows."""
@@ -459,9 +434,6 @@ class TrainIterator(grain.DatasetIterator):
                       f'again (it rewrites only missing shards), then the same command to resume') from e
     self.rows += size
     return batch
-
-  def __next__(self) -> dict:
-    return self.take(self.unit)
 
   def get_state(self) -> dict:
     return {'format': stream_lib.STATE_FORMAT, 'rows': self.rows, 'tokens': self.rows * self.rows_source.seq_len,
@@ -490,81 +462,6 @@ class TrainIterator(grain.DatasetIterator):
       self.notes.append(f'continuing at global row {self.rows} (token {self.rows * seq_len:,}; the checkpoint '
                         f'was at token {rows * old_seq_len:,})')
 
-  def _changed(self, field: str, old, new, effect: str) -> None:
-    if not self.allow_change:
-      fix = f'set --config.{field}={old}' if field.startswith(('data.', 'train.')) and not isinstance(old, list) \
-          else 'use the original data'
-      raise DataError(f'cannot resume exactly: {field} was {_short(old)} when the checkpoint was written, now '
-                      f'{_short(new)}. Fix: {fix}, or start a new --workdir, or pass '
-                      f'--config.checkpoint.allow_data_change=True to continue ({effect}).')
-    self.notes.append(f'{field} changed from {_short(old)} to {_short(new)}: {effect}')
-
-  def close(self) -> None:
-    self._stop()
-
-
-class StreamIterator(TrainIterator):
-  """data.source=stream: this process's rows of each global batch, from the lanes it holds (jaxlm/data/lanes.py).
-
-  Its state: the global row, and the cursors of this process's lanes; the checkpoint joins every process's
-  cursors (checkpoint._read_data), so a resume on any process count finds each lane's cursor.
-  """
-
-  def __init__(self, lanes: lanes_lib.Lanes, fp: dict, *, unit: int, process_index: int, process_count: int):
-    super().__init__(None, fp, unit=unit, process_index=process_index, process_count=process_count)
-    self.lanes = lanes
-    self.cursors: dict = {}  # lane -> cursor, where the lanes start (restored ones)
-
-  def _local(self, size: int) -> lanes_lib.LocalRows:
-    return lanes_lib.LocalRows(self.lanes, start=self.rows, size=size, process_index=self.process_index,
-                               process_count=self.process_count, cursors=self.cursors)
-
-  def _start(self, size: int) -> None:
-    if self._it is not None:
-      if self.process_count > 1 and self._local(size).owned() != self._local(self._size).owned():
-        raise DataError(f'data.source=stream: a batch of {size} rows moves lanes between processes (from batches '
-                        f'of {self._size}); with several processes keep one batch size (no train.batch_ramp)')
-      self.cursors.update(self._it.get_state())
-    self._stop()
-    ds = self._local(size).batch(size // self.process_count, drop_remainder=True)
-    self._it, self._size = iter(ds), size
-
-  def epoch(self) -> float | None:
-    return None
-
-  def take(self, size: int) -> dict:
-    self._ready_for(size)
-    batch = next(self._it)
-    self.rows += size
-    return batch
-
-  def get_state(self) -> dict:
-    if self._it is not None:
-      lanes = self._it.get_state()
-    else:
-      owned = self._local(self.unit).owned()
-      lanes = {str(j): self.cursors.get(str(j), lanes_lib.initial_state(self.lanes)) for j in owned}
-    return {'format': stream_lib.STATE_FORMAT, 'rows': self.rows, 'tokens': self.rows * self.lanes.seq_len,
-            'fields': {**self.fingerprint, **self.expected}, 'topology': self.topology, 'lanes': lanes}
-
-  def set_state(self, state: dict) -> None:
-    """Continues every lane at its saved cursor; refuses (DataError) what cannot continue exactly."""
-    self._stop()
-    self.notes, self.restored = [], state
-    saved, now = state.get('fields', {}), {**self.fingerprint, **self.expected}
-    changed = [f for f in now if f in saved and saved[f] != now[f]]
-    for field in changed:
-      self._changed(field, saved[field], now[field], 'the lanes start again from their first unit')
-    if changed or 'lanes' not in state:
-      self.rows, self.cursors = 0, {}
-      self.notes.append('the stream starts again at row 0 (documents seen before are repeated)')
-      return
-    self.rows, self.cursors = int(state['rows']), dict(state['lanes'])
-    missing = [j for j in self._local(self.unit).owned() if str(j) not in self.cursors]
-    if missing:
-      raise DataError(f'the checkpoint\'s data position has no cursor for lanes {missing[:8]}: not every process '
-                      f'saved its lanes; resume from an older checkpoint')
-
 
 _CHANGE_EFFECT = {
     'data.seq_len': 'rows are re-cut at the same token position; at most one row is skipped',
@@ -573,11 +470,6 @@ _CHANGE_EFFECT = {
     'data.paths': 'the new stream is entered at the saved row: its rows before it are skipped, and documents '
                   'trained on before may be repeated',
 }
-
-
-def _short(value) -> str:
-  text = json.dumps(value) if not isinstance(value, str) else repr(value)
-  return text if len(text) <= 80 else text[:77] + '...'
 
 
 def eval_batches(data_cfg, *, batch_size: int, num_batches: int, vocab_size: int, process_index: int | None = None,
@@ -589,8 +481,8 @@ def eval_batches(data_cfg, *, batch_size: int, num_batches: int, vocab_size: int
   process_index, process_count = _process(process_index, process_count)
   local = _local_batch(batch_size, process_count)
   if data_cfg.source == 'stream':
-    return _stream_eval_batches(data_cfg, batch_size=batch_size, num_batches=num_batches, vocab_size=vocab_size,
-                                local=local, process_index=process_index)
+    return lanes_lib.eval_batches(data_cfg, batch_size=batch_size, num_batches=num_batches, vocab_size=vocab_size,
+                                  local=local, process_index=process_index)
   prepared = _open_all(data_cfg, vocab_size)
 
   if is_chat(prepared):  # held-out conversations packed in order; the loss is over assistant tokens only
@@ -626,17 +518,3 @@ def eval_batches(data_cfg, *, batch_size: int, num_batches: int, vocab_size: int
                     num_batches)
     out = batches(cycle=True)
   return out
-
-
-def _stream_eval_batches(data_cfg, *, batch_size: int, num_batches: int, vocab_size: int, local: int,
-                         process_index: int) -> list[dict]:
-  """data.source=stream: data.eval_paths (held-out files) packed in order by one lane, cycled if short."""
-  if not data_cfg.get('eval_paths'):
-    raise DataError('data.source=stream has no held-out split: set data.eval_paths to held-out files (kept out '
-                    'of data.paths)')
-  lanes, _ = lanes_lib.open_lanes(data_cfg, seed=0, lanes=1, vocab_size=vocab_size, paths=data_cfg.eval_paths,
-                                  shuffle=False)
-  it = lanes_lib.LaneIterator(lanes, 0)
-  rows = [next(it) for _ in range(batch_size * num_batches)]
-  return [{k: np.stack([r[k] for r in rows[b * batch_size:(b + 1) * batch_size]])[
-      process_index * local:(process_index + 1) * local] for k in rows[0]} for b in range(num_batches)]

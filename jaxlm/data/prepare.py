@@ -124,52 +124,6 @@ def _shard_task(out: str, split: str, index: int, pieces: list, reading: plan_li
   return _write_shard(out, split, index, docs, dtype), True, where
 
 
-def _encode_pairs(records: list) -> tuple[list, collections.Counter]:
-  """The stored preference pairs of one shard's records (each whole, or skipped), and counts of what was skipped."""
-  template, max_tokens, _, _ = _WORKER_CHAT
-  out, counts = [], collections.Counter()
-  for record in records:
-    try:
-      chosen, rejected = chat_lib.encode_pair(_WORKER_TOKENIZER, template, record)
-    except chat_lib.BadRecord as e:
-      counts[f'bad_{e.reason}'] += 1
-      continue
-    positions = len(chosen[0]) - 1 + len(rejected[0]) - 1
-    if max_tokens and positions > max_tokens - 1:  # a pair is packed as one unit: both sides in one row
-      counts['dropped_too_long'] += 1
-      continue
-    counts['kept'] += 1
-    counts['longest'] = max(counts['longest'], positions)
-    counts['weighted_tokens'] += int(chosen[1].sum() + rejected[1].sum())
-    out.append((chosen, rejected))
-  return out, counts
-
-
-def _encode_chat(records: list) -> tuple[list[bytes], collections.Counter]:
-  """The stored conversations of one shard's records, and counts of what was cut or skipped."""
-  template, max_tokens, empty_think, pairs = _WORKER_CHAT
-  if pairs:
-    return _encode_pairs(records)
-  out, counts = [], collections.Counter()
-  for record in records:
-    try:
-      ids, weights, turn_ends = chat_lib.encode(_WORKER_TOKENIZER, template, chat_lib.messages_of(record),
-                                                empty_think=empty_think)
-    except chat_lib.BadRecord as e:
-      counts[f'bad_{e.reason}'] += 1
-      continue
-    fitted = chat_lib.fit(ids, weights, turn_ends, max_tokens) if max_tokens else (ids, weights, 'kept')
-    if fitted is None:
-      counts['dropped_too_long'] += 1
-      continue
-    ids, weights, what = fitted
-    counts[what] += 1
-    counts['longest'] = max(counts['longest'], len(ids))
-    counts['weighted_tokens'] += int(weights.sum())
-    out.append((ids, weights))
-  return out, counts
-
-
 def _shard_name(split: str, index: int) -> str:
   return f'{split}-{index:05d}{SHARD_SUFFIX}'
 
@@ -185,17 +139,8 @@ def _write_shard(out: str, split: str, index: int, texts: list[str], dtype: str)
     ids = _WORKER_TOKENIZER.encode_documents(texts)
     records = [np.asarray(doc, dtype=dtype).tobytes() for doc in ids]
     size = sum(len(t.encode()) for t in texts)
-  elif _WORKER_CHAT[3]:  # preference pairs: both sides of a pair in one record
-    pairs, counts = _encode_chat(texts)
-    records = [chat_lib.to_pair_record(c, r, dtype) for c, r in pairs]
-    ids = [np.concatenate([c[0], r[0]]) for c, r in pairs]
-    chat = dict(sorted(counts.items()))
-    size = sum(len(json.dumps(t)) for t in texts)
-  else:  # texts are chat records: stored as ids then one uint8 loss weight per token
-    ids, counts = _encode_chat(texts)
-    records = [chat_lib.to_record(i, w, dtype) for i, w in ids]
-    ids = [i for i, _ in ids]
-    chat = dict(sorted(counts.items()))
+  else:  # texts are chat records: conversations, or preference pairs (chat.encode_shard)
+    records, ids, chat = chat_lib.encode_shard(_WORKER_TOKENIZER, texts, _WORKER_CHAT, dtype)
     size = sum(len(json.dumps(t)) for t in texts)
   writer = array_record_module.ArrayRecordWriter(tmp, ARRAY_RECORD_OPTIONS)
   for record in records:
@@ -322,6 +267,42 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
   `engine` (local: this process or a pool of `workers`; ray: tasks on the cluster at `ray_address`) and
   `block_bytes` (the size of jsonl ranges) change where the work runs, never the bytes written.
   """
+  tokenizer = _check_settings(tokenizer, engine=engine, tokenizer_kind=tokenizer_kind, data_format=data_format,
+                              empty_think=empty_think, seq_len=seq_len, txt_docs=txt_docs, model_type=model_type,
+                              eval_fraction=eval_fraction, shard_docs=shard_docs)
+  start = time.time()
+  os.makedirs(out, exist_ok=True)
+  settings = _plan(sources, vocab_size=vocab_size, model_type=model_type,
+                   tokenizer_sha=tokenizer_lib.file_sha256(tokenizer) if tokenizer else None,
+                   text_field=text_field, txt_docs=txt_docs, eval_fraction=eval_fraction, shard_docs=shard_docs,
+                   sample_mb=sample_mb, max_sentences=max_sentences, seed=seed, tokenizer_kind=tokenizer_kind,
+                   separator=separator, data_format=data_format, chat_template=chat_template, seq_len=seq_len,
+                   empty_think=empty_think)
+  _start_or_resume(out, settings)
+  model_path, tok = _make_tokenizer(sources, out, tokenizer, settings)
+  chat = _chat_settings(tok, tokenizer, data_format=data_format, chat_template=chat_template, seq_len=seq_len,
+                        empty_think=empty_think)
+  reading = plan_lib.Reading(text_field=text_field, txt_docs=txt_docs, data_format=data_format,
+                             eval_fraction=eval_fraction)
+  worker = (model_path, separator or None, chat)
+  runner = engine_lib.make(engine, workers=workers, ray_address=ray_address)
+  shards, counts, per_source = _write_shards(sources, out, runner, reading, token_dtype(tok.vocab_size).name, worker,
+                                             shard_docs=shard_docs, block_bytes=block_bytes, progress=progress,
+                                             engine=engine, start=start)
+  meta = _metadata(tok, shards, per_source, counts, settings)
+  if chat is not None:  # the template rendered with: the tokenizer's own lives outside its tokenizer.json's sha256
+    meta['chat_template_sha256'] = hashlib.sha256(chat[0].encode()).hexdigest()
+  _check_kept(meta, data_format=data_format, seq_len=seq_len, eval_fraction=eval_fraction)
+  _write_json(os.path.join(out, 'metadata.json'), meta)
+  logging.info('prepare: %s: %d documents, %d tokens (%d held out), dropped %s, in %.1fs', out,
+               meta['documents'], meta['tokens'], meta['splits']['eval']['documents'], meta['dropped'],
+               time.time() - start)
+  return meta
+
+
+def _check_settings(tokenizer: str, *, engine, tokenizer_kind, data_format, empty_think, seq_len, txt_docs,
+                    model_type, eval_fraction, shard_docs) -> str:
+  """Refuses (PrepareError) settings prepare cannot use, before any work; returns --tokenizer's main file."""
   if engine not in engine_lib.ENGINES:
     raise PrepareError(f'engine={engine!r} is unknown; use one of {", ".join(engine_lib.ENGINES)}.')
   if tokenizer_kind not in tokenizer_lib.KINDS:
@@ -353,14 +334,11 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
       raise PrepareError(f'--tokenizer: {e}') from e
   if engine == 'ray' and importlib.util.find_spec('ray') is None:
     raise PrepareError('--engine=ray needs Ray; pip install "jaxlm[ray]", or use --engine=local.')
-  start = time.time()
-  os.makedirs(out, exist_ok=True)
-  settings = _plan(sources, vocab_size=vocab_size, model_type=model_type,
-                   tokenizer_sha=tokenizer_lib.file_sha256(tokenizer) if tokenizer else None,
-                   text_field=text_field, txt_docs=txt_docs, eval_fraction=eval_fraction, shard_docs=shard_docs,
-                   sample_mb=sample_mb, max_sentences=max_sentences, seed=seed, tokenizer_kind=tokenizer_kind,
-                   separator=separator, data_format=data_format, chat_template=chat_template, seq_len=seq_len,
-                   empty_think=empty_think)
+  return tokenizer
+
+
+def _start_or_resume(out: str, settings: dict) -> None:
+  """Records the settings in out/plan.json, or checks that an earlier run there had the same; sweeps temp files."""
   plan_path = os.path.join(out, 'plan.json')
   if os.path.exists(plan_path):
     with open(plan_path) as f:
@@ -378,63 +356,81 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
     _write_json(plan_path, settings)
   _remove_temp_files(out)
 
-  counts = _new_counts()
-  model_path = os.path.join(out, 'tokenizer.json' if tokenizer_kind == 'bytelevel_bpe' else 'tokenizer.model')
+
+def _make_tokenizer(sources, out: str, tokenizer: str, settings: dict) -> tuple[str, tokenizer_lib.Tokenizer]:
+  """(its main file in `out`, the tokenizer): --tokenizer's copied there, one trained on a sample of the training
+  split, or the one an earlier run there trained; prints which token separates documents."""
+  s = settings
+  model_path = os.path.join(out, 'tokenizer.json' if s['tokenizer_kind'] == 'bytelevel_bpe' else 'tokenizer.model')
   try:
     if tokenizer:
       model_path = _install_tokenizer(tokenizer, out)
     elif not os.path.exists(model_path):
       t0 = time.time()
-      lines = _sample_lines(sources, _new_counts(), text_field=text_field, txt_docs=txt_docs,
-                            eval_fraction=eval_fraction, sample_bytes=int(sample_mb * 1e6))
-      if tokenizer_kind == 'bytelevel_bpe':
-        tokenizer_lib.train_bytelevel_bpe(lines, out, vocab_size=vocab_size, max_sentences=max_sentences)
+      lines = _sample_lines(sources, _new_counts(), text_field=s['text_field'], txt_docs=s['txt_docs'],
+                            eval_fraction=s['eval_fraction'], sample_bytes=int(s['sample_mb'] * 1e6))
+      if s['tokenizer_kind'] == 'bytelevel_bpe':
+        tokenizer_lib.train_bytelevel_bpe(lines, out, vocab_size=s['vocab_size'], max_sentences=s['max_sentences'])
       else:
         # The driver's cores, not --workers: the model file records its thread count, and no output byte may
         # depend on the engine or the worker count.
-        tokenizer_lib.train(lines, model_path, vocab_size=vocab_size, model_type=model_type,
-                            max_sentences=max_sentences, num_threads=os.cpu_count() or 1, seed=seed)
-      logging.info('prepare: trained a %s tokenizer (vocab %d) in %.1fs', tokenizer_kind, vocab_size,
+        tokenizer_lib.train(lines, model_path, vocab_size=s['vocab_size'], model_type=s['model_type'],
+                            max_sentences=s['max_sentences'], num_threads=os.cpu_count() or 1, seed=s['seed'])
+      logging.info('prepare: trained a %s tokenizer (vocab %d) in %.1fs', s['tokenizer_kind'], s['vocab_size'],
                    time.time() - t0)
-    tok = tokenizer_lib.load(model_path, separator=separator or None)
+    tok = tokenizer_lib.load(model_path, separator=s['separator'] or None)
   except ValueError as e:
     raise PrepareError(str(e).rstrip('.')) from e
   # Printed, not logged: which token ends a document decides what the model learns; never leave it implicit.
   print(f'prepare: documents are separated by {tok.separator!r} (id {tok.separator_id}): {tok.separator_reason}',
         file=sys.stderr, flush=True)
-  chat = None
-  if data_format in ('chat', 'preference'):
-    try:
-      template = chat_lib.template_of(tok, chat_template or None)
-    except ValueError as e:
-      raise PrepareError(str(e)) from e
-    if template is None:
-      raise PrepareError(f'the tokenizer {tokenizer} has no chat_template; pass --chat_template=chatml or llama3.')
-    # A row of T tokens holds a conversation (or a pair, packed as one unit) of T + 1 ids.
-    chat = (template, seq_len + 1 if seq_len else 0, empty_think, data_format == 'preference')
-  dtype = token_dtype(tok.vocab_size).name
-  reading = plan_lib.Reading(text_field=text_field, txt_docs=txt_docs, data_format=data_format,
-                             eval_fraction=eval_fraction)
-  worker = (model_path, separator or None, chat)
+  return model_path, tok
 
-  runner = engine_lib.make(engine, workers=workers, ray_address=ray_address)
+
+def _chat_settings(tok, tokenizer: str, *, data_format: str, chat_template: str, seq_len: int,
+                   empty_think: str) -> tuple | None:
+  """The workers' chat settings (template, most ids a record may keep or 0, empty_think, pairs?); None for text."""
+  if data_format not in ('chat', 'preference'):
+    return None
+  try:
+    template = chat_lib.template_of(tok, chat_template or None)
+  except ValueError as e:
+    raise PrepareError(str(e)) from e
+  if template is None:
+    raise PrepareError(f'the tokenizer {tokenizer} has no chat_template; pass --chat_template=chatml or llama3.')
+  # A row of T tokens holds a conversation (or a pair, packed as one unit) of T + 1 ids.
+  return (template, seq_len + 1 if seq_len else 0, empty_think, data_format == 'preference')
+
+
+def _count_units(sources, runner, reading: plan_lib.Reading, counts: collections.Counter,
+                 block_bytes: int) -> tuple[list, list, list]:
+  """(the units, from sizes and footers; each one's first line number; each one's documents, read once)."""
+  units = [u for s in sources for u in readers.units(s, counts, text_field=reading.text_field,
+                                                     block_bytes=block_bytes)]
+  ranged = [i for i, u in enumerate(units) if plan_lib.needs_line_count(u)]
+  lines = [0] * len(units)
+  for i, n in runner.map(readers.line_count, [(units[i],) for i in ranged]):
+    lines[ranged[i]] = n
+  offsets = plan_lib.line_offsets(units, lines)
+  found = [None] * len(units)
+  for i, c in runner.map(_count_task, [(u, reading, o) for u, o in zip(units, offsets)]):
+    found[i] = c
+  for c in found:
+    counts.update(c.counts)
+  return units, offsets, found
+
+
+def _write_shards(sources, out: str, runner, reading: plan_lib.Reading, dtype: str, worker: tuple, *,
+                  shard_docs: int, block_bytes: int, progress: bool, engine: str,
+                  start: float) -> tuple[dict, collections.Counter, list]:
+  """Plans the shards and writes those not written yet, on `runner` (closed here), and appends the run to
+  runs.jsonl: (each split's shard stats, the readers' counts, per-source documents)."""
+  counts = _new_counts()
   shards = {split: [] for split in SPLITS}
   where = collections.Counter()  # shards written per node (runs.jsonl)
   try:
-    # Units from sizes and footers; one reading of each to count its documents; then the plan, and the shards.
-    units = [u for s in sources for u in readers.units(s, counts, text_field=text_field, block_bytes=block_bytes)]
-    ranged = [i for i, u in enumerate(units) if plan_lib.needs_line_count(u)]
-    lines = [0] * len(units)
-    for i, n in runner.map(readers.line_count, [(units[i],) for i in ranged]):
-      lines[ranged[i]] = n
-    offsets = plan_lib.line_offsets(units, lines)
-    found = [None] * len(units)
-    for i, c in runner.map(_count_task, [(u, reading, o) for u, o in zip(units, offsets)]):
-      found[i] = c
-    per_unit = [c.split for c in found]
-    for c in found:
-      counts.update(c.counts)
-    plan = plan_lib.plan_shards(per_unit, shard_docs)
+    units, offsets, found = _count_units(sources, runner, reading, counts, block_bytes)
+    plan = plan_lib.plan_shards([c.split for c in found], shard_docs)
     tasks = [(out, split, index, [(units[p.unit], p, offsets[p.unit]) for p in pieces], reading, dtype, worker,
               runner.where()) for split in SPLITS for index, pieces in enumerate(plan[split])]
     bar = _Progress(len(tasks), progress)
@@ -453,14 +449,15 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
     docs_per_source[u.source.key] += c.documents
   per_source = [{'key': s.key, 'path': s.path if storage.is_url(s.path) else os.path.abspath(s.path), 'bytes': s.size,
                  'documents': docs_per_source[s.key]} for s in sources]
-  seconds = time.time() - start
   with open(os.path.join(out, 'runs.jsonl'), 'a') as f:  # what varies between runs stays out of metadata.json
     f.write(json.dumps({'engine': engine, 'workers': runner.workers, 'units': len(units),
-                        'shards_written': dict(where), 'shards_kept': bar.kept, 'seconds': round(seconds, 2)}) + '\n')
+                        'shards_written': dict(where), 'shards_kept': bar.kept,
+                        'seconds': round(time.time() - start, 2)}) + '\n')
+  return shards, counts, per_source
 
-  meta = _metadata(tok, shards, per_source, counts, settings)
-  if chat is not None:  # the template rendered with: the tokenizer's own lives outside its tokenizer.json's sha256
-    meta['chat_template_sha256'] = hashlib.sha256(chat[0].encode()).hexdigest()
+
+def _check_kept(meta: dict, *, data_format: str, seq_len: int, eval_fraction: float) -> None:
+  """Refuses a preparation that kept no training document; prints what chat data kept and warns of no held-out."""
   if data_format == 'preference':
     c = meta['chat']
     bad = sum(c['skipped'].values())
@@ -487,11 +484,6 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
     logging.warning('prepare: no document fell into the held-out split (eval_fraction=%g of %d documents); '
                     'evaluation will fail on this data. Use more documents (e.g. --txt_docs=paragraphs).',
                     eval_fraction, meta['documents'])
-  _write_json(os.path.join(out, 'metadata.json'), meta)
-  logging.info('prepare: %s: %d documents, %d tokens (%d held out), dropped %s, in %.1fs', out,
-               meta['documents'], meta['tokens'], meta['splits']['eval']['documents'], meta['dropped'],
-               seconds)
-  return meta
 
 
 def _new_counts() -> collections.Counter:

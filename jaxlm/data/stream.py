@@ -27,6 +27,7 @@ import os
 import time
 from concurrent import futures
 
+import grain
 import numpy as np
 from absl import logging
 
@@ -381,3 +382,69 @@ class LocalRows:
   def __getitem__(self, j: int) -> dict:
     batch, i = divmod(int(j), self.local)
     return self.rows[self.start + batch * self.size + self.offset + i]
+
+
+class BatchIterator(grain.DatasetIterator):
+  """This process's rows of each global batch, with the run fields saved beside its position and checked on resume.
+
+  The readers are the subclasses' (pipeline.TrainIterator: prepared shards; lanes.StreamIterator: raw files by
+  lanes): `_start(size)` opens one for batches of `size` rows, `take(size)` draws a batch, `get_state` /
+  `set_state` save and restore the position.
+  """
+
+  def __init__(self, fp: dict, *, unit: int, process_index: int, process_count: int):
+    super().__init__()
+    self.fingerprint = fp
+    self.unit, self.process_index, self.process_count = unit, process_index, process_count
+    self.rows = 0  # global rows drawn so far (every process the same)
+    self.topology = {'processes': process_count}
+    self.expected: dict = {}  # train.batch_size / train.batch_ramp, set by the trainer (see `expect`)
+    self.allow_change = False
+    self.notes: list[str] = []  # what a resume with allowed data changes skipped or repeated
+    self.restored: dict | None = None  # the state last set
+    self._it, self._size = None, None
+
+  def expect(self, *, allow_change: bool = False, topology: dict | None = None, **fields) -> None:
+    """Run fields saved with the position and checked on restore (e.g. train.batch_size), and this topology."""
+    self.expected.update(fields)
+    self.topology.update(topology or {})
+    self.allow_change = allow_change
+
+  def _start(self, size: int) -> None:
+    raise NotImplementedError
+
+  def _stop(self) -> None:
+    if self._it is not None and hasattr(self._it, 'close'):
+      self._it.close()
+    self._it, self._size = None, None
+
+  def _ready_for(self, size: int) -> None:
+    """Checks that `size` rows split over the processes and (re)starts the iterator for that batch size."""
+    if size % self.process_count:
+      raise DataError(f'a batch of {size} rows does not split over {self.process_count} processes; use a '
+                      f'multiple of {self.process_count}.')
+    if size != self._size:
+      self._start(size)
+
+  def take(self, size: int) -> dict:
+    raise NotImplementedError
+
+  def __next__(self) -> dict:
+    return self.take(self.unit)
+
+  def _changed(self, field: str, old, new, effect: str) -> None:
+    if not self.allow_change:
+      fix = f'set --config.{field}={old}' if field.startswith(('data.', 'train.')) and not isinstance(old, list) \
+          else 'use the original data'
+      raise DataError(f'cannot resume exactly: {field} was {_short(old)} when the checkpoint was written, now '
+                      f'{_short(new)}. Fix: {fix}, or start a new --workdir, or pass '
+                      f'--config.checkpoint.allow_data_change=True to continue ({effect}).')
+    self.notes.append(f'{field} changed from {_short(old)} to {_short(new)}: {effect}')
+
+  def close(self) -> None:
+    self._stop()
+
+
+def _short(value) -> str:
+  text = json.dumps(value) if not isinstance(value, str) else repr(value)
+  return text if len(text) <= 80 else text[:77] + '...'
