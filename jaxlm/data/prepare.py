@@ -26,8 +26,8 @@ directory holds:
   eval-00000.arrayrecord ...      without BOS/EOS; the training pipeline inserts the separator itself
   metadata.json                   counts, checksum, sources, split, dropped documents (see `_metadata`)
 
-Each shard is written to a temporary name and renamed when complete, so a run that is interrupted and started
-again with the same command skips the shards that exist. The held-out split is decided per document by a hash
+Each shard is written to a temporary name and renamed when complete (shards.py), so a run that is interrupted and
+started again with the same command skips the shards that exist. The held-out split is decided per document by a hash
 of its source name, so it never changes between runs or machines.
 
 The embedded default corpus (`stdlib_dataset`) goes through the same `prepare` function.
@@ -56,16 +56,13 @@ from jaxlm.data import chat as chat_lib
 from jaxlm.data import engine as engine_lib
 from jaxlm.data import format as format_lib
 from jaxlm.data import plan as plan_lib
-from jaxlm.data import readers
+from jaxlm.data import shards as shards_lib
 from jaxlm.data import storage
 from jaxlm.data import tokenizer as tokenizer_lib
 from jaxlm.data.plan import SPLITS, is_eval
 from jaxlm.data.readers import TXT_DOCS, PrepareError, Source, expand_inputs, read_documents
 
 FORMAT = 'jaxlm-prepared-1'  # bump when the shard layout changes; part of the stdlib cache key
-SHARD_SUFFIX = '.arrayrecord'
-# group_size:1 puts every record in its own chunk: random access (global shuffle) reads one document, not 64k.
-ARRAY_RECORD_OPTIONS = 'group_size:1'
 DATA_FORMATS = ('text', 'chat', 'preference')  # --format
 
 
@@ -92,120 +89,8 @@ def _sample_lines(sources, counts, *, text_field, txt_docs, eval_fraction, sampl
           return
 
 
-# Tokenizer worker. Module-level globals so each worker process (pool or Ray) loads the tokenizer once.
-_WORKER_TOKENIZER = None
-_WORKER_CHAT = None  # (template, most tokens a record may keep, empty_think, pairs?) for chat / preference
-_WORKER_KEY = None
-
-
-def _init_worker(model_path: str, separator: str | None = None, chat: tuple | None = None) -> None:
-  global _WORKER_TOKENIZER, _WORKER_CHAT, _WORKER_KEY
-  if _WORKER_KEY != (model_path, separator, chat):
-    _WORKER_TOKENIZER = tokenizer_lib.load(model_path, separator=separator)
-    _WORKER_CHAT = chat
-    _WORKER_KEY = (model_path, separator, chat)
-
-
-def _count_task(unit: readers.Unit, reading: plan_lib.Reading, line_offset: int) -> plan_lib.UnitCount:
-  return plan_lib.count_unit(unit, reading, line_offset)
-
-
-def _shard_task(out: str, split: str, index: int, pieces: list, reading: plan_lib.Reading, dtype: str,
-                worker: tuple, where: str) -> tuple[dict, bool, str]:
-  """Writes shard `index` of `split` from its pieces ((unit, piece, line offset)), unless it exists already:
-  (its stats, whether written here, where it ran)."""
-  if (done := _shard_done(out, split, index)) is not None:
-    return done, False, where
-  _init_worker(*worker)
-  docs = [d for unit, piece, offset in pieces for d in plan_lib.read_piece(unit, piece, offset, reading)]
-  if where.startswith('ray:'):
-    import ray  # pylint: disable=g-import-not-at-top  # only inside a Ray task
-    where = f'ray:{ray.get_runtime_context().get_node_id()}'
-  return _write_shard(out, split, index, docs, dtype), True, where
-
-
-def _shard_name(split: str, index: int) -> str:
-  return f'{split}-{index:05d}{SHARD_SUFFIX}'
-
-
-def _write_shard(out: str, split: str, index: int, texts: list[str], dtype: str) -> dict:
-  """Tokenizes one shard's documents and writes it (temp file, then rename); returns its counts."""
-  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
-
-  name = _shard_name(split, index)
-  final, tmp = os.path.join(out, name), os.path.join(out, f'{name}.tmp-{os.getpid()}')
-  chat = {}
-  if _WORKER_CHAT is None:
-    ids = _WORKER_TOKENIZER.encode_documents(texts)
-    records = [np.asarray(doc, dtype=dtype).tobytes() for doc in ids]
-    size = sum(len(t.encode()) for t in texts)
-  else:  # texts are chat records: conversations, or preference pairs (chat.encode_shard)
-    records, ids, chat = chat_lib.encode_shard(_WORKER_TOKENIZER, texts, _WORKER_CHAT, dtype)
-    size = sum(len(json.dumps(t)) for t in texts)
-  writer = array_record_module.ArrayRecordWriter(tmp, ARRAY_RECORD_OPTIONS)
-  for record in records:
-    writer.write(record)
-  writer.close()
-  tokens = sum(len(doc) for doc in ids)
-  stats = {'file': name, 'documents': len(ids), 'tokens': tokens, 'bytes': size}
-  if chat:
-    stats['chat'] = chat
-  # Stats first, shard last: a shard's final name existing means its stats exist too.
-  _write_json(os.path.join(out, name.removesuffix(SHARD_SUFFIX) + '.json'), stats)
-  os.replace(tmp, final)
-  return stats
-
-
-def _remove_temp_files(out: str) -> None:
-  """Deletes shard temp files (`<name>.tmp-<pid>`): those of an interrupted writer are never complete or read."""
-  for name in os.listdir(out):
-    if '.tmp-' in name:
-      with contextlib.suppress(FileNotFoundError):  # its writer renamed it meanwhile
-        os.remove(os.path.join(out, name))
-
-
-def _shard_done(out: str, split: str, index: int) -> dict | None:
-  name = _shard_name(split, index)
-  try:
-    if os.path.exists(os.path.join(out, name)):
-      with open(os.path.join(out, name.removesuffix(SHARD_SUFFIX) + '.json')) as f:
-        return json.load(f)
-  except (OSError, json.JSONDecodeError):
-    pass
-  return None
-
-
 def _write_json(path: str, obj) -> None:
   format_lib.write_json(path, obj, indent=1)
-
-
-class _Progress:
-  """A one-line progress bar on stderr (the driver's), redrawn at most a few times a second."""
-
-  def __init__(self, total_shards: int, enabled: bool):
-    self.total, self.enabled, self.start, self.last = max(total_shards, 1), enabled, time.time(), 0.0
-    self.bytes = self.docs = self.tokens = self.shards = self.kept = 0
-
-  def add(self, stats: dict, written: bool) -> None:
-    self.shards += 1
-    self.kept += not written
-    if written:  # rates count this run's work; shards kept from an earlier run only advance the bar
-      self.bytes, self.docs, self.tokens = (self.bytes + stats['bytes'], self.docs + stats['documents'],
-                                            self.tokens + stats['tokens'])
-    self.draw()
-
-  def draw(self, force: bool = False) -> None:
-    now = time.time()
-    if not self.enabled or (not force and now - self.last < 0.25):
-      return
-    self.last = now
-    elapsed, done = max(now - self.start, 1e-9), self.shards / self.total
-    sys.stderr.write(f'\rprepare {done:4.0%} |{"#" * int(20 * done):<20}| {self.shards}/{self.total} shards '
-                     f'({self.kept} kept) {self.bytes / 1e6 / elapsed:.2f} MB/s {self.docs / elapsed:,.0f} docs/s '
-                     f'{self.tokens / elapsed:,.0f} tokens/s ')
-    if force:
-      sys.stderr.write('\n')
-    sys.stderr.flush()
 
 
 def _plan(sources, *, vocab_size, model_type, tokenizer_sha, text_field, txt_docs, eval_fraction,
@@ -286,9 +171,9 @@ def prepare(sources: Sequence[Source], out: str, *, vocab_size: int = 8192, mode
                              eval_fraction=eval_fraction)
   worker = (model_path, separator or None, chat)
   runner = engine_lib.make(engine, workers=workers, ray_address=ray_address)
-  shards, counts, per_source = _write_shards(sources, out, runner, reading, token_dtype(tok.vocab_size).name, worker,
-                                             shard_docs=shard_docs, block_bytes=block_bytes, progress=progress,
-                                             engine=engine, start=start)
+  shards, counts, per_source = shards_lib.write(sources, out, runner, reading, token_dtype(tok.vocab_size).name,
+                                                worker, shard_docs=shard_docs, block_bytes=block_bytes,
+                                                progress=progress, engine=engine, start=start)
   meta = _metadata(tok, shards, per_source, counts, settings)
   if chat is not None:  # the template rendered with: the tokenizer's own lives outside its tokenizer.json's sha256
     meta['chat_template_sha256'] = hashlib.sha256(chat[0].encode()).hexdigest()
@@ -354,7 +239,7 @@ def _start_or_resume(out: str, settings: dict) -> None:
     logging.info('prepare: resuming in %s (completed shards are kept)', out)
   else:
     _write_json(plan_path, settings)
-  _remove_temp_files(out)
+  shards_lib.remove_temp_files(out)
 
 
 def _make_tokenizer(sources, out: str, tokenizer: str, settings: dict) -> tuple[str, tokenizer_lib.Tokenizer]:
@@ -400,60 +285,6 @@ def _chat_settings(tok, tokenizer: str, *, data_format: str, chat_template: str,
     raise PrepareError(f'the tokenizer {tokenizer} has no chat_template; pass --chat_template=chatml or llama3.')
   # A row of T tokens holds a conversation (or a pair, packed as one unit) of T + 1 ids.
   return (template, seq_len + 1 if seq_len else 0, empty_think, data_format == 'preference')
-
-
-def _count_units(sources, runner, reading: plan_lib.Reading, counts: collections.Counter,
-                 block_bytes: int) -> tuple[list, list, list]:
-  """(the units, from sizes and footers; each one's first line number; each one's documents, read once)."""
-  units = [u for s in sources for u in readers.units(s, counts, text_field=reading.text_field,
-                                                     block_bytes=block_bytes)]
-  ranged = [i for i, u in enumerate(units) if plan_lib.needs_line_count(u)]
-  lines = [0] * len(units)
-  for i, n in runner.map(readers.line_count, [(units[i],) for i in ranged]):
-    lines[ranged[i]] = n
-  offsets = plan_lib.line_offsets(units, lines)
-  found = [None] * len(units)
-  for i, c in runner.map(_count_task, [(u, reading, o) for u, o in zip(units, offsets)]):
-    found[i] = c
-  for c in found:
-    counts.update(c.counts)
-  return units, offsets, found
-
-
-def _write_shards(sources, out: str, runner, reading: plan_lib.Reading, dtype: str, worker: tuple, *,
-                  shard_docs: int, block_bytes: int, progress: bool, engine: str,
-                  start: float) -> tuple[dict, collections.Counter, list]:
-  """Plans the shards and writes those not written yet, on `runner` (closed here), and appends the run to
-  runs.jsonl: (each split's shard stats, the readers' counts, per-source documents)."""
-  counts = _new_counts()
-  shards = {split: [] for split in SPLITS}
-  where = collections.Counter()  # shards written per node (runs.jsonl)
-  try:
-    units, offsets, found = _count_units(sources, runner, reading, counts, block_bytes)
-    plan = plan_lib.plan_shards([c.split for c in found], shard_docs)
-    tasks = [(out, split, index, [(units[p.unit], p, offsets[p.unit]) for p in pieces], reading, dtype, worker,
-              runner.where()) for split in SPLITS for index, pieces in enumerate(plan[split])]
-    bar = _Progress(len(tasks), progress)
-    for _, (stats, written, node) in runner.map(_shard_task, tasks):
-      shards['train' if stats['file'].startswith('train') else 'eval'].append(stats)
-      where[node] += written
-      bar.add(stats, written)
-  finally:
-    runner.close()
-  # A worker killed mid-shard (its task ran again elsewhere), or a task of a killed earlier driver that outlived
-  # the sweep at the start, leaves its temp file: every shard is final now, so no writer of this run owns one.
-  _remove_temp_files(out)
-  bar.draw(force=True)
-  docs_per_source = collections.Counter()
-  for u, c in zip(units, found):
-    docs_per_source[u.source.key] += c.documents
-  per_source = [{'key': s.key, 'path': s.path if storage.is_url(s.path) else os.path.abspath(s.path), 'bytes': s.size,
-                 'documents': docs_per_source[s.key]} for s in sources]
-  with open(os.path.join(out, 'runs.jsonl'), 'a') as f:  # what varies between runs stays out of metadata.json
-    f.write(json.dumps({'engine': engine, 'workers': runner.workers, 'units': len(units),
-                        'shards_written': dict(where), 'shards_kept': bar.kept,
-                        'seconds': round(time.time() - start, 2)}) + '\n')
-  return shards, counts, per_source
 
 
 def _check_kept(meta: dict, *, data_format: str, seq_len: int, eval_fraction: float) -> None:

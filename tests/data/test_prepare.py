@@ -11,6 +11,7 @@ import pytest
 from array_record.python import array_record_module
 
 from jaxlm.data import prepare as prepare_lib
+from jaxlm.data import shards as shards_lib
 from jaxlm.data import tokenizer as tokenizer_lib
 from tests.conftest import ROOT
 
@@ -135,13 +136,13 @@ def test_given_tokenizer_is_used_and_its_eos_is_never_stored(tmp_path, monkeypat
   # A tokenizer that adds BOS and EOS to everything it encodes: prepare must still store bare documents.
   # The real set-up runs first: it also resets what an earlier chat or preference preparation in this process
   # left behind (pytest-randomly may run one just before).
-  init = prepare_lib._init_worker
+  init = shards_lib._init_worker
 
   def init_adding_bos_eos(path, *rest):
     init(path, *rest)
-    prepare_lib._WORKER_TOKENIZER = tokenizer_lib.SentencePiece(path, add_bos=True, add_eos=True)
+    shards_lib._WORKER_TOKENIZER = tokenizer_lib.SentencePiece(path, add_bos=True, add_eos=True)
 
-  monkeypatch.setattr(prepare_lib, '_init_worker', init_adding_bos_eos)
+  monkeypatch.setattr(shards_lib, '_init_worker', init_adding_bos_eos)
   meta = _prepare([_write_txt(tmp_path / 'in', TEXTS)], tmp_path / 'out', tokenizer=model)
   assert meta['tokenizer_sha256'] == tokenizer_lib.file_sha256(model)
   assert meta['model_type'] == 'given' and meta['vocab_size'] == tokenizer_lib.load(model).vocab_size
@@ -181,7 +182,7 @@ def test_rerun_after_losing_a_shard_rewrites_only_that_shard(tmp_path):
 
 def test_interrupted_run_resumes_without_redoing_completed_shards(tmp_path, monkeypatch):
   d = _write_txt(tmp_path / 'in', TEXTS)
-  real, calls = prepare_lib._write_shard, []
+  real, calls = shards_lib._write_shard, []
 
   def interrupted_after_two(out, split, index, texts, dtype):
     if len(calls) == 2:
@@ -190,13 +191,13 @@ def test_interrupted_run_resumes_without_redoing_completed_shards(tmp_path, monk
     calls.append((split, index))
     return real(out, split, index, texts, dtype)
 
-  monkeypatch.setattr(prepare_lib, '_write_shard', interrupted_after_two)
+  monkeypatch.setattr(shards_lib, '_write_shard', interrupted_after_two)
   with pytest.raises(KeyboardInterrupt):
     _prepare([d], tmp_path / 'out')
   assert not (tmp_path / 'out' / 'metadata.json').exists()
   done = _shard_mtimes(tmp_path / 'out')
   assert len(done) == 2
-  monkeypatch.setattr(prepare_lib, '_write_shard', real)
+  monkeypatch.setattr(shards_lib, '_write_shard', real)
   meta = _prepare([d], tmp_path / 'out')
   after = _shard_mtimes(tmp_path / 'out')
   assert all(after[n] == t for n, t in done.items()) and len(after) > 2
@@ -208,14 +209,14 @@ def test_a_shard_whose_first_writer_died_leaves_no_temp_file(tmp_path, monkeypat
   # A worker killed -9 mid-shard (its task then runs again elsewhere) leaves `<shard>.tmp-<its pid>` behind.
   d = _write_txt(tmp_path / 'in', TEXTS)
   clean = _prepare([d], tmp_path / 'clean')
-  real = prepare_lib._write_shard
+  real = shards_lib._write_shard
 
   def retried(out, split, index, texts, dtype):
     if (split, index) == ('train', 1):
       open(os.path.join(out, f'{split}-{index:05d}.arrayrecord.tmp-999'), 'w').write('half a shard')
     return real(out, split, index, texts, dtype)
 
-  monkeypatch.setattr(prepare_lib, '_write_shard', retried)
+  monkeypatch.setattr(shards_lib, '_write_shard', retried)
   meta = _prepare([d], tmp_path / 'out')
   assert sorted(os.listdir(tmp_path / 'out')) == sorted(os.listdir(tmp_path / 'clean'))
   assert meta == clean

@@ -105,7 +105,7 @@ def _shard_task_pids() -> list[int]:
     if d.isdigit():
       try:
         with open(f'/proc/{d}/cmdline', 'rb') as f:
-          if f.read().startswith(b'ray::_shard_task'):
+          if f.read().startswith(b'ray::shard_task'):
             out.append(int(d))
       except OSError:
         pass
