@@ -31,6 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).absolute().parents[1]))
 from jaxlm import cli  # noqa: E402
 from jaxlm.data import pipeline as data_lib  # noqa: E402
 from jaxlm.data import prepare as prepare_lib  # noqa: E402
+from jaxlm.data import shards as shards_lib  # noqa: E402
 from jaxlm.data import stream as stream_lib  # noqa: E402
 
 _CONFIG = flags.DEFINE_string('config', 'configs/palm_small.py', 'Config file whose data/batch settings to use.')
@@ -98,7 +99,7 @@ def _index_seconds(tmp: str, mb: int, gb: float) -> dict:
   shards, written, docs = [], 0, 0
   for i in range(16):
     path = os.path.join(tmp, f'index-{i:05d}.arrayrecord')
-    writer = array_record_module.ArrayRecordWriter(path, prepare_lib.ARRAY_RECORD_OPTIONS)
+    writer = array_record_module.ArrayRecordWriter(path, shards_lib.ARRAY_RECORD_OPTIONS)
     while written < (i + 1) * mb * 1e6 / 16:
       doc = rng.integers(3, 60000, int(rng.integers(200, 2000)), dtype=np.uint16)
       writer.write(doc.tobytes())
