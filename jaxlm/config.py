@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxlm import attention
 from jaxlm import distributed
+from jaxlm import lora as lora_lib
 from jaxlm import model
 from jaxlm import moe
 from jaxlm import optimizer
@@ -174,11 +175,11 @@ def _lora_errors(c) -> list[str]:
     e.append(f'model.lora.rank={lo.rank} must be a non-negative integer (0 = off).')
   if lo.alpha <= 0:
     e.append(f'model.lora.alpha={lo.alpha} must be positive (the branch is scaled by alpha / rank).')
-  targets = model.LoraConfig.from_config(lo).targets
-  if not targets or any(t not in model.LORA_TARGETS for t in targets):
-    e.append(f'model.lora.targets={tuple(targets)} must name some of {", ".join(model.LORA_TARGETS)}.')
-  if lo.base_dtype not in model.LORA_BASE_DTYPES:
-    e.append(f'model.lora.base_dtype={lo.base_dtype!r} is unknown; use one of {", ".join(model.LORA_BASE_DTYPES)}.')
+  targets = lora_lib.LoraConfig.from_config(lo).targets
+  if not targets or any(t not in lora_lib.LORA_TARGETS for t in targets):
+    e.append(f'model.lora.targets={tuple(targets)} must name some of {", ".join(lora_lib.LORA_TARGETS)}.')
+  if lo.base_dtype not in lora_lib.LORA_BASE_DTYPES:
+    e.append(f'model.lora.base_dtype={lo.base_dtype!r} is unknown; use one of {", ".join(lora_lib.LORA_BASE_DTYPES)}.')
   if c.optim.name == 'muon':
     e.append('optim.name=muon cannot run on LoRA adapters (it orthogonalises whole weight matrices, and an '
              'adapter is a rank-r factor); use optim.name=adamw, adafactor or sf_adamw with model.lora.')

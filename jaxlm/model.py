@@ -20,6 +20,7 @@ from flax.linen import fp8_ops
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxlm import attention as attention_lib
+from jaxlm import lora as lora_lib
 from jaxlm import moe as moe_lib
 from jaxlm import pipeline as pipeline_lib
 
@@ -30,9 +31,6 @@ MATMUL_DTYPES = ('dtype', 'fp8')  # model.matmul_dtype: the projections in model
 FP8 = fp8_ops.OVERWRITE_WITH_GRADIENT
 ROPE_SCALINGS = ('none', 'linear', 'llama3', 'yarn')  # model.rope_scaling
 QK_NORMS = ('none', 'head', 'full')  # model.qk_norm (QKNorm)
-LORA_TARGETS = ('query', 'key', 'value', 'out', 'gate', 'up', 'down')  # model.lora.targets: what LoRA may adapt
-LORA_BASE_DTYPES = ('float32', 'bfloat16')  # model.lora.base_dtype
-ADAPTER_SUFFIXES = ('_lora_a', '_lora_b')  # a LoRA adapter's parameter names: `<weight>_lora_a`, `<weight>_lora_b`
 
 
 def head_dim(model_cfg) -> int:
@@ -43,29 +41,6 @@ def head_dim(model_cfg) -> int:
 def mlp_dim(model_cfg) -> int:
   """F: the configured SwiGLU width, or 4 * D as in PaLM."""
   return model_cfg.mlp_dim or 4 * model_cfg.d_model
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraConfig:
-  """model.lora: low-rank adapters W + (alpha/rank)·A·B beside the projections named in `targets` (Hu et al. 2021)."""
-  rank: int = 0  # r; 0 = off
-  alpha: float = 16.0  # the branch is scaled by alpha / rank, as peft's lora_alpha
-  targets: tuple = LORA_TARGETS
-  base_dtype: str = 'float32'  # how the frozen base is stored (bfloat16 halves its memory)
-
-  @classmethod
-  def from_config(cls, lora_cfg) -> 'LoraConfig':
-    """From `cfg.model.lora` (None or absent in a config saved before LoRA existed: off)."""
-    if lora_cfg is None:
-      return cls()
-    targets = lora_cfg.get('targets', LORA_TARGETS)
-    targets = tuple(t.strip() for t in targets.split(',')) if isinstance(targets, str) else tuple(targets)
-    return cls(rank=int(lora_cfg.get('rank', 0)), alpha=float(lora_cfg.get('alpha', 16.0)), targets=targets,
-               base_dtype=lora_cfg.get('base_dtype', 'float32'))
-
-  @property
-  def scale(self) -> float:
-    return self.alpha / self.rank if self.rank else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +95,7 @@ class ModelConfig:
   moe_impl: str = 'ragged'
   moe_transport: str = 'auto'
   moe_buffer_factor: float = 0.0
-  lora: LoraConfig = LoraConfig()  # adapters: read where a projection is made (`adapter`, `project`)
+  lora: lora_lib.LoraConfig = lora_lib.LoraConfig()  # adapters: read where a projection is made (lora.adapter, `project`)
 
   @classmethod
   def from_config(cls, model_cfg) -> 'ModelConfig':
@@ -129,7 +104,7 @@ class ModelConfig:
     fields = {f.name: model_cfg.get(f.name, f.default) for f in dataclasses.fields(cls)}
     fields.update(head_dim=head_dim(model_cfg), mlp_dim=mlp_dim(model_cfg))
     fields.update(moe_mlp_dim=model_cfg.get('moe_mlp_dim', 0) or fields['mlp_dim'])
-    fields.update(lora=LoraConfig.from_config(model_cfg.get('lora')))
+    fields.update(lora=lora_lib.LoraConfig.from_config(model_cfg.get('lora')))
     return cls(**fields)
 
 
@@ -201,84 +176,6 @@ def _param(module, name, names, shape, std, m: ModelConfig):
   """A parameter with logical axis names, normal(std) init, stored in param_dtype (`storage_dtype`)."""
   init = nn.with_logical_partitioning(nn.initializers.normal(std), names)
   return module.param(name, init, shape, storage_dtype(m))
-
-
-def adapter(module, name: str, inputs: tuple, outputs: tuple, m: ModelConfig):
-  """LoRA's (A (I, r), B (r, O)) for the projection `name` with input axes `inputs` and output axes `outputs`
-  ((size, logical name) pairs), flattened for `project`; None when model.lora does not adapt it.
-
-  A follows the weight's input axes and B its output axes, so the rules table shards them as the weight; the
-  rank axis (`lora_rank`) is never split. A starts as a fan-in normal and B at zero: at step 0 the branch adds an
-  exact zero and the model computes its base bit for bit. Call after the module's own parameters, so their
-  initial values do not depend on whether LoRA is on.
-  """
-  lo = m.lora
-  if not lo.rank or name not in lo.targets:
-    return None
-  r, dtype = lo.rank, jnp.dtype(m.param_dtype)
-  in_shape, in_names = zip(*inputs)
-  out_shape, out_names = zip(*outputs)
-  fan_in = math.prod(in_shape)
-  a = module.param(f'{name}_lora_a', nn.with_logical_partitioning(nn.initializers.normal(fan_in ** -0.5),
-                                                                  (*in_names, 'lora_rank')), (*in_shape, r), dtype)
-  b = module.param(f'{name}_lora_b', nn.with_logical_partitioning(nn.initializers.zeros, ('lora_rank', *out_names)),
-                   (r, *out_shape), dtype)
-  return a.reshape(fan_in, r), b.reshape(r, math.prod(out_shape))
-
-
-def is_adapter(path) -> bool:
-  """Whether a parameter path (a tuple of names, or a jax key path) is a LoRA adapter's."""
-  last = path[-1]
-  return str(getattr(last, 'key', last)).endswith(ADAPTER_SUFFIXES)
-
-
-def split_adapters(params) -> tuple[dict, dict]:
-  """(base, adapters): the parameter tree cut in two trees of nested dicts, by `is_adapter`."""
-  from flax import traverse_util  # pylint: disable=g-import-not-at-top
-  flat = traverse_util.flatten_dict(params)
-  base = {k: v for k, v in flat.items() if not is_adapter(k)}
-  adapters = {k: v for k, v in flat.items() if is_adapter(k)}
-  return traverse_util.unflatten_dict(base), traverse_util.unflatten_dict(adapters)
-
-
-def join_adapters(params, adapters) -> dict:
-  """`params` with the leaves of `adapters` (a subtree of the same paths) put in."""
-  from flax import traverse_util  # pylint: disable=g-import-not-at-top
-  flat = traverse_util.flatten_dict(params)
-  flat.update(traverse_util.flatten_dict(adapters))
-  return traverse_util.unflatten_dict(flat)
-
-
-def merge_adapters(params, m: ModelConfig) -> dict:
-  """The parameters of the plain model that computes what the LoRA model does: each adapted W + (alpha/r)·A·B,
-  in float32 (numpy), the adapters removed. Parameters without adapters are returned as they are."""
-
-  def merge(tree):
-    if not isinstance(tree, dict):
-      return tree
-    out = {}
-    for name, value in tree.items():
-      if name.endswith(ADAPTER_SUFFIXES):
-        continue
-      if isinstance(value, dict) or f'{name}_lora_a' not in tree:
-        out[name] = merge(value)
-        continue
-      w = np.asarray(value, np.float32)
-      a, b = np.asarray(tree[f'{name}_lora_a'], np.float32), np.asarray(tree[f'{name}_lora_b'], np.float32)
-      lead = a.ndim + b.ndim - 2 - w.ndim  # a scanned stack's leading layers axis (0 or 1)
-      r = a.shape[-1]
-      a2 = a.reshape(*a.shape[:lead], -1, r)  # (..., I, r)
-      b2 = b.reshape(*b.shape[:lead], r, -1)  # (..., r, O)
-      out[name] = (w + (a2 @ b2 * np.float32(m.lora.scale)).reshape(w.shape)).astype(np.float32)
-    return out
-
-  return merge(params)
-
-
-def adapters_off(params) -> dict:
-  """`params` with every LoRA B at zero: the base model (x·A·0 adds an exact zero), at no memory beyond B's."""
-  return jax.tree_util.tree_map_with_path(
-      lambda k, x: jnp.zeros_like(x) if str(getattr(k[-1], 'key', k[-1])).endswith('_lora_b') else x, params)
 
 
 class Norm(nn.Module):
@@ -441,7 +338,7 @@ def dense(x, w, plain_weight_grad: bool):
 
 def project(x, w, name: str, m: ModelConfig, lora=None):
   """A layer's projection x (N, I) · w (I, O) -> (N, O): `dense`, or with model.matmul_dtype=fp8 Flax's fp8 dot;
-  plus LoRA's branch (alpha/r)·(x·A)·B when `lora` holds the projection's adapters (A, B) (`adapter`).
+  plus LoRA's branch (alpha/r)·(x·A)·B when `lora` holds the projection's adapters (A, B) (lora.adapter).
 
   fp8 is delayed scaling as in Transformer Engine: x and w quantised to e4m3, the output gradient to e5m2, each
   with a scale from the amax of the last 1024 steps (Flax's default history). The scales and histories are
@@ -487,7 +384,8 @@ class Attention(nn.Module):
     wv = _param(self, 'value', ('embed', 'kv_heads', 'kv'), (D, K, E), D ** -0.5, m)
     wo = _param(self, 'out', ('heads', 'kv', 'embed'), (H, E, D), (H * E) ** -0.5, m)
     embed, heads, kv_heads, kv = (D, 'embed'), (H, 'heads'), (K, 'kv_heads'), (E, 'kv')
-    lora = {name: adapter(self, name, inputs, outputs, m) for name, inputs, outputs in (
+    adapter = functools.partial(lora_lib.adapter, self, lo=m.lora, dtype=m.param_dtype)
+    lora = {name: adapter(name, inputs, outputs) for name, inputs, outputs in (
         ('query', (embed,), (heads, kv)), ('key', (embed,), (kv_heads, kv)), ('value', (embed,), (kv_heads, kv)),
         ('out', (heads, kv), (embed,)))}
     dt = jnp.dtype(m.dtype)
@@ -547,7 +445,8 @@ class SwiGLU(nn.Module):
     w_gate = _param(self, 'gate', ('embed', 'mlp'), (D, F), D ** -0.5, m)
     w_up = _param(self, 'up', ('embed', 'mlp'), (D, F), D ** -0.5, m)
     w_down = _param(self, 'down', ('mlp', 'embed'), (F, D), F ** -0.5, m)
-    lora = {name: adapter(self, name, inputs, outputs, m) for name, inputs, outputs in (
+    adapter = functools.partial(lora_lib.adapter, self, lo=m.lora, dtype=m.param_dtype)
+    lora = {name: adapter(name, inputs, outputs) for name, inputs, outputs in (
         ('gate', ((D, 'embed'),), ((F, 'mlp'),)), ('up', ((D, 'embed'),), ((F, 'mlp'),)),
         ('down', ((F, 'mlp'),), ((D, 'embed'),)))}
     B, T, _ = x.shape

@@ -378,7 +378,7 @@ class MoE(nn.Module):
       y, overflow = run(xt, weights, experts, keep, *w, model_lib.swiglu), jnp.zeros((), jnp.float32)
     if m.moe_shared_experts:  # DeepSeek's shared experts: one dense SwiGLU as wide as all of them, on every token
       # No LoRA adapters inside a mixture of experts (model.lora): its MLPs stay frozen.
-      shared = dataclasses.replace(m, mlp_dim=m.moe_shared_experts * F, lora=model_lib.LoraConfig())
+      shared = dataclasses.replace(m, mlp_dim=m.moe_shared_experts * F, lora=lora_lib.LoraConfig())
       y = y + model_lib.tokens(model_lib.SwiGLU(shared, name='shared')(x))
     if self.is_mutable_collection(STATS):
       for name, value in statistics(logits, scores, keep, load, valid, overflow).items():

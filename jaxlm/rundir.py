@@ -105,19 +105,19 @@ def read_params(step_path: str, weights: str = 'raw') -> dict:
     everything = checkpointer.restore(state_path, args=ocp.args.PyTreeRestore(
         item=tree, restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)))
     sf = _schedule_free(everything['opt_state'])
-    from jaxlm import model as model_lib  # pylint: disable=import-outside-toplevel
+    from jaxlm import lora as lora_lib  # pylint: disable=import-outside-toplevel
     params, trained = everything['params'], everything['params']
     if jax.tree.structure(sf['z']) != jax.tree.structure(params):  # LoRA: the optimizer saw the adapters only
-      trained = model_lib.split_adapters(params)[1]
+      trained = lora_lib.split_adapters(params)[1]
     x = optax.contrib.schedule_free_eval_params(types.SimpleNamespace(b1=sf['b1'], z=sf['z']), trained)
-    return model_lib.join_adapters(params, x) if trained is not params else x
+    return lora_lib.join_adapters(params, x) if trained is not params else x
   as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree[item])
   restored = checkpointer.restore(state_path, args=ocp.args.PyTreeRestore(
       item={item: tree[item]}, restore_args={item: as_numpy}, partial_restore=True))
-  from jaxlm import model as model_lib  # pylint: disable=import-outside-toplevel
-  if item == 'ema' and all(model_lib.is_adapter(k) for k, _ in jax.tree_util.tree_flatten_with_path(tree[item])[0]):
+  from jaxlm import lora as lora_lib  # pylint: disable=import-outside-toplevel
+  if item == 'ema' and all(lora_lib.is_adapter(k) for k, _ in jax.tree_util.tree_flatten_with_path(tree[item])[0]):
     # A LoRA run averages its adapters alone: the averaged model is its frozen base with them.
-    return model_lib.join_adapters(read_params(step_path), restored[item])
+    return lora_lib.join_adapters(read_params(step_path), restored[item])
   return restored[item]
 
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxlm import lora as lora_lib
 from jaxlm import model as model_lib
 from jaxlm import moe as moe_lib
 from jaxlm import optimizer as optimizer_lib
@@ -281,7 +282,7 @@ def trainable_split(m: model_lib.ModelConfig) -> tuple[Callable, Callable]:
   """
   if not m.lora.rank:
     return (lambda params: params), (lambda params, trained: trained)
-  return (lambda params: model_lib.split_adapters(params)[1]), model_lib.join_adapters
+  return (lambda params: lora_lib.split_adapters(params)[1]), lora_lib.join_adapters
 
 
 def eval_params(state: TrainState, m: model_lib.ModelConfig):

@@ -34,6 +34,7 @@ from jaxlm import pipeline as pipeline_lib
 from jaxlm import preference as preference_lib
 from jaxlm import preflight
 from jaxlm import metrics as metrics_lib
+from jaxlm import lora as lora_lib
 from jaxlm import model as model_lib
 from jaxlm import moe as moe_lib
 from jaxlm import optimizer as optimizer_lib
@@ -180,8 +181,8 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
 def lora_report(program: step_lib.Program) -> str:
   """Trainable (adapters) and frozen (base) parameters and bytes per device, under model.lora."""
   abstract, shardings = program.abstract_state.params, program.state_shardings.params
-  base, adapters = model_lib.split_adapters(abstract)
-  base_s, adapters_s = model_lib.split_adapters(shardings)
+  base, adapters = lora_lib.split_adapters(abstract)
+  base_s, adapters_s = lora_lib.split_adapters(shardings)
   count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
   held = lambda tree, s: perf.format_bytes(sharding.bytes_per_device(tree, s))
   lo = program.model.config.lora
