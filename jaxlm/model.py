@@ -44,6 +44,31 @@ def mlp_dim(model_cfg) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """model.attention (the kernel), attention_block_q and qk_norm: how a layer's attention runs."""
+  kernel: str = 'xla'  # model.attention: attention.py's kernel choice
+  block_q: int = 0  # model.attention_block_q: query rows per block (0 = all at once)
+  qk_norm: str = 'none'  # see QKNorm
+
+  @classmethod
+  def from_config(cls, model_cfg) -> 'AttentionConfig':
+    """From cfg.model's flat keys (a key a saved config lacks: its default)."""
+    return cls(kernel=model_cfg.get('attention', cls.kernel), block_q=model_cfg.get('attention_block_q', cls.block_q),
+               qk_norm=model_cfg.get('qk_norm', cls.qk_norm))
+
+
+@dataclasses.dataclass(frozen=True)
+class NormsConfig:
+  """model.norm_eps: the layer norms (`Norm`, `QKNorm`); which norm a block uses follows model.parallel_block."""
+  eps: float = 1e-6
+
+  @classmethod
+  def from_config(cls, model_cfg) -> 'NormsConfig':
+    """From cfg.model's flat keys (a key a saved config lacks: its default)."""
+    return cls(eps=model_cfg.get('norm_eps', cls.eps))
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """The model section of the config, resolved and frozen (hashable, so Flax can close over it)."""
   vocab_size: int
@@ -65,64 +90,49 @@ class ModelConfig:
   rope_beta_slow: float = 1.0
   rope_attention_factor: float = 0.0
   rope_truncate: bool = True
-  norm_eps: float = 1e-6
   z_loss: float = 1e-4
   dropout_rate: float = 0.0
   dtype: str = 'bfloat16'
   param_dtype: str = 'float32'
   remat: str = 'full'
   scan_layers: bool = True
-  attention: str = 'xla'
-  attention_block_q: int = 0
   explicit_transpose_grads: bool = False
   matmul_dtype: str = 'dtype'
-  qk_norm: str = 'none'  # see QKNorm
-  moe_experts: int = 0  # 0: dense MLPs; the moe_* fields below are read only when > 0 (jaxlm/moe.py)
-  moe_top_k: int = 2
-  moe_mlp_dim: int = 0
-  moe_shared_experts: int = 0
-  moe_every: int = 1
-  moe_first_dense: int = 0
-  moe_router: str = 'mixtral'
-  moe_groups: int = 1
-  moe_top_groups: int = 1
-  moe_norm_topk_prob: bool = True
-  moe_routed_scale: float = 1.0
-  moe_capacity_factor: float = 0.0
-  moe_aux_loss: float = 0.0
-  moe_router_z_loss: float = 0.0
-  moe_bias_rate: float = 0.0
-  moe_impl: str = 'ragged'
-  moe_transport: str = 'auto'
-  moe_buffer_factor: float = 0.0
-  lora: lora_lib.LoraConfig = lora_lib.LoraConfig()  # adapters: read where a projection is made (lora.adapter, `project`)
+  # Each feature's keys in its own small frozen config; cfg.model keeps them flat (`from_config` maps them).
+  attention: AttentionConfig = AttentionConfig()  # model.attention, attention_block_q, qk_norm
+  norms: NormsConfig = NormsConfig()  # model.norm_eps
+  moe: moe_lib.MoeConfig = moe_lib.MoeConfig()  # model.moe_*: read only when moe.experts > 0 (jaxlm/moe.py)
+  lora: lora_lib.LoraConfig = lora_lib.LoraConfig()  # model.lora: read where a projection is made (lora.adapter, `project`)
 
   @classmethod
   def from_config(cls, model_cfg) -> 'ModelConfig':
-    """Builds the frozen config from `cfg.model`, filling the derived sizes (head_dim, mlp_dim)."""
+    """Builds the frozen config from `cfg.model`, filling the derived sizes (head_dim, mlp_dim, moe.mlp_dim)."""
     # .get: a config saved before a key existed (an old checkpoint's) means that key's default.
-    fields = {f.name: model_cfg.get(f.name, f.default) for f in dataclasses.fields(cls)}
+    nested = {'attention', 'norms', 'moe', 'lora'}
+    fields = {f.name: model_cfg.get(f.name, f.default) for f in dataclasses.fields(cls) if f.name not in nested}
     fields.update(head_dim=head_dim(model_cfg), mlp_dim=mlp_dim(model_cfg))
-    fields.update(moe_mlp_dim=model_cfg.get('moe_mlp_dim', 0) or fields['mlp_dim'])
-    fields.update(lora=lora_lib.LoraConfig.from_config(model_cfg.get('lora')))
+    moe = moe_lib.MoeConfig.from_config(model_cfg)
+    fields.update(attention=AttentionConfig.from_config(model_cfg), norms=NormsConfig.from_config(model_cfg),
+                  moe=dataclasses.replace(moe, mlp_dim=moe.mlp_dim or fields['mlp_dim']),
+                  lora=lora_lib.LoraConfig.from_config(model_cfg.get('lora')))
     return cls(**fields)
 
 
 def is_moe(m: ModelConfig, layer: int) -> bool:
   """Whether layer `layer` (from 0) is a mixture of experts: after the moe_first_dense dense layers (DeepSeek's
   first_k_dense_replace), every moe_every-th layer, the last of each group."""
-  first = layer - m.moe_first_dense
-  return m.moe_experts > 0 and first >= 0 and (first + 1) % m.moe_every == 0
+  first = layer - m.moe.first_dense
+  return m.moe.experts > 0 and first >= 0 and (first + 1) % m.moe.every == 0
 
 
 def dense_prefix(m: ModelConfig) -> int:
   """Layers before the first group of a mixture of experts that are plain dense layers (model.moe_first_dense)."""
-  return m.moe_first_dense if m.moe_experts else 0
+  return m.moe.first_dense if m.moe.experts else 0
 
 
 def qk_norm_params(m: ModelConfig) -> int:
   """QK-norm's scales per layer: one E vector each for q and k per head, or one per feature of all heads."""
-  return {'none': 0, 'head': 2 * m.head_dim, 'full': (m.num_heads + m.num_kv_heads) * m.head_dim}[m.qk_norm]
+  return {'none': 0, 'head': 2 * m.head_dim, 'full': (m.num_heads + m.num_kv_heads) * m.head_dim}[m.attention.qk_norm]
 
 
 def param_count(m: ModelConfig, active: bool = False) -> int:
@@ -134,8 +144,8 @@ def param_count(m: ModelConfig, active: bool = False) -> int:
   D, H, K, E, F, V, L = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim, m.vocab_size, m.num_layers
   attention = D * H * E + 2 * D * K * E + H * E * D + qk_norm_params(m)  # q, k, v, out, q/k norms
   mlp = 3 * D * F  # gate, up, down
-  routed = m.moe_top_k if active else m.moe_experts
-  moe = (D + 1) * m.moe_experts + 3 * D * m.moe_mlp_dim * (routed + m.moe_shared_experts)  # router + bias, experts
+  routed = m.moe.top_k if active else m.moe.experts
+  moe = (D + 1) * m.moe.experts + 3 * D * m.moe.mlp_dim * (routed + m.moe.shared_experts)  # router + bias, experts
   moe_layers = sum(is_moe(m, i) for i in range(L))
   norms = D if m.parallel_block else 2 * D  # one shared LayerNorm vs pre-attention and pre-MLP RMSNorms
   embeddings = V * D * (1 if m.tie_embeddings else 2)
@@ -190,7 +200,7 @@ class Norm(nn.Module):
     x32 = x.astype(jnp.float32)
     if not self.rms:
       x32 = x32 - x32.mean(-1, keepdims=True)
-    x32 = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.config.norm_eps)
+    x32 = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.config.norms.eps)
     return (x32 * scale).astype(self.config.dtype)
 
 
@@ -206,12 +216,12 @@ class QKNorm(nn.Module):
   @nn.compact
   def __call__(self, x):  # (B, T, N, E)
     m = self.config
-    whole = m.qk_norm == 'full'
+    whole = m.attention.qk_norm == 'full'
     shape, names = ((x.shape[2], x.shape[3]), (self.heads, 'kv')) if whole else ((x.shape[3],), ('kv',))
     scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, names), shape,
                        storage_dtype(m))
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt((x32 * x32).mean((-2, -1) if whole else -1, keepdims=True) + m.norm_eps)
+    x32 = x32 * jax.lax.rsqrt((x32 * x32).mean((-2, -1) if whole else -1, keepdims=True) + m.norms.eps)
     return (x32 * scale).astype(x.dtype)
 
 
@@ -396,7 +406,7 @@ class Attention(nn.Module):
     k = project(x, wk.astype(dt).reshape(D, K * E), 'key', m, lora['key']).reshape(B, T, K, E)
     v = project(x, wv.astype(dt).reshape(D, K * E), 'value', m, lora['value']).reshape(B, T, K, E)
     q = nn.with_logical_constraint(q, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
-    if m.qk_norm != 'none':
+    if m.attention.qk_norm != 'none':
       q, k = QKNorm(m, 'heads', name='query_norm')(q), QKNorm(m, 'kv_heads', name='key_norm')(k)
     # Plain RoPE keeps its float32 formula; a scaled one takes its precomputed frequencies.
     frequencies = None if m.rope_scaling == 'none' else rope_frequencies(m)
@@ -404,7 +414,7 @@ class Attention(nn.Module):
     if self.is_mutable_collection('cache'):  # decoding (jaxlm/generate.py): attend over the KV cache
       out = self.cached_attention(q, k, v, segment_ids)
     else:
-      out = attention_lib.attention(q, k, v, segment_ids, m.attention, m.attention_block_q)  # (B, T, H, E)
+      out = attention_lib.attention(q, k, v, segment_ids, m.attention.kernel, m.attention.block_q)  # (B, T, H, E)
     out = nn.with_logical_constraint(out, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
     # Named so the `attn_out` remat policy can keep it instead of recomputing the whole attention.
     out = checkpoint_name(out, 'attn_out')
@@ -455,6 +465,19 @@ class SwiGLU(nn.Module):
                project(x, w_up.astype(dt), 'up', m, lora['up']))  # (N, F)
     h = nn.with_logical_constraint(h.reshape(B, T, F), ('act_batch', 'act_seq', 'act_mlp'))
     return project(tokens(h), w_down.astype(dt), 'down', m, lora['down']).reshape(B, T, D)
+
+
+def moe_mlp(m: ModelConfig, **kwargs) -> moe_lib.MoE:
+  """The mixture-of-experts MLP of model `m` (moe.MoE), given what it takes from the model: the widths and dtypes,
+  the SwiGLU activation, and the dense SwiGLU of its shared experts (DeepSeek's)."""
+  moe = dataclasses.replace(m.moe, mlp_dim=m.moe.mlp_dim or mlp_dim(m))
+  shared = None
+  if moe.shared_experts:  # one dense SwiGLU as wide as all of them, on every token
+    # No LoRA adapters inside a mixture of experts (model.lora): its MLPs stay frozen.
+    shared = functools.partial(SwiGLU, dataclasses.replace(m, mlp_dim=moe.shared_experts * moe.mlp_dim,
+                                                           lora=lora_lib.LoraConfig()))
+  return moe_lib.MoE(moe, d_model=m.d_model, dtype=m.dtype, param_dtype=storage_dtype(m), activation=swiglu,
+                     shared=shared, **kwargs)
 
 
 # The residual stream between layers, (B, T, D): its sequence split over context and tensor (sharding.RULES);
@@ -511,7 +534,7 @@ class Block(nn.Module):
     m = self.config
     drop = nn.Dropout(m.dropout_rate, deterministic=self.deterministic)
     if self.moe:  # routed per token; padding (segment id 0) goes to no expert
-      mlp = lambda h: moe_lib.MoE(m, name='moe')(h, segment_ids)  # noqa: E731
+      mlp = lambda h: moe_mlp(m, name='moe')(h, segment_ids)  # noqa: E731
     else:
       mlp = SwiGLU(m, name='mlp')
     # x arrives sequence-split over tensor (RESIDUAL, Megatron's sequence parallelism): the norms and residual
@@ -540,8 +563,8 @@ class Group(nn.Module):
   @nn.compact
   def __call__(self, x, segment_ids, positions):
     m = self.config
-    for j in range(m.moe_every):
-      x, _ = Block(m, self.deterministic, moe=j == m.moe_every - 1, name=f'block_{j}')(x, segment_ids, positions)
+    for j in range(m.moe.every):
+      x, _ = Block(m, self.deterministic, moe=j == m.moe.every - 1, name=f'block_{j}')(x, segment_ids, positions)
     return x, None
 
 
@@ -583,11 +606,11 @@ class Decoder(nn.Module):
     # With moe_first_dense = k (DeepSeek's first-k-dense), the first k layers are plain Blocks: their own
     # scanned stack, `dense_layers`, before the units of `layers`.
     first = dense_prefix(m)
-    if m.moe_experts and m.moe_every > 1:
-      unit, units = Group, (m.num_layers - first) // m.moe_every
+    if m.moe.experts and m.moe.every > 1:
+      unit, units = Group, (m.num_layers - first) // m.moe.every
     else:
       unit, units = Block, m.num_layers - first
-    fields = {'moe': True} if unit is Block and m.moe_experts else {}
+    fields = {'moe': True} if unit is Block and m.moe.experts else {}
     block = Block
     if m.remat != 'none':
       block = nn.remat(Block, policy=REMAT_POLICIES[m.remat], prevent_cse=not m.scan_layers)

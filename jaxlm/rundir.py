@@ -13,6 +13,7 @@ the TensorBoard files are uploaded as they grow.
 """
 
 import json
+import os
 
 import jax
 import ml_collections
@@ -70,6 +71,22 @@ def read_config(step_path: str) -> ml_collections.ConfigDict:
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise RunDirError(f'{step_path} has no readable env item with the run\'s config ({type(e).__name__}: {e}); '
                       f'was it written by jaxlm.train or jaxlm.hf.import_llama?') from e
+
+
+def load_tokenizer(cfg, workdir: str | None = None, path: str | None = None):
+  """The run's tokenizer (encode, decode, separator_id, ...): the one at `path` if given (rl.tokenizer), else the
+  files jaxlm.hf.import_llama put beside an import in `workdir` (when given), else the one its data was
+  prepared with (`cfg.data`, `cfg.model.vocab_size`). The one way eval, generate and rl load it."""
+  # Imported here: the data pipeline (grain) is heavy, and most readers of a run directory never tokenize.
+  from jaxlm.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
+  from jaxlm.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  if path:
+    return tokenizer_lib.load(os.path.expanduser(path))
+  if workdir is not None:
+    workdir = os.path.expanduser(workdir)
+    if any(os.path.isfile(os.path.join(workdir, n)) for n in ('tokenizer.json', 'tokenizer.model')):
+      return tokenizer_lib.load(workdir)
+  return data_lib.load_tokenizer(cfg.data, cfg.model.vocab_size)
 
 
 def _schedule_free(tree):

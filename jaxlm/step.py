@@ -153,7 +153,7 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
   abstract_state = jax.eval_shape(init)
   lr = optimizer_lib.schedule(optim_cfg, steps)
   deterministic = m.dropout_rate == 0.0
-  moe = m.moe_experts > 0
+  moe = m.moe.experts > 0
 
   def train_step(state: TrainState, batch: dict):
     rng = jax.random.fold_in(state.rng, state.step)
@@ -164,7 +164,7 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
     # loads from a routing pass first), so they too add up over microbatches to the whole batch's.
     moe_tokens = jnp.maximum((batch['segment_ids'] > 0).sum(), 1).astype(jnp.float32) if moe else None
     moe_loads = None
-    if moe and m.moe_aux_loss and microbatches > 1:
+    if moe and m.moe.aux_loss and microbatches > 1:
       moe_loads = routing_loads(model, variables_of(state), batch, rng, microbatches, deterministic)
     if preference:  # every microbatch divides by the whole batch's pair count
       num_pairs = jnp.maximum(preference_lib.count_pairs(batch), 1.0)
@@ -184,7 +184,7 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
       else:
         total, aux = model_lib.loss_fn(logits, mb['targets'], mb['weights'], m.z_loss, denominator)
       if moe:
-        total = total + moe_lib.loss(stats[moe_lib.STATS], m, moe_tokens, moe_loads)
+        total = total + moe_lib.loss(stats[moe_lib.STATS], m.moe, moe_tokens, moe_loads)
         aux = dict(aux, moe=stats[moe_lib.STATS])
       return total * scale, aux
 
@@ -204,11 +204,11 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
                    update_ratio=optax.tree.norm(updates) / optax.tree.norm(trained),
                    **group_norms(grads, scale))
     if moe:
-      if m.moe_bias_rate:  # a skipped (non-finite) step leaves the biases as it leaves every parameter
-        balanced = moe_lib.update_bias(params, moe_stats, m.moe_bias_rate)
+      if m.moe.bias_rate:  # a skipped (non-finite) step leaves the biases as it leaves every parameter
+        balanced = moe_lib.update_bias(params, moe_stats, m.moe.bias_rate)
         finite = jnp.isfinite(optax.tree.norm(grads)) if skip_nonfinite else True
         params = jax.tree.map(lambda new, old: jnp.where(finite, new, old), balanced, params)
-      metrics.update(moe_lib.metrics(moe_stats, m, params))
+      metrics.update(moe_lib.metrics(moe_stats, m.moe, params))
     if skip_nonfinite:
       finite_state = optimizer_lib.find_state(opt_state, optax.ApplyIfFiniteState)
       metrics.update(skipped_steps=finite_state.total_notfinite, nonfinite_run=finite_state.notfinite_count)
@@ -375,10 +375,10 @@ def routing_loads(model, variables, batch: dict, rng, microbatches: int, determi
     _, stats = model.apply(variables, mb['inputs'], mb['segment_ids'], mb['positions'],
                            deterministic=deterministic, rngs={'dropout': jax.random.fold_in(rng, i)},
                            mutable=[moe_lib.STATS])
-    return [a + b for a, b in zip(acc, moe_lib.loads(stats[moe_lib.STATS], m.moe_every))], None
+    return [a + b for a, b in zip(acc, moe_lib.loads(stats[moe_lib.STATS], m.moe.every))], None
 
   layers = sum(model_lib.is_moe(m, i) for i in range(m.num_layers))
-  zeros = [jnp.zeros((m.moe_experts,), jnp.float32)] * layers
+  zeros = [jnp.zeros((m.moe.experts,), jnp.float32)] * layers
   loads, _ = jax.lax.scan(add, zeros, (split_microbatches(batch, microbatches), jnp.arange(microbatches)))
   return [jax.lax.stop_gradient(x) for x in loads]
 

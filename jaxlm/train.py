@@ -112,13 +112,13 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack) -> Run:
   m = cfg.model  # which attention kernel runs, and why (deterministic mode rules cuDNN's out on a GPU)
   say('attention: ' + attention_lib.select(m.attention, dtype=m.dtype, head_dim=model_lib.head_dim(m),
                                            seq_len=cfg.data.seq_len, context=mesh.shape.get('context', 1))[1])
-  if experts := moe_lib.describe(m, mesh):  # expert parallelism: the transport that runs, and its buffers
+  if experts := moe_lib.describe(moe_lib.MoeConfig.from_config(m), mesh):  # expert parallelism: transport, buffers
     say(experts)
   with acct.phase('program'):
     program = step_lib.build_program(cfg, mesh)
   active = model_lib.param_count(program.model.config, active=True)  # a mixture of experts: what MFU counts
   say(f'parameters ({model_lib.param_count(program.model.config):,}'
-      + (f'; {active:,} active per token, which MFU counts' if program.model.config.moe_experts else '') + '):\n'
+      + (f'; {active:,} active per token, which MFU counts' if program.model.config.moe.experts else '') + '):\n'
       + sharding.param_table(program.abstract_state.params, program.state_shardings.params))
   if program.model.config.lora.rank:  # LoRA: what trains and what stays frozen, per device
     say(lora_report(program))
@@ -186,7 +186,7 @@ def lora_report(program: step_lib.Program) -> str:
   count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
   held = lambda tree, s: perf.format_bytes(sharding.bytes_per_device(tree, s))
   lo = program.model.config.lora
-  note = '; MoE experts get no adapters' if program.model.config.moe_experts else ''
+  note = '; MoE experts get no adapters' if program.model.config.moe.experts else ''
   return (f'LoRA rank {lo.rank}, alpha {lo.alpha:g} on {", ".join(lo.targets)}{note}:\n'
           f'  trainable {count(adapters):,} parameters, {held(adapters, adapters_s)} per device (+ optimizer state)\n'
           f'  frozen    {count(base):,} parameters, {held(base, base_s)} per device ({lo.base_dtype}, no gradient '
