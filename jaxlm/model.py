@@ -102,7 +102,7 @@ class ModelConfig:
   attention: AttentionConfig = AttentionConfig()  # model.attention, attention_block_q, qk_norm
   norms: NormsConfig = NormsConfig()  # model.norm_eps
   moe: moe_lib.MoeConfig = moe_lib.MoeConfig()  # model.moe_*: read only when moe.experts > 0 (jaxlm/moe.py)
-  lora: lora_lib.LoraConfig = lora_lib.LoraConfig()  # model.lora: read where a projection is made (lora.adapter, `project`)
+  lora: lora_lib.LoraConfig = lora_lib.LoraConfig()  # model.lora: read where a projection is made (`project`)
 
   @classmethod
   def from_config(cls, model_cfg) -> 'ModelConfig':

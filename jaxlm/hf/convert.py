@@ -57,18 +57,19 @@ def _moe_architecture(m: model_lib.ModelConfig) -> str:
   if m.parallel_block:
     raise ExportError('a parallel-block (PaLM) mixture of experts has no Hugging Face equivalent; train it with '
                       'model.parallel_block=False to export it.')
-  if m.moe.router not in MOE_ARCHITECTURES:
-    raise ExportError(f'model.moe_router={m.moe.router} has no export; use mixtral, qwen3_moe or olmoe.')
-  arch, _, qk_norm = MOE_ARCHITECTURES[m.moe.router]
-  if m.moe.first_dense and (m.moe.router != 'qwen3_moe' or m.moe.first_dense % m.moe.every):
-    raise ExportError(f'model.moe_first_dense={m.moe.first_dense}: {arch} has no dense first layers'
-                      f'{" but mlp_only_layers, whose pattern matches only when moe_every divides it" if m.moe.router == "qwen3_moe" else ""}'
+  moe = m.moe
+  if moe.router not in MOE_ARCHITECTURES:
+    raise ExportError(f'model.moe_router={moe.router} has no export; use mixtral, qwen3_moe or olmoe.')
+  arch, _, qk_norm = MOE_ARCHITECTURES[moe.router]
+  if moe.first_dense and (moe.router != 'qwen3_moe' or moe.first_dense % moe.every):
+    raise ExportError(f'model.moe_first_dense={moe.first_dense}: {arch} has no dense first layers'
+                      f'{" but mlp_only_layers, whose pattern matches only when moe_every divides it" if moe.router == "qwen3_moe" else ""}'
                       f', so this model has no faithful Hugging Face equivalent.')
-  if m.attention.qk_norm != qk_norm or m.moe.shared_experts or m.moe.routed_scale != 1.0 or (
-      m.moe.every != 1 and m.moe.router != 'qwen3_moe'):
+  if m.attention.qk_norm != qk_norm or moe.shared_experts or moe.routed_scale != 1.0 or (
+      moe.every != 1 and moe.router != 'qwen3_moe'):
     raise ExportError(f'{arch} computes qk_norm={qk_norm}, no shared experts, routed scale 1'
-                      f'{"" if m.moe.router == "qwen3_moe" else ", MoE in every layer"}; this model differs '
-                      f'(qk_norm={m.attention.qk_norm}, moe_shared_experts={m.moe.shared_experts}, moe_every={m.moe.every}), so '
+                      f'{"" if moe.router == "qwen3_moe" else ", MoE in every layer"}; this model differs '
+                      f'(qk_norm={m.attention.qk_norm}, moe_shared_experts={moe.shared_experts}, moe_every={moe.every}), so '
                       f'it has no faithful Hugging Face equivalent.')
   return arch
 
@@ -77,8 +78,9 @@ def architecture(m: model_lib.ModelConfig) -> str:
   """The Hugging Face class that computes exactly this model, or an ExportError saying why there is none."""
   if m.moe.experts:
     return _moe_architecture(m)
-  if m.attention.qk_norm == 'full' or (m.attention.qk_norm == 'head' and m.parallel_block):
-    raise ExportError(f'model.qk_norm={m.attention.qk_norm} on a dense{" parallel-block" if m.parallel_block else ""} model '
+  qk_norm = m.attention.qk_norm
+  if qk_norm == 'full' or (qk_norm == 'head' and m.parallel_block):
+    raise ExportError(f'model.qk_norm={qk_norm} on a dense{" parallel-block" if m.parallel_block else ""} model '
                       f'has no Hugging Face equivalent (Qwen3 is the sequential block with qk_norm=head); export it '
                       f'with qk_norm=none or head.')
   if m.d_model % m.num_heads:

@@ -13,8 +13,8 @@ printed and, with --output, written as one JSON line: prompt, sample, completion
 eos_token_id list, the tokenizer's eos and its document separator). The last lines give prefill and decode tokens/s.
 
 The run's own config says how to build the model and where its tokenizer is; the checkpoint is restored as
-`jaxlm.tools.eval` restores it (jaxlm.tools.load_run), onto the run's mesh when it fits here (a pipelined run's stages and context
-parallelism's sequence split become fsdp: sampling splits the batch, not the sequence).
+`jaxlm.tools.eval` restores it (jaxlm.tools.load_run), onto the run's mesh when it fits here (a pipelined run's
+stages and context parallelism's sequence split become fsdp: sampling splits the batch, not the sequence).
 """
 
 import json

@@ -41,7 +41,8 @@ def _lora_model(parallel_block: bool):
 def _hf_base(m, params, directory):
   """The HF base model (jaxlm's weights without the adapters), written and loaded as a user would."""
   plain = dataclasses.replace(m, lora=lora_lib.LoraConfig())
-  export.save_safetensors(convert.to_hf(lora_lib.split_adapters(params)[0], plain), str(directory / 'model.safetensors'))
+  base = lora_lib.split_adapters(params)[0]
+  export.save_safetensors(convert.to_hf(base, plain), str(directory / 'model.safetensors'))
   (directory / 'config.json').write_text(json.dumps(convert.hf_config(plain, max_positions=64, dtype='float32',
                                                                       bos_id=1, eos_id=2)))
   return transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
