@@ -604,7 +604,9 @@ def test_hf_qwen3_moe_mlp_only_layers_import_and_export_as_first_dense(tmp_path)
   for dense, step in (([1], 1), ([0], 2), ([0, 2], 1)):
     with pytest.raises(convert.HFImportError, match='mlp_only_layers'):
       convert.model_overrides({**hf_config, 'mlp_only_layers': dense, 'decoder_sparse_step': step})
-  for changed in (dict(moe_first_dense=1, num_layers=3), dict(moe_router='mixtral', qk_norm='none')):
+  for changed in (dict(moe=dataclasses.replace(m.moe, first_dense=1), num_layers=3),
+                  dict(moe=dataclasses.replace(m.moe, router='mixtral'),
+                       attention=dataclasses.replace(m.attention, qk_norm='none'))):
     with pytest.raises(convert.ExportError, match='moe_first_dense'):
       convert.architecture(dataclasses.replace(m, **changed))
 
