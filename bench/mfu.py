@@ -118,8 +118,8 @@ class Bench:
     return dict(
         framework='jaxlm', jax=jax.__version__, device_kind=device.device_kind, platform=device.platform,
         num_devices=self.mesh.size, mesh=dict(self.mesh.shape), batch_size=t.batch_size, seq_len=cfg.data.seq_len,
-        dtype=m.dtype, remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
-        attention_used=attention_lib.select(m.attention, dtype=m.dtype, head_dim=m.head_dim,
+        dtype=m.dtype, remat=m.remat, scan_layers=m.scan_layers, attention=m.attention.kernel,
+        attention_used=attention_lib.select(m.attention.kernel, dtype=m.dtype, head_dim=m.head_dim,
                                             seq_len=cfg.data.seq_len)[0],
         params=model_lib.param_count(m), step_s=step_s, step_s_mean=statistics.fmean(times),
         step_s_min=min(times), tokens_per_s=tokens_per_s, flops_per_token=flops,

@@ -50,7 +50,7 @@ class Norm(nn.Module):
 
   def __init__(self, m, rms: bool):
     super().__init__()
-    self.rms, self.eps = rms, m.norm_eps
+    self.rms, self.eps = rms, m.norms.eps
     self.scale = nn.Parameter(torch.ones(m.d_model))
 
   def forward(self, x):  # (B, T, D)

@@ -603,25 +603,25 @@ def load_params(path: str, abstract_params, shardings, weights: str = 'raw', fil
   (exit 2: the config must change) naming it.
   weights='ema' reads the exponential moving average of the parameters (optim.ema) instead (a LoRA run's averages
   its adapters alone: its frozen base comes from the parameters). `fill`: this run's initial parameters; LoRA
-  adapters (model.is_adapter) the checkpoint lacks keep their values from it (a LoRA run from an SFT run or an
+  adapters (lora.is_adapter) the checkpoint lacks keep their values from it (a LoRA run from an SFT run or an
   import), while an adapter it holds with another shape is refused like any parameter.
   """
-  from jaxlm import model as model_lib  # pylint: disable=import-outside-toplevel
+  from jaxlm import lora as lora_lib  # pylint: disable=import-outside-toplevel
   if weights == 'ema' and _averages_adapters_only(path):
-    (base, adapters), (base_s, adapters_s) = (model_lib.split_adapters(t) for t in (abstract_params, shardings))
-    return model_lib.join_adapters(load_params(path, base, base_s), _load_params(path, adapters, adapters_s, 'ema'))
+    (base, adapters), (base_s, adapters_s) = (lora_lib.split_adapters(t) for t in (abstract_params, shardings))
+    return lora_lib.join_adapters(load_params(path, base, base_s), _load_params(path, adapters, adapters_s, 'ema'))
   if fill is not None:
     from flax import traverse_util  # pylint: disable=import-outside-toplevel
     # Which parameters the checkpoint holds, by name: load those and keep `fill`'s absent adapters.
     saved = _saved_param_names(path, weights)
     flat = traverse_util.flatten_dict(abstract_params)
-    keep = {k for k in flat if model_lib.is_adapter(k) and jax.tree_util.keystr(tuple(
+    keep = {k for k in flat if lora_lib.is_adapter(k) and jax.tree_util.keystr(tuple(
         jax.tree_util.DictKey(x) for x in k)) not in saved}
     if keep:
       pick = lambda tree: traverse_util.unflatten_dict(
           {k: v for k, v in traverse_util.flatten_dict(tree).items() if k not in keep})
       loaded = load_params(path, pick(abstract_params), pick(shardings), weights)
-      return model_lib.join_adapters(fill, loaded)
+      return lora_lib.join_adapters(fill, loaded)
   return _load_params(path, abstract_params, shardings, weights)
 
 
@@ -639,12 +639,12 @@ def step_dir_of(path: str) -> str:
 
 def _averages_adapters_only(path: str) -> bool:
   """Whether the checkpoint's moving average (optim.ema) holds LoRA adapters only, as a LoRA run's does."""
-  from jaxlm import model as model_lib  # pylint: disable=import-outside-toplevel
+  from jaxlm import lora as lora_lib  # pylint: disable=import-outside-toplevel
   saved = ocp.StandardCheckpointer().metadata(storage.join(step_dir_of(path), 'state'))
   saved = getattr(saved, 'item_metadata', saved)
   saved_tree = saved if isinstance(saved, dict) else saved.tree
   keys = [k for k, _ in jax.tree_util.tree_flatten_with_path(saved_tree.get('ema', {}))[0]]
-  return bool(keys) and all(model_lib.is_adapter(k) for k in keys)
+  return bool(keys) and all(lora_lib.is_adapter(k) for k in keys)
 
 
 def _saved_param_names(path: str, weights: str) -> set:

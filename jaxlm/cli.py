@@ -21,6 +21,7 @@ from typing import Callable, NoReturn
 from absl import app, flags, logging
 
 from jaxlm import errors
+from jaxlm import locations
 
 
 def fail(error: BaseException) -> NoReturn:
@@ -169,14 +170,13 @@ LOCATION_FLAGS = ('workdir', 'out', 'inputs', 'hf_dir', 'data', 'adapter_out', '
 
 def check_locations() -> None:
   """Refuses a malformed location flag (`gs://`, `gcs://b`, `./x/gs://b`) before any work, naming every one."""
-  from jaxlm.data import storage  # pylint: disable=import-outside-toplevel  -- no JAX: the watcher runs it too
   problems = []
   for name in LOCATION_FLAGS:
     if name in flags.FLAGS and flags.FLAGS[name].present:
       value = flags.FLAGS[name].value
       for part in value if isinstance(value, (list, tuple)) else [value]:
         try:
-          storage.check_location(part, f'--{name}')
+          locations.check_location(part, f'--{name}')
         except errors.ConfigError as e:
           problems.append(str(e))
   if problems:

@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxlm import attention
 from jaxlm import distributed
+from jaxlm import lora as lora_lib
 from jaxlm import model
 from jaxlm import moe
 from jaxlm import optimizer
@@ -21,7 +22,7 @@ from jaxlm import stability
 from jaxlm import step as step_lib
 from jaxlm.data import chat as chat_lib
 from jaxlm.data import pipeline
-from jaxlm.data import storage
+from jaxlm import locations
 from jaxlm.errors import ConfigError  # noqa: F401
 
 # Each list of allowed values is declared once, in the module that acts on it; validation reads it there.
@@ -175,11 +176,11 @@ def _lora_errors(c) -> list[str]:
     e.append(f'model.lora.rank={lo.rank} must be a non-negative integer (0 = off).')
   if lo.alpha <= 0:
     e.append(f'model.lora.alpha={lo.alpha} must be positive (the branch is scaled by alpha / rank).')
-  targets = model.LoraConfig.from_config(lo).targets
-  if not targets or any(t not in model.LORA_TARGETS for t in targets):
-    e.append(f'model.lora.targets={tuple(targets)} must name some of {", ".join(model.LORA_TARGETS)}.')
-  if lo.base_dtype not in model.LORA_BASE_DTYPES:
-    e.append(f'model.lora.base_dtype={lo.base_dtype!r} is unknown; use one of {", ".join(model.LORA_BASE_DTYPES)}.')
+  targets = lora_lib.LoraConfig.from_config(lo).targets
+  if not targets or any(t not in lora_lib.LORA_TARGETS for t in targets):
+    e.append(f'model.lora.targets={tuple(targets)} must name some of {", ".join(lora_lib.LORA_TARGETS)}.')
+  if lo.base_dtype not in lora_lib.LORA_BASE_DTYPES:
+    e.append(f'model.lora.base_dtype={lo.base_dtype!r} is unknown; use one of {", ".join(lora_lib.LORA_BASE_DTYPES)}.')
   if c.optim.name == 'muon':
     e.append('optim.name=muon cannot run on LoRA adapters (it orthogonalises whole weight matrices, and an '
              'adapter is a rank-r factor); use optim.name=adamw, adafactor or sf_adamw with model.lora.')
@@ -555,13 +556,13 @@ LOCATION_KEYS = ('data.paths', 'data.eval_paths', 'data.tokenizer', 'data.cache_
 
 
 def _location_errors(c) -> list[str]:
-  """A location written as a URL that is not one jaxlm can use (storage.location_problem), per key."""
+  """A location written as a URL that is not one jaxlm can use (locations.location_problem), per key."""
   errors = []
   for key in LOCATION_KEYS:
     section, name = key.split('.')
     value = c.get(section, {}).get(name) or ''
     for part in str(value).replace(';', ',').split(','):
-      if problem := storage.location_problem(part.strip()):
+      if problem := locations.location_problem(part.strip()):
         errors.append(f'{key}: {problem}')
   return errors
 

@@ -20,6 +20,7 @@ from flax.linen import fp8_ops
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxlm import attention as attention_lib
+from jaxlm import lora as lora_lib
 from jaxlm import moe as moe_lib
 from jaxlm import pipeline as pipeline_lib
 
@@ -30,9 +31,6 @@ MATMUL_DTYPES = ('dtype', 'fp8')  # model.matmul_dtype: the projections in model
 FP8 = fp8_ops.OVERWRITE_WITH_GRADIENT
 ROPE_SCALINGS = ('none', 'linear', 'llama3', 'yarn')  # model.rope_scaling
 QK_NORMS = ('none', 'head', 'full')  # model.qk_norm (QKNorm)
-LORA_TARGETS = ('query', 'key', 'value', 'out', 'gate', 'up', 'down')  # model.lora.targets: what LoRA may adapt
-LORA_BASE_DTYPES = ('float32', 'bfloat16')  # model.lora.base_dtype
-ADAPTER_SUFFIXES = ('_lora_a', '_lora_b')  # a LoRA adapter's parameter names: `<weight>_lora_a`, `<weight>_lora_b`
 
 
 def head_dim(model_cfg) -> int:
@@ -46,26 +44,28 @@ def mlp_dim(model_cfg) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class LoraConfig:
-  """model.lora: low-rank adapters W + (alpha/rank)·A·B beside the projections named in `targets` (Hu et al. 2021)."""
-  rank: int = 0  # r; 0 = off
-  alpha: float = 16.0  # the branch is scaled by alpha / rank, as peft's lora_alpha
-  targets: tuple = LORA_TARGETS
-  base_dtype: str = 'float32'  # how the frozen base is stored (bfloat16 halves its memory)
+class AttentionConfig:
+  """model.attention (the kernel), attention_block_q and qk_norm: how a layer's attention runs."""
+  kernel: str = 'xla'  # model.attention: attention.py's kernel choice
+  block_q: int = 0  # model.attention_block_q: query rows per block (0 = all at once)
+  qk_norm: str = 'none'  # see QKNorm
 
   @classmethod
-  def from_config(cls, lora_cfg) -> 'LoraConfig':
-    """From `cfg.model.lora` (None or absent in a config saved before LoRA existed: off)."""
-    if lora_cfg is None:
-      return cls()
-    targets = lora_cfg.get('targets', LORA_TARGETS)
-    targets = tuple(t.strip() for t in targets.split(',')) if isinstance(targets, str) else tuple(targets)
-    return cls(rank=int(lora_cfg.get('rank', 0)), alpha=float(lora_cfg.get('alpha', 16.0)), targets=targets,
-               base_dtype=lora_cfg.get('base_dtype', 'float32'))
+  def from_config(cls, model_cfg) -> 'AttentionConfig':
+    """From cfg.model's flat keys (a key a saved config lacks: its default)."""
+    return cls(kernel=model_cfg.get('attention', cls.kernel), block_q=model_cfg.get('attention_block_q', cls.block_q),
+               qk_norm=model_cfg.get('qk_norm', cls.qk_norm))
 
-  @property
-  def scale(self) -> float:
-    return self.alpha / self.rank if self.rank else 0.0
+
+@dataclasses.dataclass(frozen=True)
+class NormsConfig:
+  """model.norm_eps: the layer norms (`Norm`, `QKNorm`); which norm a block uses follows model.parallel_block."""
+  eps: float = 1e-6
+
+  @classmethod
+  def from_config(cls, model_cfg) -> 'NormsConfig':
+    """From cfg.model's flat keys (a key a saved config lacks: its default)."""
+    return cls(eps=model_cfg.get('norm_eps', cls.eps))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,64 +90,49 @@ class ModelConfig:
   rope_beta_slow: float = 1.0
   rope_attention_factor: float = 0.0
   rope_truncate: bool = True
-  norm_eps: float = 1e-6
   z_loss: float = 1e-4
   dropout_rate: float = 0.0
   dtype: str = 'bfloat16'
   param_dtype: str = 'float32'
   remat: str = 'full'
   scan_layers: bool = True
-  attention: str = 'xla'
-  attention_block_q: int = 0
   explicit_transpose_grads: bool = False
   matmul_dtype: str = 'dtype'
-  qk_norm: str = 'none'  # see QKNorm
-  moe_experts: int = 0  # 0: dense MLPs; the moe_* fields below are read only when > 0 (jaxlm/moe.py)
-  moe_top_k: int = 2
-  moe_mlp_dim: int = 0
-  moe_shared_experts: int = 0
-  moe_every: int = 1
-  moe_first_dense: int = 0
-  moe_router: str = 'mixtral'
-  moe_groups: int = 1
-  moe_top_groups: int = 1
-  moe_norm_topk_prob: bool = True
-  moe_routed_scale: float = 1.0
-  moe_capacity_factor: float = 0.0
-  moe_aux_loss: float = 0.0
-  moe_router_z_loss: float = 0.0
-  moe_bias_rate: float = 0.0
-  moe_impl: str = 'ragged'
-  moe_transport: str = 'auto'
-  moe_buffer_factor: float = 0.0
-  lora: LoraConfig = LoraConfig()  # adapters: read where a projection is made (`adapter`, `project`)
+  # Each feature's keys in its own small frozen config; cfg.model keeps them flat (`from_config` maps them).
+  attention: AttentionConfig = AttentionConfig()  # model.attention, attention_block_q, qk_norm
+  norms: NormsConfig = NormsConfig()  # model.norm_eps
+  moe: moe_lib.MoeConfig = moe_lib.MoeConfig()  # model.moe_*: read only when moe.experts > 0 (jaxlm/moe.py)
+  lora: lora_lib.LoraConfig = lora_lib.LoraConfig()  # model.lora: read where a projection is made (`project`)
 
   @classmethod
   def from_config(cls, model_cfg) -> 'ModelConfig':
-    """Builds the frozen config from `cfg.model`, filling the derived sizes (head_dim, mlp_dim)."""
+    """Builds the frozen config from `cfg.model`, filling the derived sizes (head_dim, mlp_dim, moe.mlp_dim)."""
     # .get: a config saved before a key existed (an old checkpoint's) means that key's default.
-    fields = {f.name: model_cfg.get(f.name, f.default) for f in dataclasses.fields(cls)}
+    nested = {'attention', 'norms', 'moe', 'lora'}
+    fields = {f.name: model_cfg.get(f.name, f.default) for f in dataclasses.fields(cls) if f.name not in nested}
     fields.update(head_dim=head_dim(model_cfg), mlp_dim=mlp_dim(model_cfg))
-    fields.update(moe_mlp_dim=model_cfg.get('moe_mlp_dim', 0) or fields['mlp_dim'])
-    fields.update(lora=LoraConfig.from_config(model_cfg.get('lora')))
+    moe = moe_lib.MoeConfig.from_config(model_cfg)
+    fields.update(attention=AttentionConfig.from_config(model_cfg), norms=NormsConfig.from_config(model_cfg),
+                  moe=dataclasses.replace(moe, mlp_dim=moe.mlp_dim or fields['mlp_dim']),
+                  lora=lora_lib.LoraConfig.from_config(model_cfg.get('lora')))
     return cls(**fields)
 
 
 def is_moe(m: ModelConfig, layer: int) -> bool:
   """Whether layer `layer` (from 0) is a mixture of experts: after the moe_first_dense dense layers (DeepSeek's
   first_k_dense_replace), every moe_every-th layer, the last of each group."""
-  first = layer - m.moe_first_dense
-  return m.moe_experts > 0 and first >= 0 and (first + 1) % m.moe_every == 0
+  first = layer - m.moe.first_dense
+  return m.moe.experts > 0 and first >= 0 and (first + 1) % m.moe.every == 0
 
 
 def dense_prefix(m: ModelConfig) -> int:
   """Layers before the first group of a mixture of experts that are plain dense layers (model.moe_first_dense)."""
-  return m.moe_first_dense if m.moe_experts else 0
+  return m.moe.first_dense if m.moe.experts else 0
 
 
 def qk_norm_params(m: ModelConfig) -> int:
   """QK-norm's scales per layer: one E vector each for q and k per head, or one per feature of all heads."""
-  return {'none': 0, 'head': 2 * m.head_dim, 'full': (m.num_heads + m.num_kv_heads) * m.head_dim}[m.qk_norm]
+  return {'none': 0, 'head': 2 * m.head_dim, 'full': (m.num_heads + m.num_kv_heads) * m.head_dim}[m.attention.qk_norm]
 
 
 def param_count(m: ModelConfig, active: bool = False) -> int:
@@ -159,8 +144,8 @@ def param_count(m: ModelConfig, active: bool = False) -> int:
   D, H, K, E, F, V, L = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim, m.vocab_size, m.num_layers
   attention = D * H * E + 2 * D * K * E + H * E * D + qk_norm_params(m)  # q, k, v, out, q/k norms
   mlp = 3 * D * F  # gate, up, down
-  routed = m.moe_top_k if active else m.moe_experts
-  moe = (D + 1) * m.moe_experts + 3 * D * m.moe_mlp_dim * (routed + m.moe_shared_experts)  # router + bias, experts
+  routed = m.moe.top_k if active else m.moe.experts
+  moe = (D + 1) * m.moe.experts + 3 * D * m.moe.mlp_dim * (routed + m.moe.shared_experts)  # router + bias, experts
   moe_layers = sum(is_moe(m, i) for i in range(L))
   norms = D if m.parallel_block else 2 * D  # one shared LayerNorm vs pre-attention and pre-MLP RMSNorms
   embeddings = V * D * (1 if m.tie_embeddings else 2)
@@ -203,84 +188,6 @@ def _param(module, name, names, shape, std, m: ModelConfig):
   return module.param(name, init, shape, storage_dtype(m))
 
 
-def adapter(module, name: str, inputs: tuple, outputs: tuple, m: ModelConfig):
-  """LoRA's (A (I, r), B (r, O)) for the projection `name` with input axes `inputs` and output axes `outputs`
-  ((size, logical name) pairs), flattened for `project`; None when model.lora does not adapt it.
-
-  A follows the weight's input axes and B its output axes, so the rules table shards them as the weight; the
-  rank axis (`lora_rank`) is never split. A starts as a fan-in normal and B at zero: at step 0 the branch adds an
-  exact zero and the model computes its base bit for bit. Call after the module's own parameters, so their
-  initial values do not depend on whether LoRA is on.
-  """
-  lo = m.lora
-  if not lo.rank or name not in lo.targets:
-    return None
-  r, dtype = lo.rank, jnp.dtype(m.param_dtype)
-  in_shape, in_names = zip(*inputs)
-  out_shape, out_names = zip(*outputs)
-  fan_in = math.prod(in_shape)
-  a = module.param(f'{name}_lora_a', nn.with_logical_partitioning(nn.initializers.normal(fan_in ** -0.5),
-                                                                  (*in_names, 'lora_rank')), (*in_shape, r), dtype)
-  b = module.param(f'{name}_lora_b', nn.with_logical_partitioning(nn.initializers.zeros, ('lora_rank', *out_names)),
-                   (r, *out_shape), dtype)
-  return a.reshape(fan_in, r), b.reshape(r, math.prod(out_shape))
-
-
-def is_adapter(path) -> bool:
-  """Whether a parameter path (a tuple of names, or a jax key path) is a LoRA adapter's."""
-  last = path[-1]
-  return str(getattr(last, 'key', last)).endswith(ADAPTER_SUFFIXES)
-
-
-def split_adapters(params) -> tuple[dict, dict]:
-  """(base, adapters): the parameter tree cut in two trees of nested dicts, by `is_adapter`."""
-  from flax import traverse_util  # pylint: disable=g-import-not-at-top
-  flat = traverse_util.flatten_dict(params)
-  base = {k: v for k, v in flat.items() if not is_adapter(k)}
-  adapters = {k: v for k, v in flat.items() if is_adapter(k)}
-  return traverse_util.unflatten_dict(base), traverse_util.unflatten_dict(adapters)
-
-
-def join_adapters(params, adapters) -> dict:
-  """`params` with the leaves of `adapters` (a subtree of the same paths) put in."""
-  from flax import traverse_util  # pylint: disable=g-import-not-at-top
-  flat = traverse_util.flatten_dict(params)
-  flat.update(traverse_util.flatten_dict(adapters))
-  return traverse_util.unflatten_dict(flat)
-
-
-def merge_adapters(params, m: ModelConfig) -> dict:
-  """The parameters of the plain model that computes what the LoRA model does: each adapted W + (alpha/r)·A·B,
-  in float32 (numpy), the adapters removed. Parameters without adapters are returned as they are."""
-
-  def merge(tree):
-    if not isinstance(tree, dict):
-      return tree
-    out = {}
-    for name, value in tree.items():
-      if name.endswith(ADAPTER_SUFFIXES):
-        continue
-      if isinstance(value, dict) or f'{name}_lora_a' not in tree:
-        out[name] = merge(value)
-        continue
-      w = np.asarray(value, np.float32)
-      a, b = np.asarray(tree[f'{name}_lora_a'], np.float32), np.asarray(tree[f'{name}_lora_b'], np.float32)
-      lead = a.ndim + b.ndim - 2 - w.ndim  # a scanned stack's leading layers axis (0 or 1)
-      r = a.shape[-1]
-      a2 = a.reshape(*a.shape[:lead], -1, r)  # (..., I, r)
-      b2 = b.reshape(*b.shape[:lead], r, -1)  # (..., r, O)
-      out[name] = (w + (a2 @ b2 * np.float32(m.lora.scale)).reshape(w.shape)).astype(np.float32)
-    return out
-
-  return merge(params)
-
-
-def adapters_off(params) -> dict:
-  """`params` with every LoRA B at zero: the base model (x·A·0 adds an exact zero), at no memory beyond B's."""
-  return jax.tree_util.tree_map_with_path(
-      lambda k, x: jnp.zeros_like(x) if str(getattr(k[-1], 'key', k[-1])).endswith('_lora_b') else x, params)
-
-
 class Norm(nn.Module):
   """LayerNorm without bias (PaLM) or RMSNorm (Llama); statistics in float32 whatever the compute dtype."""
   config: ModelConfig
@@ -293,7 +200,7 @@ class Norm(nn.Module):
     x32 = x.astype(jnp.float32)
     if not self.rms:
       x32 = x32 - x32.mean(-1, keepdims=True)
-    x32 = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.config.norm_eps)
+    x32 = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.config.norms.eps)
     return (x32 * scale).astype(self.config.dtype)
 
 
@@ -309,12 +216,12 @@ class QKNorm(nn.Module):
   @nn.compact
   def __call__(self, x):  # (B, T, N, E)
     m = self.config
-    whole = m.qk_norm == 'full'
+    whole = m.attention.qk_norm == 'full'
     shape, names = ((x.shape[2], x.shape[3]), (self.heads, 'kv')) if whole else ((x.shape[3],), ('kv',))
     scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, names), shape,
                        storage_dtype(m))
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt((x32 * x32).mean((-2, -1) if whole else -1, keepdims=True) + m.norm_eps)
+    x32 = x32 * jax.lax.rsqrt((x32 * x32).mean((-2, -1) if whole else -1, keepdims=True) + m.norms.eps)
     return (x32 * scale).astype(x.dtype)
 
 
@@ -441,7 +348,7 @@ def dense(x, w, plain_weight_grad: bool):
 
 def project(x, w, name: str, m: ModelConfig, lora=None):
   """A layer's projection x (N, I) · w (I, O) -> (N, O): `dense`, or with model.matmul_dtype=fp8 Flax's fp8 dot;
-  plus LoRA's branch (alpha/r)·(x·A)·B when `lora` holds the projection's adapters (A, B) (`adapter`).
+  plus LoRA's branch (alpha/r)·(x·A)·B when `lora` holds the projection's adapters (A, B) (lora.adapter).
 
   fp8 is delayed scaling as in Transformer Engine: x and w quantised to e4m3, the output gradient to e5m2, each
   with a scale from the amax of the last 1024 steps (Flax's default history). The scales and histories are
@@ -487,7 +394,8 @@ class Attention(nn.Module):
     wv = _param(self, 'value', ('embed', 'kv_heads', 'kv'), (D, K, E), D ** -0.5, m)
     wo = _param(self, 'out', ('heads', 'kv', 'embed'), (H, E, D), (H * E) ** -0.5, m)
     embed, heads, kv_heads, kv = (D, 'embed'), (H, 'heads'), (K, 'kv_heads'), (E, 'kv')
-    lora = {name: adapter(self, name, inputs, outputs, m) for name, inputs, outputs in (
+    adapter = functools.partial(lora_lib.adapter, self, lo=m.lora, dtype=m.param_dtype)
+    lora = {name: adapter(name, inputs, outputs) for name, inputs, outputs in (
         ('query', (embed,), (heads, kv)), ('key', (embed,), (kv_heads, kv)), ('value', (embed,), (kv_heads, kv)),
         ('out', (heads, kv), (embed,)))}
     dt = jnp.dtype(m.dtype)
@@ -498,7 +406,7 @@ class Attention(nn.Module):
     k = project(x, wk.astype(dt).reshape(D, K * E), 'key', m, lora['key']).reshape(B, T, K, E)
     v = project(x, wv.astype(dt).reshape(D, K * E), 'value', m, lora['value']).reshape(B, T, K, E)
     q = nn.with_logical_constraint(q, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
-    if m.qk_norm != 'none':
+    if m.attention.qk_norm != 'none':
       q, k = QKNorm(m, 'heads', name='query_norm')(q), QKNorm(m, 'kv_heads', name='key_norm')(k)
     # Plain RoPE keeps its float32 formula; a scaled one takes its precomputed frequencies.
     frequencies = None if m.rope_scaling == 'none' else rope_frequencies(m)
@@ -506,7 +414,7 @@ class Attention(nn.Module):
     if self.is_mutable_collection('cache'):  # decoding (jaxlm/generate.py): attend over the KV cache
       out = self.cached_attention(q, k, v, segment_ids)
     else:
-      out = attention_lib.attention(q, k, v, segment_ids, m.attention, m.attention_block_q)  # (B, T, H, E)
+      out = attention_lib.attention(q, k, v, segment_ids, m.attention.kernel, m.attention.block_q)  # (B, T, H, E)
     out = nn.with_logical_constraint(out, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
     # Named so the `attn_out` remat policy can keep it instead of recomputing the whole attention.
     out = checkpoint_name(out, 'attn_out')
@@ -547,7 +455,8 @@ class SwiGLU(nn.Module):
     w_gate = _param(self, 'gate', ('embed', 'mlp'), (D, F), D ** -0.5, m)
     w_up = _param(self, 'up', ('embed', 'mlp'), (D, F), D ** -0.5, m)
     w_down = _param(self, 'down', ('mlp', 'embed'), (F, D), F ** -0.5, m)
-    lora = {name: adapter(self, name, inputs, outputs, m) for name, inputs, outputs in (
+    adapter = functools.partial(lora_lib.adapter, self, lo=m.lora, dtype=m.param_dtype)
+    lora = {name: adapter(name, inputs, outputs) for name, inputs, outputs in (
         ('gate', ((D, 'embed'),), ((F, 'mlp'),)), ('up', ((D, 'embed'),), ((F, 'mlp'),)),
         ('down', ((F, 'mlp'),), ((D, 'embed'),)))}
     B, T, _ = x.shape
@@ -556,6 +465,19 @@ class SwiGLU(nn.Module):
                project(x, w_up.astype(dt), 'up', m, lora['up']))  # (N, F)
     h = nn.with_logical_constraint(h.reshape(B, T, F), ('act_batch', 'act_seq', 'act_mlp'))
     return project(tokens(h), w_down.astype(dt), 'down', m, lora['down']).reshape(B, T, D)
+
+
+def moe_mlp(m: ModelConfig, **kwargs) -> moe_lib.MoE:
+  """The mixture-of-experts MLP of model `m` (moe.MoE), given what it takes from the model: the widths and dtypes,
+  the SwiGLU activation, and the dense SwiGLU of its shared experts (DeepSeek's)."""
+  moe = dataclasses.replace(m.moe, mlp_dim=m.moe.mlp_dim or mlp_dim(m))
+  shared = None
+  if moe.shared_experts:  # one dense SwiGLU as wide as all of them, on every token
+    # No LoRA adapters inside a mixture of experts (model.lora): its MLPs stay frozen.
+    shared = functools.partial(SwiGLU, dataclasses.replace(m, mlp_dim=moe.shared_experts * moe.mlp_dim,
+                                                           lora=lora_lib.LoraConfig()))
+  return moe_lib.MoE(moe, d_model=m.d_model, dtype=m.dtype, param_dtype=storage_dtype(m), activation=swiglu,
+                     shared=shared, **kwargs)
 
 
 # The residual stream between layers, (B, T, D): its sequence split over context and tensor (sharding.RULES);
@@ -612,7 +534,7 @@ class Block(nn.Module):
     m = self.config
     drop = nn.Dropout(m.dropout_rate, deterministic=self.deterministic)
     if self.moe:  # routed per token; padding (segment id 0) goes to no expert
-      mlp = lambda h: moe_lib.MoE(m, name='moe')(h, segment_ids)  # noqa: E731
+      mlp = lambda h: moe_mlp(m, name='moe')(h, segment_ids)  # noqa: E731
     else:
       mlp = SwiGLU(m, name='mlp')
     # x arrives sequence-split over tensor (RESIDUAL, Megatron's sequence parallelism): the norms and residual
@@ -641,8 +563,8 @@ class Group(nn.Module):
   @nn.compact
   def __call__(self, x, segment_ids, positions):
     m = self.config
-    for j in range(m.moe_every):
-      x, _ = Block(m, self.deterministic, moe=j == m.moe_every - 1, name=f'block_{j}')(x, segment_ids, positions)
+    for j in range(m.moe.every):
+      x, _ = Block(m, self.deterministic, moe=j == m.moe.every - 1, name=f'block_{j}')(x, segment_ids, positions)
     return x, None
 
 
@@ -684,11 +606,11 @@ class Decoder(nn.Module):
     # With moe_first_dense = k (DeepSeek's first-k-dense), the first k layers are plain Blocks: their own
     # scanned stack, `dense_layers`, before the units of `layers`.
     first = dense_prefix(m)
-    if m.moe_experts and m.moe_every > 1:
-      unit, units = Group, (m.num_layers - first) // m.moe_every
+    if m.moe.experts and m.moe.every > 1:
+      unit, units = Group, (m.num_layers - first) // m.moe.every
     else:
       unit, units = Block, m.num_layers - first
-    fields = {'moe': True} if unit is Block and m.moe_experts else {}
+    fields = {'moe': True} if unit is Block and m.moe.experts else {}
     block = Block
     if m.remat != 'none':
       block = nn.remat(Block, policy=REMAT_POLICIES[m.remat], prevent_cse=not m.scan_layers)

@@ -1,6 +1,7 @@
 """Mixture of experts: the router presets, dropless dispatch through grouped GEMMs, capacity, routing statistics.
 
-model.py calls `MoE` in place of the dense MLP in every MoE layer; nothing else in the model knows experts.
+model.py calls `MoE` in place of the dense MLP in every MoE layer, handing it what it takes from the model
+(model.moe_mlp): this module never imports model.py, and nothing else in the model knows experts.
 
 Shape letters (model.py's, plus): X routed experts (model.moe_experts), k experts per token (model.moe_top_k),
 F here is one expert's hidden width (model.moe_mlp_dim), A = N·k token-expert assignments.
@@ -23,6 +24,7 @@ are the same sums as without the axis.
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -35,6 +37,34 @@ ROUTERS = ('mixtral', 'qwen3_moe', 'olmoe', 'deepseek_v3')  # model.moe_router
 IMPLS = ('ragged', 'dense')  # model.moe_impl: sorted grouped GEMMs, or every expert on every token (reference)
 TRANSPORTS = ('auto', 'gather', 'all_to_all')  # model.moe_transport: how tokens reach their experts' devices
 STATS = 'moe_stats'  # the Flax collection each MoE layer writes its routing statistics into, when mutable
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+  """cfg.model's moe_* keys without the prefix, resolved and frozen: what the mixture of experts reads."""
+  experts: int = 0  # X; 0: dense MLPs, and the fields below are read only when > 0
+  top_k: int = 2  # k experts per token
+  mlp_dim: int = 0  # F: one routed expert's SwiGLU width (the caller resolves 0 to model.mlp_dim's)
+  shared_experts: int = 0  # DeepSeek's shared experts, as one dense SwiGLU this many experts wide
+  every: int = 1  # every n-th layer is a mixture of experts, the last of each group of n
+  first_dense: int = 0  # plain dense layers before the first group (DeepSeek's first_k_dense_replace)
+  router: str = 'mixtral'  # ROUTERS
+  groups: int = 1  # DeepSeek-V3's group-limited routing (`route`)
+  top_groups: int = 1
+  norm_topk_prob: bool = True
+  routed_scale: float = 1.0
+  capacity_factor: float = 0.0  # 0: dropless
+  aux_loss: float = 0.0  # the Switch load-balancing loss's weight (`loss`)
+  router_z_loss: float = 0.0
+  bias_rate: float = 0.0  # auxiliary-loss-free balancing (`update_bias`)
+  impl: str = 'ragged'  # IMPLS
+  transport: str = 'auto'  # TRANSPORTS
+  buffer_factor: float = 0.0  # all_to_all receive buffers (`buffer_rows`); 0: the worst case
+
+  @classmethod
+  def from_config(cls, model_cfg) -> 'MoeConfig':
+    """From `cfg.model`'s moe_* keys (a key a saved config lacks: its default); mlp_dim as given (0 unresolved)."""
+    return cls(**{f.name: model_cfg.get(f'moe_{f.name}', f.default) for f in dataclasses.fields(cls)})
 
 
 def route(logits, preset: str, top_k: int, norm_topk_prob: bool, routed_scale: float, bias=None, groups: int = 1,
@@ -205,21 +235,21 @@ def transport(name: str) -> str:
   return name
 
 
-def describe(m, mesh) -> str | None:
-  """The start-up report's line on expert parallelism for model config `m` on `mesh` (None without an expert
+def describe(m: MoeConfig, mesh) -> str | None:
+  """The start-up report's line on expert parallelism for MoE config `m` on `mesh` (None without an expert
   axis): the experts per device and the transport that will run. Refuses all_to_all on a CPU mesh here, before
   anything compiles."""
   ways = dict(mesh.shape).get(sharding.EXPERT, 1)
-  if not m.moe_experts or ways == 1:
+  if not m.experts or ways == 1:
     return None
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-    chosen = transport(m.moe_transport)
+    chosen = transport(m.transport)
   how = {'all_to_all': 'ragged all-to-all there and back, receive buffers ' + (
-      f'{m.moe_buffer_factor:g}× the balanced share (overflow counted)' if m.moe_buffer_factor else
+      f'{m.buffer_factor:g}× the balanced share (overflow counted)' if m.buffer_factor else
       'the worst case (nothing can overflow)'), 'gather': 'all-gather of the expert group\'s tokens, '
          'reduce-scatter of the outputs'}[chosen]
-  return (f'experts: {m.moe_experts} over expert={ways}, {m.moe_experts // ways} per device; tokens travel by '
-          f'{chosen} ({how}), model.moe_transport={m.moe_transport}')
+  return (f'experts: {m.experts} over expert={ways}, {m.experts // ways} per device; tokens travel by '
+          f'{chosen} ({how}), model.moe_transport={m.transport}')
 
 
 def buffer_rows(tokens: int, top_k: int, local_experts: int, ways: int, factor: float) -> int:
@@ -336,18 +366,27 @@ def expert_parallel(x, weights, experts, keep, w_gate, w_up, w_down, *, run, swi
 class MoE(nn.Module):
   """A routed SwiGLU MLP: a float32 router picks k of X experts per token, plus optional shared experts.
 
-  `config` is model.ModelConfig. When the STATS collection is mutable, the layer writes its routing statistics
-  there as sums over its tokens (`statistics`), so microbatches and data shards add up to the whole batch's.
+  What it takes from the model comes from its caller (model.moe_mlp): the widths and dtypes, the SwiGLU
+  `activation` silu(g)·u, and `shared`, which makes the dense MLP of the shared experts (None without them).
+  When the STATS collection is mutable, the layer writes its routing statistics there as sums over its tokens
+  (`statistics`), so microbatches and data shards add up to the whole batch's.
   """
-  config: 'object'
+  config: MoeConfig
+  d_model: int
+  dtype: str  # the compute dtype (model.dtype)
+  param_dtype: object  # how the experts are stored (model.storage_dtype)
+  activation: Callable  # (g, u) -> silu(g)·u
+  shared: Callable | None = None  # (name=) -> a Flax module (B, T, D) -> (B, T, D)
 
   @nn.compact
   def __call__(self, x, segment_ids):  # x: (B, T, D), segment_ids: (B, T)
-    from jaxlm import model as model_lib  # model.py imports this module
     m = self.config
-    D, X, F, k = m.d_model, m.moe_experts, moe_mlp_dim(m), m.moe_top_k
-    dt = jnp.dtype(m.dtype)
-    param = lambda name, names, shape, std: model_lib._param(self, name, names, shape, std, m)
+    D, X, F, k = self.d_model, m.experts, m.mlp_dim, m.top_k
+    dt = jnp.dtype(self.dtype)
+
+    def param(name, names, shape, std):  # normal(std) init, logical axis names, stored in param_dtype
+      return self.param(name, nn.with_logical_partitioning(nn.initializers.normal(std), names), shape,
+                        self.param_dtype)
     w_router = param('router', ('embed', None), (D, X), D ** -0.5)
     # Per-expert selection bias (auxiliary-loss-free balancing, `update_bias`; DeepSeek-V3's
     # e_score_correction_bias). A parameter so that checkpoints, eval and export carry it; only top-k's choice
@@ -358,28 +397,26 @@ class MoE(nn.Module):
     w_up = param('up', ('experts', 'embed', 'mlp'), (X, D, F), D ** -0.5)
     w_down = param('down', ('experts', 'mlp', 'embed'), (X, F, D), F ** -0.5)
     B, T, _ = x.shape
-    xt = model_lib.tokens(x)  # (N, D)
-    valid = model_lib.tokens(segment_ids) > 0  # (N,)
+    xt = x.reshape(B * T, D)  # (N, D): one token axis, as model.tokens
+    valid = segment_ids.reshape(B * T) > 0  # (N,)
     # The router in float32 whatever the compute dtype: near-ties between experts decide the choice.
     logits = jnp.dot(xt.astype(jnp.float32), w_router.astype(jnp.float32))  # (N, X)
-    weights, experts, scores = route(logits, m.moe_router, k, m.moe_norm_topk_prob, m.moe_routed_scale,
-                                     bias=jax.lax.stop_gradient(bias.astype(jnp.float32)), groups=m.moe_groups,
-                                     top_groups=m.moe_top_groups)
-    keep, load = assign(experts, valid, X, capacity(B * T, k, X, m.moe_capacity_factor))
+    weights, experts, scores = route(logits, m.router, k, m.norm_topk_prob, m.routed_scale,
+                                     bias=jax.lax.stop_gradient(bias.astype(jnp.float32)), groups=m.groups,
+                                     top_groups=m.top_groups)
+    keep, load = assign(experts, valid, X, capacity(B * T, k, X, m.capacity_factor))
     # Expert GEMMs stay in model.dtype: fp8's per-tensor scales do not cover X experts' grouped rows.
-    run = ragged_experts if m.moe_impl == 'ragged' else dense_experts
+    run = ragged_experts if m.impl == 'ragged' else dense_experts
     w = (w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt))
     if expert_ways() > 1 and xt.shape[0] % token_ways() == 0:  # experts split over the expert axis: tokens
       # travel to them and back. A token count the mesh does not divide (init's dummy trace, a small sampling
       # batch) runs in the global view below instead: the same result, XLA gathering what it needs.
-      y, overflow = expert_parallel(xt, weights, experts, keep, *w, run=run, swiglu=model_lib.swiglu,
-                                    transport=transport(m.moe_transport), buffer_factor=m.moe_buffer_factor)
+      y, overflow = expert_parallel(xt, weights, experts, keep, *w, run=run, swiglu=self.activation,
+                                    transport=transport(m.transport), buffer_factor=m.buffer_factor)
     else:
-      y, overflow = run(xt, weights, experts, keep, *w, model_lib.swiglu), jnp.zeros((), jnp.float32)
-    if m.moe_shared_experts:  # DeepSeek's shared experts: one dense SwiGLU as wide as all of them, on every token
-      # No LoRA adapters inside a mixture of experts (model.lora): its MLPs stay frozen.
-      shared = dataclasses.replace(m, mlp_dim=m.moe_shared_experts * F, lora=model_lib.LoraConfig())
-      y = y + model_lib.tokens(model_lib.SwiGLU(shared, name='shared')(x))
+      y, overflow = run(xt, weights, experts, keep, *w, self.activation), jnp.zeros((), jnp.float32)
+    if self.shared is not None:  # DeepSeek's shared experts: one dense SwiGLU as wide as all of them, on every token
+      y = y + self.shared(name='shared')(x).reshape(B * T, D)
     if self.is_mutable_collection(STATS):
       for name, value in statistics(logits, scores, keep, load, valid, overflow).items():
         self.variable(STATS, name, lambda v=value: jnp.zeros_like(v)).value = value
@@ -401,11 +438,6 @@ def statistics(logits, scores, keep, load, valid, overflow=0.0) -> dict:
   return {'tokens': w.sum(), 'load': load.astype(jnp.float32), 'kept': (keep & valid[:, None]).sum().astype(
       jnp.float32), 'prob': (scores * w[:, None]).sum(0), 'z': (jnp.square(log_z) * w).sum(),
           'entropy': (entropy * w).sum(), 'overflow': jnp.asarray(overflow, jnp.float32)}
-
-
-def moe_mlp_dim(model_cfg) -> int:
-  """One routed expert's SwiGLU width: model.moe_mlp_dim, or model.mlp_dim's resolved width."""
-  return model_cfg.moe_mlp_dim or model_cfg.mlp_dim or 4 * model_cfg.d_model
 
 
 def _nodes(tree, marker: str, path=()):
@@ -447,33 +479,33 @@ def aux_loss(layer: dict, tokens, top_k: int, load=None):
   return load.shape[-1] * (f * layer['prob'] / tokens).sum()
 
 
-def loss(stats, m, tokens, loads=None):
+def loss(stats, m: MoeConfig, tokens, loads=None):
   """The routing losses added to the training loss: moe_aux_loss · mean over MoE layers of `aux_loss`, plus
   moe_router_z_loss · mean over layers of the router z-loss (Σ log Z² / tokens). Linear in each microbatch's
   sums given the whole batch's `tokens` (and `loads`, per layer, when the batch is split), so the same update
   whatever the split."""
-  layers = per_layer(stats, m.moe_every)
+  layers = per_layer(stats, m.every)
   loads = [None] * len(layers) if loads is None else loads
   total = 0.0
-  if m.moe_aux_loss:
-    total += m.moe_aux_loss * sum(aux_loss(s, tokens, m.moe_top_k, l) for (_, s), l in zip(layers, loads)) / len(layers)
-  if m.moe_router_z_loss:
-    total += m.moe_router_z_loss * sum(s['z'] for _, s in layers) / tokens / len(layers)
+  if m.aux_loss:
+    total += m.aux_loss * sum(aux_loss(s, tokens, m.top_k, l) for (_, s), l in zip(layers, loads)) / len(layers)
+  if m.router_z_loss:
+    total += m.router_z_loss * sum(s['z'] for _, s in layers) / tokens / len(layers)
   return total
 
 
-def metrics(stats, m, bias_params=None) -> dict:
+def metrics(stats, m: MoeConfig, bias_params=None) -> dict:
   """Per MoE layer: max/mean load, dropped fraction, aux and z losses (unscaled), router entropy, bias norm;
   and `moe/max_load`, the largest over layers (the progress line's summary)."""
   out = {}
-  first = m.moe_first_dense
-  biases = dict(per_layer(bias_params, m.moe_every, 'router', first)) if bias_params is not None else {}
-  for i, s in per_layer(stats, m.moe_every, first=first):
+  first = m.first_dense
+  biases = dict(per_layer(bias_params, m.every, 'router', first)) if bias_params is not None else {}
+  for i, s in per_layer(stats, m.every, first=first):
     tokens = jnp.maximum(s['tokens'], 1.0)
     load = s['load']
     out[f'moe/{i}/max_load'] = load.max() / jnp.maximum(load.mean(), 1e-9)
-    out[f'moe/{i}/dropped'] = 1.0 - s['kept'] / (tokens * m.moe_top_k)
-    out[f'moe/{i}/aux_loss'] = aux_loss(s, tokens, m.moe_top_k)
+    out[f'moe/{i}/dropped'] = 1.0 - s['kept'] / (tokens * m.top_k)
+    out[f'moe/{i}/aux_loss'] = aux_loss(s, tokens, m.top_k)
     out[f'moe/{i}/z_loss'] = s['z'] / tokens
     out[f'moe/{i}/entropy'] = s['entropy'] / tokens
     if 'overflow' in s:  # assignments lost to a full all_to_all receive buffer: a count, 0 unless undersized

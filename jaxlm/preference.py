@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlm import errors
-from jaxlm import model as model_lib
+from jaxlm import lora as lora_lib
 
 LOSS_TYPES = ('sigmoid', 'ipo', 'sigmoid_norm', 'simpo')  # preference.loss_type
 REFERENCES = ('base', 'copy', 'cached')  # preference.reference
@@ -52,7 +52,7 @@ def reference_params(kind: str, params, reference):
   memory beyond B's), under `copy` the frozen copy in TrainState.reference; None for `cached` (the batch holds
   the reference's log-probabilities)."""
   if kind == 'base':
-    return model_lib.adapters_off(params)
+    return lora_lib.adapters_off(params)
   if kind == 'copy':
     return reference
   return None

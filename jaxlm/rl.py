@@ -35,6 +35,7 @@ from jaxlm import distributed
 from jaxlm import errors
 from jaxlm import generate as generate_lib
 from jaxlm import preference as preference_lib
+from jaxlm import rundir
 from jaxlm import sharding
 from jaxlm import step as step_lib
 from jaxlm import train
@@ -334,7 +335,7 @@ class Rollouts:
 
   def __init__(self, cfg, rewards: list[tuple[str, Callable]], tokenizer=None):
     self.cfg, self.rewards = cfg, rewards
-    self.tokenizer = tokenizer or run_tokenizer(cfg)
+    self.tokenizer = tokenizer or rundir.load_tokenizer(cfg, path=cfg.rl.tokenizer)  # rl.tokenizer, else the data's
     # Every id the model stops at (main's Tokenizer.stop_ids: generation_config's list, eos, separator).
     self.end_id = getattr(self.tokenizer, 'stop_ids', None) or (
         self.tokenizer.eos_id if self.tokenizer.eos_id >= 0 else self.tokenizer.separator_id)
@@ -417,13 +418,6 @@ def host_metrics(reward_fns, per_func, rewards, zero_std, completions, truncated
     host[f'rewards/{name}/std'] = _nan_none(_nanstd(per_func[:, j]))
   return host
 
-
-def run_tokenizer(cfg):
-  """rl.tokenizer, else the one training finds for cfg.data."""
-  from jaxlm.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
-  from jaxlm.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
-  return (tokenizer_lib.load(os.path.expanduser(cfg.rl.tokenizer)) if cfg.rl.tokenizer
-          else data_lib.load_tokenizer(cfg.data, cfg.model.vocab_size))
 
 def reward_weights(rl_cfg, n: int) -> np.ndarray:
   """rl.reward_weights as an array (all 1 when empty)."""

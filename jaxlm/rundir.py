@@ -13,6 +13,7 @@ the TensorBoard files are uploaded as they grow.
 """
 
 import json
+import os
 
 import jax
 import ml_collections
@@ -72,6 +73,22 @@ def read_config(step_path: str) -> ml_collections.ConfigDict:
                       f'was it written by jaxlm.train or jaxlm.hf.import_llama?') from e
 
 
+def load_tokenizer(cfg, workdir: str | None = None, path: str | None = None):
+  """The run's tokenizer (encode, decode, separator_id, ...): the one at `path` if given (rl.tokenizer), else the
+  files jaxlm.hf.import_llama put beside an import in `workdir` (when given), else the one its data was
+  prepared with (`cfg.data`, `cfg.model.vocab_size`). The one way eval, generate and rl load it."""
+  # Imported here: the data pipeline (grain) is heavy, and most readers of a run directory never tokenize.
+  from jaxlm.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
+  from jaxlm.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  if path:
+    return tokenizer_lib.load(os.path.expanduser(path))
+  if workdir is not None:
+    workdir = os.path.expanduser(workdir)
+    if any(os.path.isfile(os.path.join(workdir, n)) for n in ('tokenizer.json', 'tokenizer.model')):
+      return tokenizer_lib.load(workdir)
+  return data_lib.load_tokenizer(cfg.data, cfg.model.vocab_size)
+
+
 def _schedule_free(tree):
   """The schedule-free optimizer state (optax.contrib.ScheduleFreeState, saved as a dict) inside `tree`, or None."""
   if isinstance(tree, dict):
@@ -105,19 +122,19 @@ def read_params(step_path: str, weights: str = 'raw') -> dict:
     everything = checkpointer.restore(state_path, args=ocp.args.PyTreeRestore(
         item=tree, restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)))
     sf = _schedule_free(everything['opt_state'])
-    from jaxlm import model as model_lib  # pylint: disable=import-outside-toplevel
+    from jaxlm import lora as lora_lib  # pylint: disable=import-outside-toplevel
     params, trained = everything['params'], everything['params']
     if jax.tree.structure(sf['z']) != jax.tree.structure(params):  # LoRA: the optimizer saw the adapters only
-      trained = model_lib.split_adapters(params)[1]
+      trained = lora_lib.split_adapters(params)[1]
     x = optax.contrib.schedule_free_eval_params(types.SimpleNamespace(b1=sf['b1'], z=sf['z']), trained)
-    return model_lib.join_adapters(params, x) if trained is not params else x
+    return lora_lib.join_adapters(params, x) if trained is not params else x
   as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree[item])
   restored = checkpointer.restore(state_path, args=ocp.args.PyTreeRestore(
       item={item: tree[item]}, restore_args={item: as_numpy}, partial_restore=True))
-  from jaxlm import model as model_lib  # pylint: disable=import-outside-toplevel
-  if item == 'ema' and all(model_lib.is_adapter(k) for k, _ in jax.tree_util.tree_flatten_with_path(tree[item])[0]):
+  from jaxlm import lora as lora_lib  # pylint: disable=import-outside-toplevel
+  if item == 'ema' and all(lora_lib.is_adapter(k) for k, _ in jax.tree_util.tree_flatten_with_path(tree[item])[0]):
     # A LoRA run averages its adapters alone: the averaged model is its frozen base with them.
-    return model_lib.join_adapters(read_params(step_path), restored[item])
+    return lora_lib.join_adapters(read_params(step_path), restored[item])
   return restored[item]
 
 

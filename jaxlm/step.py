@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxlm import lora as lora_lib
 from jaxlm import model as model_lib
 from jaxlm import moe as moe_lib
 from jaxlm import optimizer as optimizer_lib
@@ -188,14 +189,14 @@ def _state_shardings(tx, optim_cfg, abstract_params, param_logical, boxed_variab
 def _loss_fn(loss: _Loss, state, batch: dict, microbatches: int, scale, with_trainable, rng):
   """(variables, microbatch, rng) -> (loss · scale, metrics): the objective's loss, plus MoE's routing losses."""
   m, model = loss.m, loss.model
-  moe = m.moe_experts > 0
+  moe = m.moe.experts > 0
   # Every microbatch divides by the whole batch's token count, so summed gradients equal the full batch's.
   denominator = jnp.maximum(batch['weights'].sum(), 1.0)
   # Mixture of experts: routing losses over the whole batch's real tokens (and, split into microbatches, its
   # loads from a routing pass first), so they too add up over microbatches to the whole batch's.
   moe_tokens = jnp.maximum((batch['segment_ids'] > 0).sum(), 1).astype(jnp.float32) if moe else None
   moe_loads = None
-  if moe and m.moe_aux_loss and microbatches > 1:
+  if moe and m.moe.aux_loss and microbatches > 1:
     moe_loads = routing_loads(model, variables_of(state), batch, rng, microbatches, loss.deterministic)
   if loss.pref_cfg is not None:  # every microbatch divides by the whole batch's pair count
     num_pairs = jnp.maximum(preference_lib.count_pairs(batch), 1.0)
@@ -215,7 +216,7 @@ def _loss_fn(loss: _Loss, state, batch: dict, microbatches: int, scale, with_tra
     else:
       total, aux = model_lib.loss_fn(logits, mb['targets'], mb['weights'], m.z_loss, denominator)
     if moe:
-      total = total + moe_lib.loss(stats[moe_lib.STATS], m, moe_tokens, moe_loads)
+      total = total + moe_lib.loss(stats[moe_lib.STATS], m.moe, moe_tokens, moe_loads)
       aux = dict(aux, moe=stats[moe_lib.STATS])
     return total * scale, aux
 
@@ -226,7 +227,7 @@ def _train_step(loss: _Loss, tx, lr, optim_cfg, trainable, with_trainable, *, mi
                 skip_nonfinite: bool, scale_updates: bool):
   """train_step(state, batch) -> (state, metrics): gradients over microbatches, the update, its metrics."""
   m = loss.m
-  fp16, moe = m.dtype == 'float16', m.moe_experts > 0
+  fp16, moe = m.dtype == 'float16', m.moe.experts > 0
 
   def train_step(state: TrainState, batch: dict):
     rng = jax.random.fold_in(state.rng, state.step)
@@ -248,11 +249,11 @@ def _train_step(loss: _Loss, tx, lr, optim_cfg, trainable, with_trainable, *, mi
                    update_ratio=optax.tree.norm(updates) / optax.tree.norm(trained),
                    **group_norms(grads, scale))
     if moe:
-      if m.moe_bias_rate:  # a skipped (non-finite) step leaves the biases as it leaves every parameter
-        balanced = moe_lib.update_bias(params, moe_stats, m.moe_bias_rate)
+      if m.moe.bias_rate:  # a skipped (non-finite) step leaves the biases as it leaves every parameter
+        balanced = moe_lib.update_bias(params, moe_stats, m.moe.bias_rate)
         finite = jnp.isfinite(optax.tree.norm(grads)) if skip_nonfinite else True
         params = jax.tree.map(lambda new, old: jnp.where(finite, new, old), balanced, params)
-      metrics.update(moe_lib.metrics(moe_stats, m, params))
+      metrics.update(moe_lib.metrics(moe_stats, m.moe, params))
     if skip_nonfinite:
       finite_state = optimizer_lib.find_state(opt_state, optax.ApplyIfFiniteState)
       metrics.update(skipped_steps=finite_state.total_notfinite, nonfinite_run=finite_state.notfinite_count)
@@ -328,7 +329,7 @@ def trainable_split(m: model_lib.ModelConfig) -> tuple[Callable, Callable]:
   """
   if not m.lora.rank:
     return (lambda params: params), (lambda params, trained: trained)
-  return (lambda params: model_lib.split_adapters(params)[1]), model_lib.join_adapters
+  return (lambda params: lora_lib.split_adapters(params)[1]), lora_lib.join_adapters
 
 
 def eval_params(state: TrainState, m: model_lib.ModelConfig):
@@ -421,10 +422,10 @@ def routing_loads(model, variables, batch: dict, rng, microbatches: int, determi
     _, stats = model.apply(variables, mb['inputs'], mb['segment_ids'], mb['positions'],
                            deterministic=deterministic, rngs={'dropout': jax.random.fold_in(rng, i)},
                            mutable=[moe_lib.STATS])
-    return [a + b for a, b in zip(acc, moe_lib.loads(stats[moe_lib.STATS], m.moe_every))], None
+    return [a + b for a, b in zip(acc, moe_lib.loads(stats[moe_lib.STATS], m.moe.every))], None
 
   layers = sum(model_lib.is_moe(m, i) for i in range(m.num_layers))
-  zeros = [jnp.zeros((m.moe_experts,), jnp.float32)] * layers
+  zeros = [jnp.zeros((m.moe.experts,), jnp.float32)] * layers
   loads, _ = jax.lax.scan(add, zeros, (split_microbatches(batch, microbatches), jnp.arange(microbatches)))
   return [jax.lax.stop_gradient(x) for x in loads]
 

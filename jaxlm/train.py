@@ -34,6 +34,7 @@ from jaxlm import pipeline as pipeline_lib
 from jaxlm import preference as preference_lib
 from jaxlm import preflight
 from jaxlm import metrics as metrics_lib
+from jaxlm import lora as lora_lib
 from jaxlm import model as model_lib
 from jaxlm import moe as moe_lib
 from jaxlm import optimizer as optimizer_lib
@@ -184,7 +185,7 @@ def report_setup(cfg, mesh, cache, say) -> None:
   m = cfg.model  # which attention kernel runs, and why (deterministic mode rules cuDNN's out on a GPU)
   say('attention: ' + attention_lib.select(m.attention, dtype=m.dtype, head_dim=model_lib.head_dim(m),
                                            seq_len=cfg.data.seq_len, context=mesh.shape.get('context', 1))[1])
-  if experts := moe_lib.describe(m, mesh):  # expert parallelism: the transport that runs, and its buffers
+  if experts := moe_lib.describe(moe_lib.MoeConfig.from_config(m), mesh):  # expert parallelism: transport, buffers
     say(experts)
 
 
@@ -204,7 +205,7 @@ def report_program(program: step_lib.Program, cfg, mesh, say) -> None:
   m = program.model.config
   active = model_lib.param_count(m, active=True)  # a mixture of experts: what MFU counts
   say(f'parameters ({model_lib.param_count(m):,}'
-      + (f'; {active:,} active per token, which MFU counts' if m.moe_experts else '') + '):\n'
+      + (f'; {active:,} active per token, which MFU counts' if m.moe.experts else '') + '):\n'
       + sharding.param_table(program.abstract_state.params, program.state_shardings.params))
   if m.lora.rank:  # LoRA: what trains and what stays frozen, per device
     say(lora_report(program))
@@ -258,12 +259,12 @@ def compile_and_check(r: Run, say) -> None:
 def lora_report(program: step_lib.Program) -> str:
   """Trainable (adapters) and frozen (base) parameters and bytes per device, under model.lora."""
   abstract, shardings = program.abstract_state.params, program.state_shardings.params
-  base, adapters = model_lib.split_adapters(abstract)
-  base_s, adapters_s = model_lib.split_adapters(shardings)
+  base, adapters = lora_lib.split_adapters(abstract)
+  base_s, adapters_s = lora_lib.split_adapters(shardings)
   count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
   held = lambda tree, s: perf.format_bytes(sharding.bytes_per_device(tree, s))
   lo = program.model.config.lora
-  note = '; MoE experts get no adapters' if program.model.config.moe_experts else ''
+  note = '; MoE experts get no adapters' if program.model.config.moe.experts else ''
   return (f'LoRA rank {lo.rank}, alpha {lo.alpha:g} on {", ".join(lo.targets)}{note}:\n'
           f'  trainable {count(adapters):,} parameters, {held(adapters, adapters_s)} per device (+ optimizer state)\n'
           f'  frozen    {count(base):,} parameters, {held(base, base_s)} per device ({lo.base_dtype}, no gradient '

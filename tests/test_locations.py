@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from jaxlm import config as config_lib
-from jaxlm.data import storage
+from jaxlm import locations
 from tests.conftest import ROOT
 from tests.helpers import assert_fails_with, load_config, train_env
 
@@ -19,15 +19,15 @@ GOOD = ('gs://bucket/run', 's3://bucket', '/tmp/run', 'runs/a', '~/runs/a', 'dat
 
 @pytest.mark.parametrize('path', GOOD)
 def test_local_paths_and_bucket_urls_pass(path):
-  assert storage.location_problem(path) is None
-  storage.check_location(path, '--workdir')
+  assert locations.location_problem(path) is None
+  locations.check_location(path, '--workdir')
 
 
 @pytest.mark.parametrize('path, says', MALFORMED.items())
 def test_each_malformed_form_is_named(path, says):
-  assert says in storage.location_problem(path)
-  with pytest.raises(storage.ConfigError, match='^--out: '):
-    storage.check_location(f'good/a.jsonl,{path}', '--out')  # each of a list
+  assert says in locations.location_problem(path)
+  with pytest.raises(locations.ConfigError, match='^--out: '):
+    locations.check_location(f'good/a.jsonl,{path}', '--out')  # each of a list
 
 
 @pytest.mark.parametrize('key', config_lib.LOCATION_KEYS)

@@ -10,7 +10,7 @@ import pytest
 from flax import traverse_util
 from jax.sharding import PartitionSpec as P
 
-from jaxlm import checkpoint, config, model as model_lib, sharding, step, train
+from jaxlm import checkpoint, config, lora as lora_lib, model as model_lib, sharding, step, train
 from jaxlm import generate as generate_lib
 from tests.helpers import grid, load_config, plain_program, random_batch
 
@@ -73,17 +73,17 @@ def test_step0_logits_equal_the_base_bit_for_bit():
   cfg = lora_config()
   program = plain_program(cfg, _mesh(cfg, (1, 1, 1)))
   params = jax.device_get(program.init().params)
-  plain = model_lib.Decoder(dataclasses.replace(program.model.config, lora=model_lib.LoraConfig()))
+  plain = model_lib.Decoder(dataclasses.replace(program.model.config, lora=lora_lib.LoraConfig()))
   args = batch['inputs'], batch['segment_ids'], batch['positions']
   lora_logits = jax.jit(program.model.apply)({'params': params}, *args)
-  base_logits = jax.jit(plain.apply)({'params': model_lib.split_adapters(params)[0]}, *args)
+  base_logits = jax.jit(plain.apply)({'params': lora_lib.split_adapters(params)[0]}, *args)
   np.testing.assert_array_equal(np.asarray(lora_logits), np.asarray(base_logits))
 
 
 @pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_five_steps_train_only_adapters_from_init_from(five_steps):
   saved, init, after, state, program = five_steps
-  adapters = [k for k in after if model_lib.is_adapter((k,))]
+  adapters = [k for k in after if lora_lib.is_adapter((k,))]
   assert len(adapters) == 2 * 7  # every projection of the scanned stack: A and B
   for k, v in saved.items():  # every base leaf is init_from's, bit for bit, after five steps
     np.testing.assert_array_equal(after[k], v, err_msg=k)
@@ -135,7 +135,7 @@ def test_adapters_sharded_by_the_rules_and_a_step_equals_one_device():
   assert adam['layers']['attention']['query_lora_b'].sharding.spec == P(None, None, 'tensor', None)
   ref_losses, ref = _steps(lora_config(), (1, 1, 1), batches)
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-  got, want = _flat(model_lib.split_adapters(state.params)[1]), _flat(model_lib.split_adapters(ref.params)[1])
+  got, want = _flat(lora_lib.split_adapters(state.params)[1]), _flat(lora_lib.split_adapters(ref.params)[1])
   for k in want:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=k)
 
@@ -145,12 +145,12 @@ def _loss_and_adapter_grads(program, params, batch):
   m = program.model.config
 
   def loss(adapters, batch):
-    p = model_lib.join_adapters(params, adapters)
+    p = lora_lib.join_adapters(params, adapters)
     logits = program.model.apply({'params': p}, batch['inputs'], batch['segment_ids'], batch['positions'])
     return model_lib.loss_fn(logits, batch['targets'], batch['weights'], m.z_loss)[0]
 
   with sharding.activate(program.mesh):
-    return jax.jit(jax.value_and_grad(loss))(model_lib.split_adapters(params)[1], batch)
+    return jax.jit(jax.value_and_grad(loss))(lora_lib.split_adapters(params)[1], batch)
 
 
 @pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
@@ -201,10 +201,10 @@ def test_adafactor_and_schedule_free_train_adapters_only(optimizer):
   after = _flat(state.params)
   assert np.isfinite(float(metrics['loss']))
   for k, v in before.items():
-    if not model_lib.is_adapter((k,)):
+    if not lora_lib.is_adapter((k,)):
       np.testing.assert_array_equal(after[k], v, err_msg=k)
   assert any(np.any(after[k] != before[k]) for k in before if k.endswith('_lora_b'))
-  base_shapes = {v.shape for k, v in before.items() if not model_lib.is_adapter((k,))}
+  base_shapes = {v.shape for k, v in before.items() if not lora_lib.is_adapter((k,))}
   assert not {x.shape for x in jax.tree.leaves(state.opt_state) if x.ndim} & base_shapes
   # Evaluated at schedule-free's averaged point of the adapters; the base untouched.
   evaluated = _flat(step.eval_params(state, program.model.config))
@@ -231,19 +231,19 @@ def test_merged_weights_and_sampling_equal_the_lora_model():
       lambda k, x: np.random.default_rng(len(str(k))).normal(0, 0.1, x.shape).astype(np.float32)
       if str(k[-1].key).endswith('_lora_b') else np.asarray(x), jax.device_get(program.init().params))
   m = program.model.config
-  plain = dataclasses.replace(m, lora=model_lib.LoraConfig())
-  merged = model_lib.merge_adapters(params, m)
+  plain = dataclasses.replace(m, lora=lora_lib.LoraConfig())
+  merged = lora_lib.merge_adapters(params, m.lora)
   batch = random_batch(2, 24, 400, docs=2)
   lora_logits = program.model.apply({'params': params}, batch['inputs'], batch['segment_ids'], batch['positions'])
   plain_logits = model_lib.Decoder(plain).apply({'params': merged}, batch['inputs'], batch['segment_ids'],
                                                 batch['positions'])
-  base_logits = model_lib.Decoder(plain).apply({'params': model_lib.split_adapters(params)[0]}, batch['inputs'],
+  base_logits = model_lib.Decoder(plain).apply({'params': lora_lib.split_adapters(params)[0]}, batch['inputs'],
                                                batch['segment_ids'], batch['positions'])
   np.testing.assert_allclose(lora_logits, plain_logits, rtol=1e-5, atol=1e-5)
   assert np.abs(np.asarray(lora_logits) - np.asarray(base_logits)).max() > 1e-2  # the adapters matter
   # adapters_off: the base model, exactly.
   np.testing.assert_array_equal(
-      program.model.apply({'params': model_lib.adapters_off(params)}, batch['inputs'], batch['segment_ids'],
+      program.model.apply({'params': lora_lib.adapters_off(params)}, batch['inputs'], batch['segment_ids'],
                           batch['positions']), base_logits)
   prompts = [[5, 17, 33], [8, 2]]
   got = generate_lib.generate(m, params, prompts, 6).tokens

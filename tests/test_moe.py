@@ -3,6 +3,7 @@
 import functools
 
 import jax
+import ml_collections
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,7 +21,8 @@ D, X, F, K = 24, 7, 10, 3
 def _cfg(**overrides) -> model_lib.ModelConfig:
   base = dict(vocab_size=101, d_model=D, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=12, mlp_dim=20,
               dtype='float32', moe_experts=X, moe_top_k=K, moe_mlp_dim=F)
-  return model_lib.ModelConfig(**{**base, **overrides})
+  # cfg.model's flat keys, nested by the one mapping the trainer uses (model.ModelConfig.from_config).
+  return model_lib.ModelConfig.from_config(ml_collections.ConfigDict({**base, **overrides}))
 
 
 def _inputs(n_rows=3, seq=11, pad=4, seed=0):
@@ -35,14 +37,14 @@ def _inputs(n_rows=3, seq=11, pad=4, seed=0):
 def _params(**overrides):
   x, seg = _inputs()
   m = _cfg(**overrides)
-  params = jax.jit(moe.MoE(m).init)(jax.random.PRNGKey(1), x, seg)['params']
+  params = jax.jit(model_lib.moe_mlp(m).init)(jax.random.PRNGKey(1), x, seg)['params']
   return jax.tree.map(lambda p: getattr(p, 'value', p), params, is_leaf=lambda p: hasattr(p, 'names'))
 
 
 def _out_and_grads(impl, x, seg, **overrides):
   m = _cfg(moe_impl=impl, **overrides)
   params = _params(**overrides)
-  layer = moe.MoE(m)
+  layer = model_lib.moe_mlp(m)
   cot = jax.random.normal(jax.random.PRNGKey(7), x.shape)
 
   def f(p, x):
@@ -83,7 +85,7 @@ def test_padding_tokens_are_routed_nowhere():
   x, seg = _inputs()
   m = _cfg()
   params = _params()
-  y, stats = jax.jit(lambda p, x: moe.MoE(m).apply({'params': p}, x, seg, mutable=[moe.STATS]))(params, x)
+  y, stats = jax.jit(lambda p, x: model_lib.moe_mlp(m).apply({'params': p}, x, seg, mutable=[moe.STATS]))(params, x)
   pad = np.asarray(seg) == 0
   np.testing.assert_array_equal(np.asarray(y)[pad], 0.0)  # no expert ran on them
   valid = int((~pad).sum())
@@ -91,7 +93,7 @@ def test_padding_tokens_are_routed_nowhere():
   assert float(stats[moe.STATS]['load'].sum()) == valid * K == float(stats[moe.STATS]['kept'])
   # Whatever the padding holds changes neither the real tokens' outputs nor any statistic.
   x2 = jnp.where(jnp.asarray(pad)[..., None], 100.0 * x[::-1], x)
-  y2, stats2 = jax.jit(lambda p, x: moe.MoE(m).apply({'params': p}, x, seg, mutable=[moe.STATS]))(params, x2)
+  y2, stats2 = jax.jit(lambda p, x: model_lib.moe_mlp(m).apply({'params': p}, x, seg, mutable=[moe.STATS]))(params, x2)
   np.testing.assert_array_equal(np.asarray(y2)[~pad], np.asarray(y)[~pad])
   for k, v in stats[moe.STATS].items():
     np.testing.assert_allclose(stats2[moe.STATS][k], v, rtol=1e-6, err_msg=k)
@@ -156,9 +158,9 @@ def test_deepseek_v3_group_limited_routing_equals_transformers():
   # The MoE layer routes with the config's groups: its output is the dense reference under route(groups=...).
   m = _cfg(moe_experts=8, moe_top_k=2, moe_router='deepseek_v3', moe_groups=4, moe_top_groups=1, moe_impl='dense')
   xs, seg = _inputs(pad=0)
-  params = jax.jit(moe.MoE(m).init)(jax.random.PRNGKey(1), xs, seg)['params']
+  params = jax.jit(model_lib.moe_mlp(m).init)(jax.random.PRNGKey(1), xs, seg)['params']
   params = jax.tree.map(lambda p: getattr(p, 'value', p), params, is_leaf=lambda p: hasattr(p, 'names'))
-  y = moe.MoE(m).apply({'params': params}, xs, seg).reshape(-1, D)
+  y = model_lib.moe_mlp(m).apply({'params': params}, xs, seg).reshape(-1, D)
   xt = xs.reshape(-1, D)
   w, e, _ = moe.route(xt @ params['router'], 'deepseek_v3', 2, True, 1.0, groups=4, top_groups=1)
   assert (e // 2 == e[:, :1] // 2).all()
@@ -185,8 +187,8 @@ def test_param_counts_match_pytree(overrides):
                              b['positions'])
   params = variables['params']
   assert model_lib.param_count(m) == sum(x.size for x in jax.tree.leaves(params))
-  routed = 3 * m.d_model * m.moe_mlp_dim * (m.moe_experts - m.moe_top_k)
-  moe_layers = (m.num_layers - m.moe_first_dense) // m.moe_every
+  routed = 3 * m.d_model * m.moe.mlp_dim * (m.moe.experts - m.moe.top_k)
+  moe_layers = (m.num_layers - m.moe.first_dense) // m.moe.every
   routers = [x.shape for path, x in jax.tree_util.tree_flatten_with_path(params)[0] if 'router' in str(path)]
   assert moe_layers == sum(r[0] if len(r) == 3 else 1 for r in routers)  # the first k layers are dense
   assert model_lib.param_count(m) - model_lib.param_count(m, active=True) == moe_layers * routed
@@ -221,9 +223,9 @@ def test_first_dense_layers_scanned_unrolled_and_remat_agree(variant):
       return model_lib.loss_fn(logits, b['targets'], b['weights'], m.z_loss)[0], stats[moe.STATS]
     if variant == 'unrolled':  # forward only: the fast loop's share
       value, stats = jax.jit(loss)(p)
-      return float(value), None, moe.metrics(stats, m, p)
+      return float(value), None, moe.metrics(stats, m.moe, p)
     (value, stats), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(p)
-    return float(value), convert.layer_params(jax.device_get(grads), m), moe.metrics(stats, m, p)
+    return float(value), convert.layer_params(jax.device_get(grads), m), moe.metrics(stats, m.moe, p)
 
   ref_loss, ref_grads, ref_metrics = run(m, params)
   numbers = [i for i, is_moe in enumerate(pattern) if is_moe]  # metrics named by the layer's own number
@@ -273,7 +275,7 @@ def _with_bias(params, bias):
 
 
 def _apply_stats(m, params, x, seg):
-  return jax.jit(lambda p, x: moe.MoE(m).apply({'params': p}, x, seg, mutable=[moe.STATS]))(params, x)
+  return jax.jit(lambda p, x: model_lib.moe_mlp(m).apply({'params': p}, x, seg, mutable=[moe.STATS]))(params, x)
 
 
 @pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
@@ -305,7 +307,7 @@ def test_capacity_drops_the_analytic_count_under_forced_skew(top_k):
   cap = int(np.ceil(1.0 * n * top_k / X))
   np.testing.assert_array_equal(s['load'], [n] * top_k + [0] * (X - top_k))
   assert float(s['kept']) == top_k * cap  # each chosen expert takes `cap`, drops n - cap
-  dropped = 1.0 - float(moe.metrics({'layers_0': {'moe': s}}, m)['moe/0/dropped'])
+  dropped = 1.0 - float(moe.metrics({'layers_0': {'moe': s}}, m.moe)['moe/0/dropped'])
   np.testing.assert_allclose(dropped, top_k * cap / (n * top_k), rtol=1e-6)
   # Earlier tokens win: the first `cap` tokens got their expert(s), the rest an all-zero output.
   out = np.asarray(y).reshape(n, D)
@@ -602,7 +604,9 @@ def test_hf_qwen3_moe_mlp_only_layers_import_and_export_as_first_dense(tmp_path)
   for dense, step in (([1], 1), ([0], 2), ([0, 2], 1)):
     with pytest.raises(convert.HFImportError, match='mlp_only_layers'):
       convert.model_overrides({**hf_config, 'mlp_only_layers': dense, 'decoder_sparse_step': step})
-  for changed in (dict(moe_first_dense=1, num_layers=3), dict(moe_router='mixtral', qk_norm='none')):
+  for changed in (dict(moe=dataclasses.replace(m.moe, first_dense=1), num_layers=3),
+                  dict(moe=dataclasses.replace(m.moe, router='mixtral'),
+                       attention=dataclasses.replace(m.attention, qk_norm='none'))):
     with pytest.raises(convert.ExportError, match='moe_first_dense'):
       convert.architecture(dataclasses.replace(m, **changed))
 
@@ -682,7 +686,7 @@ def _ep_out_grads_stats(mesh_shape, skewed: bool, impl: str = 'ragged', **overri
   cot = jax.random.normal(jax.random.PRNGKey(7), x.shape)
 
   def f(p, x):
-    apply = lambda p, x: moe.MoE(m).apply({'params': p}, x, seg, mutable=[moe.STATS])  # noqa: E731
+    apply = lambda p, x: model_lib.moe_mlp(m).apply({'params': p}, x, seg, mutable=[moe.STATS])  # noqa: E731
     (y, stats), vjp = jax.vjp(apply, p, x)
     return y, vjp((cot, jax.tree.map(jnp.zeros_like, stats)))[0], stats[moe.STATS]
   if mesh_shape is None:
@@ -843,7 +847,7 @@ def test_all_to_all_overflow_is_counted_and_zeroed(fsdp, monkeypatch):
   y, want = np.asarray(y).reshape(fsdp, 4, n, D), np.asarray(want).reshape(fsdp, 4, n, D)
   np.testing.assert_allclose(y[:, 0], want[:, 0], atol=1e-5)  # each group's sender 0 filled the buffer
   np.testing.assert_array_equal(y[:, 1:], 0.0)  # the others' overflowed
-  metrics = moe.metrics({'layers_0': {'moe': stats[moe.STATS]}}, m)
+  metrics = moe.metrics({'layers_0': {'moe': stats[moe.STATS]}}, m.moe)
   assert float(metrics['moe/0/overflow']) == fsdp * 3 * 2 * n
 
 
@@ -900,11 +904,11 @@ def test_transport_is_chosen_for_the_mesh_platform_and_reported():
   from jaxlm.tools import size
   m = _cfg(**_EP)
   cpu = _ep_mesh((1, 2, 1, 4))
-  assert moe.describe(m, _ep_mesh((1, 8, 1))) is None  # no expert axis: nothing travels
-  line = moe.describe(m, cpu)
+  assert moe.describe(m.moe, _ep_mesh((1, 8, 1))) is None  # no expert axis: nothing travels
+  line = moe.describe(m.moe, cpu)
   assert line.startswith('experts: 8 over expert=4, 2 per device; tokens travel by gather (')
   with pytest.raises(errors.ConfigError, match='XLA:CPU has no ragged-all-to-all'):  # refused before compiling
-    moe.describe(_cfg(moe_transport='all_to_all', **_EP), cpu)
+    moe.describe(_cfg(moe_transport='all_to_all', **_EP).moe, cpu)
   try:
     tpus = size.tpu_devices('v5e:2x2')
   except size.PreflightError as e:
@@ -913,8 +917,8 @@ def test_transport_is_chosen_for_the_mesh_platform_and_reported():
   from jaxlm import sharding
   tpu = sharding.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1, expert=4)), tpus)
   assert 'tokens travel by all_to_all (ragged all-to-all there and back, receive buffers the worst case' in \
-      moe.describe(m, tpu)
-  assert '1.5× the balanced share (overflow counted)' in moe.describe(_cfg(moe_buffer_factor=1.5, **_EP), tpu)
+      moe.describe(m.moe, tpu)
+  assert '1.5× the balanced share (overflow counted)' in moe.describe(_cfg(moe_buffer_factor=1.5, **_EP).moe, tpu)
 
 
 def test_all_to_all_on_a_cpu_mesh_is_refused_by_the_command(tmp_path):

@@ -282,9 +282,10 @@ def test_a_pipelined_run_reports_its_stages_and_its_checkpoint_serves_eval_expor
   # recompute on the unpipelined parameters (issue #30).
   from jaxlm import generate as generate_lib
   from jaxlm import model as model_lib
+  from jaxlm import rundir
   from jaxlm.tools import generate as generate_tool
   records, _ = generate_tool.run(workdir, ['def main('], max_new_tokens=8, sampling=generate_lib.Sampling(0.0))
-  tok = generate_tool.run_tokenizer(workdir, cfg)
+  tok = rundir.load_tokenizer(cfg, workdir)
   reference = generate_lib.generate_without_cache(model_lib.ModelConfig.from_config(cfg.model), loaded[1],
                                                   [[tok.separator_id] + tok.encode('def main(')], 8)
   mine = records[0]['completion_ids']

@@ -9,7 +9,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from jaxlm import model as model_lib, preference, step
+from jaxlm import lora as lora_lib, model as model_lib, preference, step
 from jaxlm.hf import convert
 from tests.helpers import LazyModule, grid, load_config
 
@@ -169,13 +169,13 @@ def test_step0_loss_is_ln2_and_references_agree(models, loss_type):
   per_kind['copy'] = step.reference_logps(model, 'copy', copy_ref, batch)
   per_kind['cached'] = step.reference_logps(model, 'cached', None, dict(batch, ref_logps=per_kind['copy']))
   # base: a LoRA model at init (B = 0) with its adapters off is the same model.
-  lora_m = dataclasses.replace(m, lora=model_lib.LoraConfig(rank=2, alpha=4.0))
+  lora_m = dataclasses.replace(m, lora=lora_lib.LoraConfig(rank=2, alpha=4.0))
   lora_model = model_lib.Decoder(lora_m)
   shapes = jax.eval_shape(lambda: lora_model.init(jax.random.PRNGKey(0), batch['inputs'][:, :8],
                                                   batch['segment_ids'][:, :8], batch['positions'][:, :8]))
-  adapters = model_lib.split_adapters(jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype),
+  adapters = lora_lib.split_adapters(jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype),
                                                    nn_unbox(shapes['params'])))[1]
-  lora_params = model_lib.join_adapters(params, adapters)  # B = 1: the adapters change the model ...
+  lora_params = lora_lib.join_adapters(params, adapters)  # B = 1: the adapters change the model ...
   per_kind['base'] = step.reference_logps(lora_model, 'base', preference.reference_params('base', lora_params, None),
                                           batch)  # ... and switched off give the base
   for kind, ref in per_kind.items():

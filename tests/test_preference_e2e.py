@@ -70,7 +70,7 @@ def test_sigkill_of_a_lora_dpo_run_resumes_bit_for_bit_and_exports(pairs, tmp_pa
   assert (tmp_path / 'hf' / 'model.safetensors').exists() and (tmp_path / 'adapter' / 'adapter_config.json').exists()
 
   # reference=cached: the reference run's log-probabilities computed once, beside the pairs, and read in batches.
-  from jaxlm import model as model_lib, preference
+  from jaxlm import lora as lora_lib, model as model_lib, preference
   from jaxlm.data import pipeline as data_lib
   from jaxlm.tools import reference as reference_tool
   from tests.helpers import load_config
@@ -83,8 +83,8 @@ def test_sigkill_of_a_lora_dpo_run_resumes_bit_for_bit_and_exports(pairs, tmp_pa
   rows, _ = data_lib.make_train_rows(cfg, seed=0, vocab_size=512, num_epochs=1, reference_logps=True)
   row = {k: v[None] for k, v in rows[0].items()}
   m = model_lib.ModelConfig.from_config(reference_tool.rundir.read_config(manifest['checkpoint']).model)
-  params = model_lib.merge_adapters(reference_tool.rundir.read_params(manifest['checkpoint']), m)
-  plain = model_lib.Decoder(model_lib.dataclasses.replace(m, lora=model_lib.LoraConfig(), dtype='float32'))
+  params = lora_lib.merge_adapters(reference_tool.rundir.read_params(manifest['checkpoint']), m.lora)
+  plain = model_lib.Decoder(model_lib.dataclasses.replace(m, lora=lora_lib.LoraConfig(), dtype='float32'))
   want = preference.token_logps(plain.apply({'params': params}, row['inputs'], row['segment_ids'], row['positions']),
                                 row['targets'])
   at = row['pairs'] != 0

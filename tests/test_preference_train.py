@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxlm import generate as generate_lib, model as model_lib, sharding, step, train
+from jaxlm import generate as generate_lib, lora as lora_lib, sharding, step, train
 from tests.helpers import load_config, plain_program
 from tests.test_preference import _batch, _row
 
@@ -94,7 +94,7 @@ def test_microbatches_and_device_counts_give_the_same_update(mesh):
         lambda k, x: x + 0.05 if str(k[-1].key).endswith('_lora_b') else x, state.params))
     state, metrics = program.train_step(state, train.global_batch(batch, program.batch_sharding))
     results.append((float(metrics['loss']), float(metrics['rewards/margins']),
-                    jax.device_get(model_lib.split_adapters(state.params)[1])))
+                    jax.device_get(lora_lib.split_adapters(state.params)[1])))
   for loss, margin, adapters in results[1:]:
     np.testing.assert_allclose(loss, results[0][0], rtol=1e-6)
     np.testing.assert_allclose(margin, results[0][1], rtol=1e-5, atol=1e-7)
@@ -246,12 +246,12 @@ def test_optim_ema_with_lora_averages_the_adapters_alone_and_eval_and_export_use
   init = jax.device_get(program.init().params)
   # By hand: the average starts at the initial adapters and takes 0.9 of itself and 0.1 of each step's adapters.
   decay = np.float32(0.9)
-  want = jax.tree.map(lambda a: np.asarray(a, np.float32), model_lib.split_adapters(init)[1])
+  want = jax.tree.map(lambda a: np.asarray(a, np.float32), lora_lib.split_adapters(init)[1])
   for s in (1, 2, 3):
-    trained = model_lib.split_adapters(_saved_state(tmp_path, s)['params'])[1]
+    trained = lora_lib.split_adapters(_saved_state(tmp_path, s)['params'])[1]
     want = jax.tree.map(lambda e, p: decay * e + (np.float32(1) - decay) * p, want, trained)
   final = _saved_state(tmp_path, 3)
-  base, adapters = model_lib.split_adapters(final['params'])
+  base, adapters = lora_lib.split_adapters(final['params'])
   # The average holds the adapters alone (no copy of the frozen base), in float32.
   assert jax.tree.structure(final['ema']) == jax.tree.structure(adapters) and jax.tree.leaves(base)
   # Nor does the optimizer state: its arrays are shaped like adapters (moments) or scalars (counts).
@@ -260,7 +260,7 @@ def test_optim_ema_with_lora_averages_the_adapters_alone_and_eval_and_export_use
   jax.tree.map(lambda got, w: np.testing.assert_allclose(got, w, rtol=1e-6, atol=1e-9), final['ema'], want)
   assert all(x.dtype == np.float32 for x in jax.tree.leaves(final['ema']))
   assert not all(np.allclose(e, a) for e, a in zip(jax.tree.leaves(final['ema']), jax.tree.leaves(adapters)))
-  averaged = model_lib.join_adapters(final['params'], final['ema'])
+  averaged = lora_lib.join_adapters(final['params'], final['ema'])
   # What hf.export and tools.eval read with --weights=ema: the frozen base with the averaged adapters.
   step_dir = str(tmp_path / 'checkpoints' / '3')
   jax.tree.map(np.testing.assert_array_equal, rundir.read_params(step_dir, 'ema'), averaged)

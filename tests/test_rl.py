@@ -233,7 +233,7 @@ def test_lora_learns_the_task_with_the_base_frozen(tmp_path, seed):
   >= 0.9 and greedy decoding scores 1.0 (seen: 0.97, 0.93, 0.97); every base parameter is bitwise what it started
   as, and the adapters moved."""
   from jaxlm import checkpoint as checkpoint_lib
-  from jaxlm import model as model_lib
+  from jaxlm import lora as lora_lib
   cfg = lora_config()
   cfg.train.seed = seed
   records = rl_run(cfg, tmp_path)
@@ -246,7 +246,7 @@ def test_lora_learns_the_task_with_the_base_frozen(tmp_path, seed):
   start = jax.device_get(program.init().params)
   after = jax.device_get(checkpoint_lib.load_params(str(tmp_path / 'checkpoints'), program.abstract_state.params,
                                                     program.state_shardings.params))
-  (base0, adapters0), (base1, adapters1) = model_lib.split_adapters(start), model_lib.split_adapters(after)
+  (base0, adapters0), (base1, adapters1) = lora_lib.split_adapters(start), lora_lib.split_adapters(after)
   assert jax.tree.leaves(base0) and jax.tree.leaves(adapters0)
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), base0, base1)
   assert all(np.abs(b).max() > 0 for (path, b) in jax.tree_util.tree_flatten_with_path(adapters1)[0]
@@ -258,7 +258,7 @@ def test_lora_kl_reference_is_the_base_with_adapters_off(tmp_path):
   preference.reference=base), equal to the policy's at step 0 (B starts at 0, so the KL is 0 then), and still the
   base's after the adapters have moved."""
   import contextlib
-  from jaxlm import model as model_lib
+  from jaxlm import lora as lora_lib
   from jaxlm import train
   cfg = lora_config(beta=0.04)
   cfg.rl.prompts = prompts_file(tmp_path)
@@ -272,7 +272,7 @@ def test_lora_kl_reference_is_the_base_with_adapters_off(tmp_path):
     kls = []
     for step in range(4):
       batch, _ = source.next(state, step, cfg.train.batch_size)
-      base = np.asarray(r.program.score(model_lib.adapters_off(start), batch))
+      base = np.asarray(r.program.score(lora_lib.adapters_off(start), batch))
       np.testing.assert_array_equal(np.asarray(batch['ref_logps']), base)  # the starting base, bitwise
       policy = np.asarray(r.program.score(state.params, batch))
       mask = np.asarray(batch['token_share']) > 0
@@ -283,8 +283,8 @@ def test_lora_kl_reference_is_the_base_with_adapters_off(tmp_path):
       state, metrics = r.step_for(cfg.train.batch_size)(state, batch)
       kls.append(float(metrics['kl']))
   assert kls[0] == 0.0 and kls[-1] > 1e-3, kls  # exactly 0 while the policy is its base
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), model_lib.split_adapters(start)[0],
-               model_lib.split_adapters(jax.device_get(state.params))[0])
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), lora_lib.split_adapters(start)[0],
+               lora_lib.split_adapters(jax.device_get(state.params))[0])
 
 
 def test_an_rl_run_evaluates_held_out_text_in_the_one_loop(tmp_path):

@@ -26,7 +26,7 @@ def layer_params(params: dict, m) -> list[dict]:
   """Per-layer parameter dicts, whether the layers were scanned (stacked on axis 0, in groups of moe_every
   when MoE and dense layers alternate, after the `dense_layers` stack of model.moe_first_dense) or unrolled.
   `m`: a ModelConfig, or (older callers) the layer count."""
-  num_layers, every = (m, 1) if isinstance(m, int) else (m.num_layers, m.moe_every if m.moe_experts else 1)
+  num_layers, every = (m, 1) if isinstance(m, int) else (m.num_layers, m.moe.every if m.moe.experts else 1)
   first = 0 if isinstance(m, int) else model_lib.dense_prefix(m)
   if 'layers' not in params:
     return [params[f'layers_{i}'] for i in range(num_layers)]
@@ -57,28 +57,30 @@ def _moe_architecture(m: model_lib.ModelConfig) -> str:
   if m.parallel_block:
     raise ExportError('a parallel-block (PaLM) mixture of experts has no Hugging Face equivalent; train it with '
                       'model.parallel_block=False to export it.')
-  if m.moe_router not in MOE_ARCHITECTURES:
-    raise ExportError(f'model.moe_router={m.moe_router} has no export; use mixtral, qwen3_moe or olmoe.')
-  arch, _, qk_norm = MOE_ARCHITECTURES[m.moe_router]
-  if m.moe_first_dense and (m.moe_router != 'qwen3_moe' or m.moe_first_dense % m.moe_every):
-    raise ExportError(f'model.moe_first_dense={m.moe_first_dense}: {arch} has no dense first layers'
-                      f'{" but mlp_only_layers, whose pattern matches only when moe_every divides it" if m.moe_router == "qwen3_moe" else ""}'
+  moe = m.moe
+  if moe.router not in MOE_ARCHITECTURES:
+    raise ExportError(f'model.moe_router={moe.router} has no export; use mixtral, qwen3_moe or olmoe.')
+  arch, _, qk_norm = MOE_ARCHITECTURES[moe.router]
+  if moe.first_dense and (moe.router != 'qwen3_moe' or moe.first_dense % moe.every):
+    raise ExportError(f'model.moe_first_dense={moe.first_dense}: {arch} has no dense first layers'
+                      f'{" but mlp_only_layers, whose pattern matches only when moe_every divides it" if moe.router == "qwen3_moe" else ""}'
                       f', so this model has no faithful Hugging Face equivalent.')
-  if m.qk_norm != qk_norm or m.moe_shared_experts or m.moe_routed_scale != 1.0 or (
-      m.moe_every != 1 and m.moe_router != 'qwen3_moe'):
+  if m.attention.qk_norm != qk_norm or moe.shared_experts or moe.routed_scale != 1.0 or (
+      moe.every != 1 and moe.router != 'qwen3_moe'):
     raise ExportError(f'{arch} computes qk_norm={qk_norm}, no shared experts, routed scale 1'
-                      f'{"" if m.moe_router == "qwen3_moe" else ", MoE in every layer"}; this model differs '
-                      f'(qk_norm={m.qk_norm}, moe_shared_experts={m.moe_shared_experts}, moe_every={m.moe_every}), so '
+                      f'{"" if moe.router == "qwen3_moe" else ", MoE in every layer"}; this model differs '
+                      f'(qk_norm={m.attention.qk_norm}, moe_shared_experts={moe.shared_experts}, moe_every={moe.every}), so '
                       f'it has no faithful Hugging Face equivalent.')
   return arch
 
 
 def architecture(m: model_lib.ModelConfig) -> str:
   """The Hugging Face class that computes exactly this model, or an ExportError saying why there is none."""
-  if m.moe_experts:
+  if m.moe.experts:
     return _moe_architecture(m)
-  if m.qk_norm == 'full' or (m.qk_norm == 'head' and m.parallel_block):
-    raise ExportError(f'model.qk_norm={m.qk_norm} on a dense{" parallel-block" if m.parallel_block else ""} model '
+  qk_norm = m.attention.qk_norm
+  if qk_norm == 'full' or (qk_norm == 'head' and m.parallel_block):
+    raise ExportError(f'model.qk_norm={qk_norm} on a dense{" parallel-block" if m.parallel_block else ""} model '
                       f'has no Hugging Face equivalent (Qwen3 is the sequential block with qk_norm=head); export it '
                       f'with qk_norm=none or head.')
   if m.d_model % m.num_heads:
@@ -89,7 +91,7 @@ def architecture(m: model_lib.ModelConfig) -> str:
     raise ExportError(f'head_dim={m.head_dim} differs from d_model/num_heads={m.d_model // m.num_heads}: '
                       f'Cohere (the parallel block) derives head_dim from the widths, so this model has no '
                       f'faithful Hugging Face equivalent.')
-  if m.qk_norm == 'head':
+  if m.attention.qk_norm == 'head':
     return 'Qwen3ForCausalLM'  # Llama's block with a per-head RMSNorm on queries and keys
   return 'CohereForCausalLM' if m.parallel_block else 'LlamaForCausalLM'
 
@@ -108,7 +110,7 @@ def to_hf(params: dict, m: model_lib.ModelConfig) -> dict[str, np.ndarray]:
     out[pre + 'self_attn.k_proj.weight'] = f32(a['key'])[:, :, rope_order].reshape(D, K * E).T
     out[pre + 'self_attn.v_proj.weight'] = f32(a['value']).reshape(D, K * E).T
     out[pre + 'self_attn.o_proj.weight'] = f32(a['out']).reshape(H * E, D).T
-    if m.qk_norm != 'none':
+    if m.attention.qk_norm != 'none':
       out[pre + 'self_attn.q_norm.weight'] = f32(a['query_norm']['scale']).reshape(-1)
       out[pre + 'self_attn.k_norm.weight'] = f32(a['key_norm']['scale']).reshape(-1)
     if 'moe' in p:
@@ -184,19 +186,19 @@ def hf_config(m: model_lib.ModelConfig, *, max_positions: int, dtype: str, bos_i
       'bos_token_id': bos_id, 'eos_token_id': eos_id, 'pad_token_id': None, 'use_cache': True,
       'torch_dtype': dtype, 'dtype': dtype,
   }
-  if m.moe_experts:
-    _, model_type, _ = MOE_ARCHITECTURES[m.moe_router]
-    c.update(model_type=model_type, num_local_experts=m.moe_experts, num_experts=m.moe_experts,
-             num_experts_per_tok=m.moe_top_k, norm_topk_prob=m.moe_norm_topk_prob, output_router_logits=False,
-             intermediate_size=m.moe_mlp_dim if model_type != 'qwen3_moe' else m.mlp_dim,
-             moe_intermediate_size=m.moe_mlp_dim, decoder_sparse_step=m.moe_every,
-             mlp_only_layers=list(range(m.moe_first_dense)),
+  if m.moe.experts:
+    _, model_type, _ = MOE_ARCHITECTURES[m.moe.router]
+    c.update(model_type=model_type, num_local_experts=m.moe.experts, num_experts=m.moe.experts,
+             num_experts_per_tok=m.moe.top_k, norm_topk_prob=m.moe.norm_topk_prob, output_router_logits=False,
+             intermediate_size=m.moe.mlp_dim if model_type != 'qwen3_moe' else m.mlp_dim,
+             moe_intermediate_size=m.moe.mlp_dim, decoder_sparse_step=m.moe.every,
+             mlp_only_layers=list(range(m.moe.first_dense)),
              sliding_window=None, use_sliding_window=False, clip_qkv=None)
   if cohere:
-    c.update(layer_norm_eps=m.norm_eps, use_qk_norm=False, tie_word_embeddings=m.tie_embeddings,
+    c.update(layer_norm_eps=m.norms.eps, use_qk_norm=False, tie_word_embeddings=m.tie_embeddings,
              logit_scale=1.0 / math.sqrt(m.d_model) if m.tie_embeddings else 1.0)
   else:
-    c.update(rms_norm_eps=m.norm_eps, mlp_bias=False, head_dim=m.head_dim, pretraining_tp=1,
+    c.update(rms_norm_eps=m.norms.eps, mlp_bias=False, head_dim=m.head_dim, pretraining_tp=1,
              tie_word_embeddings=False)
   return c
 
@@ -350,8 +352,8 @@ def from_hf(tensors: dict[str, np.ndarray], m: model_lib.ModelConfig, *, scan_la
             'out': get(pre + 'self_attn.o_proj.weight', (D, H * E)).T.reshape(H, E, D)},
         'attn_norm': {'scale': get(pre + 'input_layernorm.weight', (D,))},
         'mlp_norm': {'scale': get(pre + 'post_attention_layernorm.weight', (D,))}}
-    if m.qk_norm != 'none':  # Qwen3: one (E,) scale per q/k; OLMoE: over all heads, (H·E,) and (K·E,)
-      shapes = ((E,), (E,)) if m.qk_norm == 'head' else ((H, E), (K, E))
+    if m.attention.qk_norm != 'none':  # Qwen3: one (E,) scale per q/k; OLMoE: over all heads, (H·E,) and (K·E,)
+      shapes = ((E,), (E,)) if m.attention.qk_norm == 'head' else ((H, E), (K, E))
       layer['attention']['query_norm'] = {'scale': get(pre + 'self_attn.q_norm.weight').reshape(shapes[0])}
       layer['attention']['key_norm'] = {'scale': get(pre + 'self_attn.k_norm.weight').reshape(shapes[1])}
     if model_lib.is_moe(m, i):
@@ -368,8 +370,8 @@ def from_hf(tensors: dict[str, np.ndarray], m: model_lib.ModelConfig, *, scan_la
   stack = lambda units: jax.tree.map(lambda *xs: np.stack(xs), *units)  # noqa: E731
   if scan_layers and first:  # the dense first layers: their own stack (model.Decoder)
     params['dense_layers'] = stack(layers[:first])
-  if scan_layers and m.moe_experts and m.moe_every > 1:  # scanned in groups of moe_every layers (model.Group)
-    n = m.moe_every
+  if scan_layers and m.moe.experts and m.moe.every > 1:  # scanned in groups of moe_every layers (model.Group)
+    n = m.moe.every
     params['layers'] = stack([{f'block_{j}': layers[first + g * n + j] for j in range(n)}
                               for g in range((L - first) // n)])
   elif scan_layers:
@@ -387,7 +389,7 @@ def _experts_from_hf(tensors: dict, get, pre: str, m: model_lib.ModelConfig) -> 
   fused       transformers 5's in-memory layout: mlp.experts.gate_up_proj (X, 2F, D), gate rows first, and
               mlp.experts.down_proj (X, D, F).
   """
-  X, D, F = m.moe_experts, m.d_model, m.moe_mlp_dim
+  X, D, F = m.moe.experts, m.d_model, m.moe.mlp_dim
   block = pre + ('block_sparse_moe.' if pre + 'block_sparse_moe.gate.weight' in tensors else 'mlp.')
   out = {'router': get(block + 'gate.weight', (X, D)).T, 'bias': np.zeros((X,), np.float32)}
   if block + 'experts.gate_up_proj' in tensors:
@@ -405,14 +407,14 @@ def _experts_to_hf(p: dict, pre: str, m: model_lib.ModelConfig) -> dict:
   """One MoE layer in its family's per-expert layout (what transformers' save_pretrained writes)."""
   if np.any(np.asarray(p['bias']) != 0):
     raise ExportError(f'the model\'s expert-selection biases are not zero (auxiliary-loss-free balancing, '
-                      f'model.moe_bias_rate): {MOE_ARCHITECTURES[m.moe_router][0]} has no place for them; train with '
+                      f'model.moe_bias_rate): {MOE_ARCHITECTURES[m.moe.router][0]} has no place for them; train with '
                       f'model.moe_bias_rate=0 (and model.moe_aux_loss instead) to export.')
-  mixtral = m.moe_router == 'mixtral'
+  mixtral = m.moe.router == 'mixtral'
   block = pre + ('block_sparse_moe.' if mixtral else 'mlp.')
   names = ('w1', 'w3', 'w2') if mixtral else ('gate_proj', 'up_proj', 'down_proj')
   out = {block + 'gate.weight': np.asarray(p['router'], np.float32).T}  # (X, D)
   for key, name in zip(('gate', 'up', 'down'), names):
     w = np.asarray(p[key], np.float32)
-    for e in range(m.moe_experts):
+    for e in range(m.moe.experts):
       out[f'{block}experts.{e}.{name}.weight'] = w[e].T
   return out

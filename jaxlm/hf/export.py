@@ -33,6 +33,7 @@ from absl import flags, logging
 
 from jaxlm import cli
 from jaxlm.data import format as format_lib
+from jaxlm import lora as lora_lib
 from jaxlm import model as model_lib
 from jaxlm import rundir
 from jaxlm.data import storage
@@ -274,7 +275,7 @@ def _export(workdir: str, out: str, *, step: int | None, dtype: str, tokenizer: 
     raise ExportError(f'--adapter_out: {path} is not a LoRA run (model.lora.rank=0); export it without the flag.')
   adapter_files = write_adapter(params, m, adapter_out) if adapter_out else []
   if m.lora.rank:  # merged: the plain model that computes what the LoRA model does
-    params, m = model_lib.merge_adapters(params, m), dataclasses.replace(m, lora=model_lib.LoraConfig())
+    params, m = lora_lib.merge_adapters(params, m.lora), dataclasses.replace(m, lora=lora_lib.LoraConfig())
   tensors = to_hf(params, m)
   # Put beside the checkpoints by jaxlm.hf.import_llama; else the one the run's data was prepared with.
   tokenizer = tokenizer or _beside_tokenizer(workdir, stack) or find_tokenizer(cfg.data, m.vocab_size)

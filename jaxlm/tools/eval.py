@@ -49,17 +49,16 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from jaxlm import checkpoint as checkpoint_lib
 from jaxlm import cli
 from jaxlm.data import chat as chat_lib
 from jaxlm.data import pipeline as data_lib
 from jaxlm import errors
-from jaxlm.hf import export as export_lib
 from jaxlm import model as model_lib
 from jaxlm import preference as preference_lib
 from jaxlm import rundir
 from jaxlm import sharding
 from jaxlm.data import readers as sources_lib
+from jaxlm.tools import load_run
 from jaxlm import step as step_lib
 from jaxlm import textgen
 
@@ -127,29 +126,6 @@ def summarize(nats: float, tokens: float, num_bytes: int) -> dict:
           'bits_per_byte': nats / math.log(2) / num_bytes if num_bytes else float('nan')}
 
 
-def _mesh_cfg(cfg):
-  """The run's mesh if it fits the devices here, else all devices as FSDP (one host: no dcn axes).
-
-  Never a pipeline: sampling runs one sequence at a time, and a pipelined run's checkpoint stores its layers in
-  the plain order (jaxlm/pipeline.py), so its stage devices simply become fsdp ones.
-  """
-  mesh_cfg = cfg.mesh
-  if mesh_cfg.get('stage', 1) * mesh_cfg.get('dcn_stage', 1) > 1:
-    mesh_cfg = mesh_cfg.copy_and_resolve_references()
-    mesh_cfg.update(stage=1, dcn_stage=1, fsdp=-1)
-  return sharding.single_host_mesh_cfg(mesh_cfg, jax.device_count(), jax.process_count())
-
-
-def _restore(path: str, cfg, mesh, weights: str = 'raw'):
-  """The run's program and checkpointed parameters (weights='ema': their moving average, optim.ema)."""
-  program = step_lib.build_program(cfg, mesh)
-  abstract, shardings = program.abstract_state.params, program.state_shardings.params
-  if cfg.optim.get('name') == 'sf_adamw' and weights == 'raw':  # schedule-free is evaluated at its averaged point
-    x = export_lib.read_params(path)
-    return program, jax.device_put(jax.tree.map(lambda a, w: np.asarray(a, w.dtype), x, abstract), shardings)
-  return program, checkpoint_lib.load_params(path, abstract, shardings, weights)
-
-
 def _reference(path: str, program):
   """preference.reference=copy: the frozen copy the run saved, placed as the program expects; else {} (under
   `base` the reference is the parameters with their adapters off, `cached` is in the batches, SimPO has none)."""
@@ -170,23 +146,23 @@ def evaluate_run(workdir: str, *, step: int | None = None, batches: int | None =
                  batch_size: int | None = None, prompt: str | None = None, max_tokens: int = 64,
                  temperature: float = 0.0, seed: int = 0, weights: str = 'raw') -> dict:
   """Held-out metrics (and a sample, if `prompt` is given) of a run's checkpoint, as a dict."""
-  path = export_lib.step_dir(workdir, step)
-  cfg = export_lib.read_config(path)
+  path = rundir.step_dir(workdir, step)
+  cfg = rundir.read_config(path)
   t = cfg.train
   batch_size = batch_size or t.batch_size
   batches = batches or t.eval_batches
-  mesh = sharding.make_mesh(_mesh_cfg(cfg))
+  mesh = sharding.make_mesh(load_run.mesh_cfg(cfg))
   vocab = cfg.model.vocab_size
   with jax.sharding.set_mesh(mesh):
     with nn.logical_axis_rules(sharding.RULES):
-      program, params = _restore(path, cfg, mesh, weights)
+      program, params = load_run.restore(path, cfg, mesh, weights)
       preference = program.preference_eval_step is not None  # train.objective=preference: pairs, and their metrics
       eval_data = data_lib.eval_batches(cfg.data, batch_size=batch_size, num_batches=batches, vocab_size=vocab,
                                         reference_logps=preference and preference_lib.reads_cached(t, cfg.preference))
       nats, tokens = _nats_and_tokens(program, params, eval_data)
       if preference:
         pref = step_lib.evaluate_preference(program, params, _reference(path, program), eval_data)
-    tokenizer = data_lib.load_tokenizer(cfg.data, vocab)
+    tokenizer = rundir.load_tokenizer(cfg)
     result = summarize(nats, tokens, sum(text_bytes(b, tokenizer.decode) for b in eval_data))
     result.update(step=int(os.path.basename(path)), batches=len(eval_data), batch_size=batch_size, weights=weights)
     if preference:  # the train step's names (TRL's), over the held-out pairs; `loss` stays the LM loss
@@ -232,7 +208,7 @@ def heldout_documents(cfg, *, max_documents: int | None = None) -> list[str]:
   """The run's held-out documents as text, decoded from its prepared eval shards in the order evaluation reads."""
   import grain  # pylint: disable=g-import-not-at-top  # data.py's reader of the shards
   vocab = cfg.model.vocab_size
-  tokenizer = data_lib.load_tokenizer(cfg.data, vocab)
+  tokenizer = rundir.load_tokenizer(cfg)
   texts = []
   for path in data_lib.dataset_dirs(cfg.data, vocab):
     prepared = data_lib.open_prepared(path, vocab)
@@ -311,19 +287,18 @@ def window_batches(windows, seq_len: int, batch_size: int) -> list[dict]:
 def score_documents(workdir: str, texts: Sequence[str], *, step: int | None = None,
                     batch_size: int | None = None, weights: str = 'raw') -> dict:
   """Loss per token, perplexity and bits per byte of `texts` under a run's checkpoint, as a dict."""
-  path = export_lib.step_dir(workdir, step)
-  cfg = export_lib.read_config(path)
+  path = rundir.step_dir(workdir, step)
+  cfg = rundir.read_config(path)
   batch_size = batch_size or cfg.train.batch_size
-  vocab = cfg.model.vocab_size
-  tokenizer = data_lib.load_tokenizer(cfg.data, vocab)
+  tokenizer = rundir.load_tokenizer(cfg)
   seq_len = cfg.data.seq_len
   # The start token every training document begins with (data.py): what lm-eval's rolling prefix is for an export.
   windows = [w for text in texts for w in rolling_windows(tokenizer.encode(text), tokenizer.separator_id, seq_len)]
   batches = window_batches(windows, seq_len, batch_size)
-  mesh = sharding.make_mesh(_mesh_cfg(cfg))
+  mesh = sharding.make_mesh(load_run.mesh_cfg(cfg))
   with jax.sharding.set_mesh(mesh):
     with nn.logical_axis_rules(sharding.RULES):
-      nats, tokens = _nats_and_tokens(*_restore(path, cfg, mesh, weights), batches)
+      nats, tokens = _nats_and_tokens(*load_run.restore(path, cfg, mesh, weights), batches)
   result = summarize(nats, tokens, sum(len(text.encode('utf-8')) for text in texts))
   result.update(step=int(os.path.basename(path)), documents=len(texts), windows=len(windows), seq_len=seq_len)
   return result
@@ -331,13 +306,12 @@ def score_documents(workdir: str, texts: Sequence[str], *, step: int | None = No
 
 def load_scorer(workdir: str, *, step: int | None = None, batch_size: int = 8) -> textgen.Scorer:
   """A run (or an import_llama import) as a textgen.Scorer: its checkpoint on its mesh, with its tokenizer."""
-  from jaxlm.tools import generate as generate_tool  # pylint: disable=g-import-not-at-top  # its tokenizer rule
-  path = export_lib.step_dir(workdir, step)
-  cfg = export_lib.read_config(path)
-  mesh = sharding.make_mesh(_mesh_cfg(cfg))
+  path = rundir.step_dir(workdir, step)
+  cfg = rundir.read_config(path)
+  mesh = sharding.make_mesh(load_run.mesh_cfg(cfg))
   with sharding.activate(mesh):
-    program, params = _restore(path, cfg, mesh)
-  return textgen.Scorer(program.model.config, params, generate_tool.run_tokenizer(workdir, cfg),
+    program, params = load_run.restore(path, cfg, mesh)
+  return textgen.Scorer(program.model.config, params, rundir.load_tokenizer(cfg, workdir),
                         seq_len=cfg.data.seq_len, mesh=mesh, name=os.path.abspath(os.path.expanduser(workdir)),
                         step=int(os.path.basename(path)), batch_size=batch_size)
 
@@ -384,8 +358,8 @@ def generate_and_score(workdir: str, source: str = 'heldout', *, step: int | Non
     prompts, references = read_prompt_references(source)
     prompts, references = prompts[:num_prompts], references[:num_prompts]
   own = load_scorer(workdir, step=step)
-  path = export_lib.step_dir(workdir, step)
-  cfg = export_lib.read_config(path)
+  path = rundir.step_dir(workdir, step)
+  cfg = rundir.read_config(path)
   tok, seq_len = own.tokenizer, cfg.data.seq_len
   start = [tok.separator_id] if tok.separator_id >= 0 else []
   if source == 'heldout':
@@ -477,7 +451,7 @@ def main(argv):
   del argv
   try:
     if FLAGS.write_jsonl:
-      cfg = export_lib.read_config(export_lib.step_dir(FLAGS.workdir, FLAGS.step))
+      cfg = rundir.read_config(rundir.step_dir(FLAGS.workdir, FLAGS.step))
       texts = heldout_documents(cfg, max_documents=FLAGS.max_documents)
       num_bytes = write_jsonl(FLAGS.write_jsonl, texts)
       print(f'wrote {len(texts):,} held-out documents ({num_bytes:,} bytes) to {FLAGS.write_jsonl}; score them '

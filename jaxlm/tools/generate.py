@@ -13,8 +13,8 @@ printed and, with --output, written as one JSON line: prompt, sample, completion
 eos_token_id list, the tokenizer's eos and its document separator). The last lines give prefill and decode tokens/s.
 
 The run's own config says how to build the model and where its tokenizer is; the checkpoint is restored as
-`jaxlm.tools.eval` restores it, onto the run's mesh when it fits here (a pipelined run's stages and context
-parallelism's sequence split become fsdp: sampling splits the batch, not the sequence).
+`jaxlm.tools.eval` restores it (jaxlm.tools.load_run), onto the run's mesh when it fits here (a pipelined run's
+stages and context parallelism's sequence split become fsdp: sampling splits the batch, not the sequence).
 """
 
 import json
@@ -25,11 +25,9 @@ from absl import flags
 
 from jaxlm import cli
 from jaxlm import generate as generate_lib
+from jaxlm import rundir
 from jaxlm import sharding
-from jaxlm.data import pipeline as data_lib
-from jaxlm.data import tokenizer as tokenizer_lib
-from jaxlm.hf import export as export_lib
-from jaxlm.tools import eval as eval_lib
+from jaxlm.tools import load_run
 
 GenerateError = generate_lib.GenerateError
 
@@ -62,14 +60,6 @@ def read_prompts(path: str, chat: bool) -> list:
   return prompts
 
 
-def run_tokenizer(workdir: str, cfg) -> tokenizer_lib.Tokenizer:
-  """The run's tokenizer: the files jaxlm.hf.import_llama put beside an import, else the one of its data."""
-  workdir = os.path.expanduser(workdir)
-  if any(os.path.isfile(os.path.join(workdir, n)) for n in ('tokenizer.json', 'tokenizer.model')):
-    return tokenizer_lib.load(workdir)
-  return data_lib.load_tokenizer(cfg.data, cfg.model.vocab_size)
-
-
 def _chat_renderer(tokenizer):
   """A function rendering a prompt (text or messages) through the run's chat template, ready for the reply."""
   try:
@@ -88,7 +78,7 @@ def _chat_renderer(tokenizer):
 
 def _mesh_cfg(cfg):
   """eval's mesh (the run's if it fits, stages as fsdp), with a context split folded into fsdp as well."""
-  mesh_cfg = eval_lib._mesh_cfg(cfg)  # pylint: disable=protected-access
+  mesh_cfg = load_run.mesh_cfg(cfg)
   if mesh_cfg.get('context', 1) > 1 or mesh_cfg.get('dcn_context', 1) > 1:
     mesh_cfg = mesh_cfg.copy_and_resolve_references()
     mesh_cfg.update(context=1, dcn_context=1, fsdp=-1)
@@ -107,9 +97,9 @@ def run(workdir: str, prompts: list, *, step: int | None = None, max_new_tokens:
       raise GenerateError('an empty prompt has nothing to continue; give each prompt some text')
   if num_samples < 1:
     raise GenerateError(f'--num_samples={num_samples}: give at least 1')
-  path = export_lib.step_dir(workdir, step)
-  cfg = export_lib.read_config(path)
-  tokenizer = run_tokenizer(workdir, cfg)
+  path = rundir.step_dir(workdir, step)
+  cfg = rundir.read_config(path)
+  tokenizer = rundir.load_tokenizer(cfg, workdir)
   # Sampling stops at every id of the model's end-of-sequence list (generation_config.json's, as import copied it),
   # the end-of-turn token (the tokenizer's eos) and the separator that follows every document in training.
   eos = tokenizer.stop_ids or None
@@ -122,7 +112,7 @@ def run(workdir: str, prompts: list, *, step: int | None = None, max_new_tokens:
   generate_lib.check_lengths(ids, max_new_tokens, cfg.data.seq_len)  # before any device work
   mesh = sharding.make_mesh(_mesh_cfg(cfg))
   with sharding.activate(mesh):
-    program, params = eval_lib._restore(path, cfg, mesh)  # pylint: disable=protected-access
+    program, params = load_run.restore(path, cfg, mesh)
   out = generate_lib.generate(program.model.config, params, [i for i in ids for _ in range(num_samples)],
                               max_new_tokens, sampling=sampling, seed=seed, eos_id=eos, mesh=mesh,
                               max_len=cfg.data.seq_len)

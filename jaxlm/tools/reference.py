@@ -19,6 +19,7 @@ import numpy as np
 from absl import flags
 
 from jaxlm import cli
+from jaxlm import lora as lora_lib
 from jaxlm import model as model_lib
 from jaxlm import preference as preference_lib
 from jaxlm import rundir
@@ -53,7 +54,7 @@ def compute(workdir: str, data: str, *, step: int | None = None, batch_size: int
                          f'({meta["vocab_size"]}); compute the reference with the model the pairs were prepared for.')
   params = rundir.read_params(step_dir)
   if m.lora.rank:  # the model the run computes, without adapters
-    params, m = model_lib.merge_adapters(params, m), dataclasses.replace(m, lora=model_lib.LoraConfig())
+    params, m = lora_lib.merge_adapters(params, m.lora), dataclasses.replace(m, lora=lora_lib.LoraConfig())
   logps = _logps_fn(dataclasses.replace(m, dtype='float32'))
   out = os.path.join(data, DIRECTORY)
   os.makedirs(out, exist_ok=True)

@@ -77,7 +77,7 @@ def analytic(cfg) -> dict:
           # A mixture of experts: what one token's forward multiplies by (the FLOPs below count these), and the
           # routed experts' stacked (X, D, F) weights.
           'active_params': model_lib.param_count(m, active=True),
-          'expert_params': moe_layers * 3 * m.d_model * m.moe_mlp_dim * m.moe_experts,
+          'expert_params': moe_layers * 3 * m.d_model * m.moe.mlp_dim * m.moe.experts,
           'embedding_params': m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2),
           'flops_per_token': model_lib.flops_per_token(m, cfg.data.seq_len),
           'flops_per_token_causal': model_lib.flops_per_token(m, cfg.data.seq_len, causal=True),

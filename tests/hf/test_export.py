@@ -280,7 +280,8 @@ def test_imported_qwen3_matches_transformers_and_exports_back(hf, tmp_path, spm_
   assert MAX_ABS['import-qwen3'] <= 1e-4
   no_norm = {**params, 'layers': {**params['layers'], 'attention': {
       k: v for k, v in params['layers']['attention'].items() if not k.endswith('_norm')}}}
-  plain = dataclasses.replace(m, qk_norm='none')  # the QK-norm is what made the logits agree
+  # The QK-norm is what made the logits agree.
+  plain = dataclasses.replace(m, attention=dataclasses.replace(m.attention, qk_norm='none'))
   assert np.abs(_jax_logits(model_lib.Decoder(plain), no_norm, tokens) - theirs).max() > 1e-3
 
   summary = export.export(str(tmp_path / 'run'), str(tmp_path / 'back'))

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxlm import lora as lora_lib
 from jaxlm import model as model_lib
 from jaxlm.hf import convert, export
 from tests.helpers import LazyModule, grid, load_config
@@ -39,8 +40,9 @@ def _lora_model(parallel_block: bool):
 
 def _hf_base(m, params, directory):
   """The HF base model (jaxlm's weights without the adapters), written and loaded as a user would."""
-  plain = dataclasses.replace(m, lora=model_lib.LoraConfig())
-  export.save_safetensors(convert.to_hf(model_lib.split_adapters(params)[0], plain), str(directory / 'model.safetensors'))
+  plain = dataclasses.replace(m, lora=lora_lib.LoraConfig())
+  base = lora_lib.split_adapters(params)[0]
+  export.save_safetensors(convert.to_hf(base, plain), str(directory / 'model.safetensors'))
   (directory / 'config.json').write_text(json.dumps(convert.hf_config(plain, max_positions=64, dtype='float32',
                                                                       bos_id=1, eos_id=2)))
   return transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
@@ -79,8 +81,8 @@ def test_peft_adapter_and_merged_export_give_jaxlm_lora_logits(parallel_block, t
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
   # Merged: W + (alpha/r)·A·B through the converter equals peft's merge_and_unload, and gives the same logits.
-  plain = dataclasses.replace(m, lora=model_lib.LoraConfig())
-  merged = convert.to_hf(model_lib.merge_adapters(params, m), plain)
+  plain = dataclasses.replace(m, lora=lora_lib.LoraConfig())
+  merged = convert.to_hf(lora_lib.merge_adapters(params, m.lora), plain)
   unloaded = {k: v.numpy() for k, v in model.merge_and_unload().state_dict().items()}
   for k, v in merged.items():
     np.testing.assert_allclose(v, unloaded[k], rtol=1e-6, atol=1e-6, err_msg=k)

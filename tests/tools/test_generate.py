@@ -113,10 +113,9 @@ def test_sampling_mesh_folds_pipeline_stages_and_context_into_fsdp():
 
 def test_an_imported_run_samples_with_the_tokenizer_import_put_beside_it(tmp_path):
   from jaxlm.data import tokenizer as tokenizer_lib
-  from jaxlm.tools import generate as tool
   lines = [f'def f{i}(x):\n    return x * {i} + "{chr(97 + i % 26)}"' for i in range(300)]
   tokenizer_lib.train(lines, str(tmp_path / 'tokenizer.model'), vocab_size=400)  # where import_llama copies it
   cfg = load_config('palm_tiny')
   cfg.data.source = 'nowhere'  # an import has no prepared data to find a tokenizer in
-  tok = tool.run_tokenizer(str(tmp_path), cfg)
+  tok = rundir.load_tokenizer(cfg, str(tmp_path))
   assert tok.encode('def f1(x):') == tokenizer_lib.load(str(tmp_path / 'tokenizer.model')).encode('def f1(x):')

@@ -34,7 +34,7 @@ def test_moe_tiny_counts_active_parameters_and_the_experts_memory():
   cfg = load_config('moe_tiny')
   m = model_lib.ModelConfig.from_config(cfg.model)
   a = size.analytic(cfg)
-  X, k, D, F, L = m.moe_experts, m.moe_top_k, m.d_model, m.moe_mlp_dim, m.num_layers
+  X, k, D, F, L = m.moe.experts, m.moe.top_k, m.d_model, m.moe.mlp_dim, m.num_layers
   assert a['expert_params'] == L * X * 3 * D * F  # every layer MoE: (X, D, F) gate and up, (X, F, D) down
   assert a['params'] - a['active_params'] == L * (X - k) * 3 * D * F  # k of X routed experts are active
   attention = 12 * L * m.num_heads * m.head_dim * cfg.data.seq_len
