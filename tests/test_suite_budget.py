@@ -1,8 +1,6 @@
 """The suite's budget (tests/timing.py: Budget) reports a test over it by name and never fails it, unless a
 developer asks (JAXLM_TEST_BUDGET_STRICT=1); `slow(reason=...)` exempts it even then."""
 
-import pytest
-
 from tests.conftest import ROOT
 
 pytest_plugins = ['pytester']
@@ -20,7 +18,6 @@ def pytest_configure(config):
 """,
     'test_dummy': """
 import time
-import pytest
 
 def burn(seconds):
   end = time.thread_time() + seconds
@@ -39,7 +36,6 @@ def test_cheap():
 """,
 }
 
-
 def _dummy_suite(pytester, monkeypatch, strict: bool):
   monkeypatch.setenv('JAXLM_TEST_LIMIT_S', '0.1')
   monkeypatch.setenv('JAXLM_TEST_BUDGET_STRICT', '1' if strict else '0')
@@ -49,7 +45,6 @@ def _dummy_suite(pytester, monkeypatch, strict: bool):
   print(result.stdout.str())
   return result
 
-
 def test_a_test_over_the_budget_passes_and_is_reported_by_name(pytester, monkeypatch):
   result = _dummy_suite(pytester, monkeypatch, strict=False)
   result.assert_outcomes(passed=3)
@@ -58,7 +53,6 @@ def test_a_test_over_the_budget_passes_and_is_reported_by_name(pytester, monkeyp
                '2 tests over the budget (1 not marked slow) of 3*'):
     result.stdout.fnmatch_lines([line])  # one at a time: the report orders tests by cost
   assert 'over budget: test_dummy.py::test_cheap' not in result.stdout.str()
-
 
 def test_a_test_over_the_budget_fails_when_a_developer_asks(pytester, monkeypatch):
   result = _dummy_suite(pytester, monkeypatch, strict=True)
