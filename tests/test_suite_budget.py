@@ -18,6 +18,7 @@ def pytest_configure(config):
 """,
     'test_dummy': """
 import time
+import pytest
 
 def burn(seconds):
   end = time.thread_time() + seconds
