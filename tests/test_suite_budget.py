@@ -37,6 +37,7 @@ def test_cheap():
 """,
 }
 
+
 def _dummy_suite(pytester, monkeypatch, strict: bool):
   monkeypatch.setenv('JAXLM_TEST_LIMIT_S', '0.1')
   monkeypatch.setenv('JAXLM_TEST_BUDGET_STRICT', '1' if strict else '0')
@@ -46,6 +47,7 @@ def _dummy_suite(pytester, monkeypatch, strict: bool):
   print(result.stdout.str())
   return result
 
+
 def test_a_test_over_the_budget_passes_and_is_reported_by_name(pytester, monkeypatch):
   result = _dummy_suite(pytester, monkeypatch, strict=False)
   result.assert_outcomes(passed=3)
@@ -54,6 +56,7 @@ def test_a_test_over_the_budget_passes_and_is_reported_by_name(pytester, monkeyp
                '2 tests over the budget (1 not marked slow) of 3*'):
     result.stdout.fnmatch_lines([line])  # one at a time: the report orders tests by cost
   assert 'over budget: test_dummy.py::test_cheap' not in result.stdout.str()
+
 
 def test_a_test_over_the_budget_fails_when_a_developer_asks(pytester, monkeypatch):
   result = _dummy_suite(pytester, monkeypatch, strict=True)
