@@ -1,7 +1,7 @@
 """Where the test suite's time goes: tables from the records tests/timing.py writes.
 
   JAXLM_TIMING=/tmp/after.jsonl python -m pytest -q -n 3 --dist worksteal -p tests.timing
-  python bench/suite.py /tmp/after.jsonl [--before=/tmp/before.jsonl] [--top=25]
+  python bench/suite.py /tmp/after.jsonl [--before=/tmp/before.jsonl] [--top=25] [--budget=60]
 
 Kinds, summed over tests (seconds): `children` is the CPU time of the processes a test started and waited for
 (JAX import, compiles and steps of trainer subprocesses, launchers); `compile` / `trace+lower` the in-process
@@ -9,12 +9,17 @@ XLA compile and JAX tracing time; `in-process rest` the test process's other CPU
 `waiting` the wall time that neither the test process nor its children spent on a CPU (sleeps, timeouts, a
 subprocess's start before it is counted, or a loaded machine's queue). With -n N the suite's wall time is about
 the summed wall over N, plus collection.
+
+--budget=S: the developer's check of the suite's budget (tests/timing.py: Budget): lists every test whose call
+cost over S reference CPU seconds (CPU scaled by the box-speed probe) and exits 1 if one of them is not marked
+`slow(reason=...)`. The run itself never fails a test for its cost unless JAXLM_TEST_BUDGET_STRICT=1.
 """
 
 import argparse
 import collections
 import json
 import statistics
+import sys
 
 
 def load(path: str) -> tuple[list[dict], list[float]]:
@@ -66,6 +71,7 @@ def main() -> None:
   p.add_argument('after')
   p.add_argument('--before', default='')
   p.add_argument('--top', type=int, default=25)
+  p.add_argument('--budget', type=float, default=0.0, help='reference CPU seconds a test; over it (unmarked): exit 1')
   a = p.parse_args()
   after, after_probes = load(a.after)
   before, before_probes = load(a.before) if a.before else ([], [])
@@ -103,6 +109,20 @@ def main() -> None:
   for r in sorted(after, key=lambda r: -r['wall_s'])[:a.top]:
     k = kinds(r)
     print(f'{r["id"][:99]:<100}{r["wall_s"]:>8.1f}{k["children"]:>7.1f}{k["compile"]:>7.1f}{k["waiting"]:>7.1f}')
+  if a.budget and not over_budget(after, a.budget):
+    sys.exit(1)
+
+
+def over_budget(records: list[dict], budget: float) -> bool:
+  """Prints the tests whose call cost more than `budget`; False if one of them is not marked slow(reason=...)."""
+  costed = [r for r in records if 'budget' in r]
+  over = sorted((r for r in costed if r['budget']['cost_s'] > budget), key=lambda r: -r['budget']['cost_s'])
+  print(f'\nbudget {budget:g} s a test (call CPU at the reference box speed): {len(over)} over, of {len(costed)} '
+        'tests costed')
+  for r in over:
+    b = r['budget']
+    print(f'  {b["cost_s"]:7.1f} s  {r["id"]}' + (f'  [slow: {b["slow"]}]' if b['slow'] else '  NOT MARKED SLOW'))
+  return all(r['budget']['slow'] for r in over)
 
 
 if __name__ == '__main__':

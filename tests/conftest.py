@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 import gc  # noqa: E402
 
 from jaxlm import cli  # noqa: E402  (no JAX import)
+from tests import timing  # noqa: E402  (no JAX import)
 
 # The commands' garbage-collector setting (cli.quiet_gc) for the test processes too, from before their imports:
 # with Python's default, 5-6 % of an in-process test file's time went to collections (bench/RESULTS.md).
@@ -121,23 +122,6 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.e2e)
 
 
-# A test whose call takes longer than this fails unless it carries `@pytest.mark.slow(reason=...)`, saying why
-# it must (the suite's budget: README, Testing). JAXLM_TEST_LIMIT_S changes it (0: off, e.g. on a loaded machine).
-LIMIT_S = float(os.environ.get('JAXLM_TEST_LIMIT_S', '60'))
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-  outcome = yield
-  report = outcome.get_result()
-  marker = item.get_closest_marker('slow')
-  if (call.when == 'call' and report.passed and LIMIT_S and call.duration > LIMIT_S
-      and not (marker and marker.kwargs.get('reason'))):
-    report.outcome = 'failed'
-    report.longrepr = (f'{item.nodeid} took {call.duration:.0f} s, over the suite\'s {LIMIT_S:.0f} s a test: make '
-                       'it cheaper, or mark it @pytest.mark.slow(reason=...) saying why it must take this long')
-
-
 def pytest_configure(config):
   """No persistent compilation cache in the test processes: on this 8-device CPU mesh an executable read back
   from it can run one device's collectives concurrently and deadlock (jaxlm/perf.py, CPU_MESH_CACHE_OFF; issue
@@ -149,6 +133,9 @@ def pytest_configure(config):
   the xdist workers (they inherit the variable), and removed at the end; JAXLM_TEST_XLA_CACHE=DIR names one
   instead, JAXLM_TEST_XLA_CACHE=0 turns it off."""
   jax.config.update('jax_enable_compilation_cache', False)
+  # The suite's budget a test (tests/timing.py: Budget; README, Testing): over it is reported by name at the end of
+  # every run, and fails only under JAXLM_TEST_BUDGET_STRICT=1 or a developer's `bench/suite.py --budget`.
+  config.pluginmanager.register(timing.Budget.from_env(), 'jaxlm-budget')
   if not os.environ.get('PYTEST_XDIST_WORKER') and not os.environ.get(SUBPROCESS_CACHE_ENV):
     import tempfile
     config.subprocess_cache = os.environ[SUBPROCESS_CACHE_ENV] = tempfile.mkdtemp(prefix='jaxlm-test-xla-')

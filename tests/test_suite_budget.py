@@ -1,0 +1,65 @@
+"""The suite's budget (tests/timing.py: Budget) reports a test over it by name and never fails it, unless a
+developer asks (JAXLM_TEST_BUDGET_STRICT=1); `slow(reason=...)` exempts it even then."""
+
+from tests.conftest import ROOT
+
+pytest_plugins = ['pytester']
+
+# A dummy suite: one test burns ~0.3 s of CPU in pure Python against a 0.1 s budget, one is cheap, one is as
+# costly but marked slow. Its conftest registers the budget as tests/conftest.py does, from the environment.
+DUMMY = {
+    'conftest': f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+from tests import timing
+
+def pytest_configure(config):
+  config.pluginmanager.register(timing.Budget.from_env(), 'jaxlm-budget')
+""",
+    'test_dummy': """
+import time
+import pytest
+
+def burn(seconds):
+  end = time.thread_time() + seconds
+  while time.thread_time() < end:
+    pass
+
+def test_costly():
+  burn(0.3)
+
+@pytest.mark.slow(reason='a dummy that must cost this much')
+def test_costly_but_marked():
+  burn(0.3)
+
+def test_cheap():
+  pass
+""",
+}
+
+
+def _dummy_suite(pytester, monkeypatch, strict: bool):
+  monkeypatch.setenv('JAXLM_TEST_LIMIT_S', '0.1')
+  monkeypatch.setenv('JAXLM_TEST_BUDGET_STRICT', '1' if strict else '0')
+  monkeypatch.setenv('PYTEST_DISABLE_PLUGIN_AUTOLOAD', '1')  # none of the environment's plugins: ~2 s less
+  pytester.makepyfile(**DUMMY)
+  result = pytester.runpytest('-p', 'no:cacheprovider', '-q')
+  print(result.stdout.str())
+  return result
+
+
+def test_a_test_over_the_budget_passes_and_is_reported_by_name(pytester, monkeypatch):
+  result = _dummy_suite(pytester, monkeypatch, strict=False)
+  result.assert_outcomes(passed=3)
+  for line in ('*= suite budget =*', '*reported, not failed*', 'over budget: test_dummy.py::test_costly *',
+               'over budget: test_dummy.py::test_costly_but_marked *[[]slow: a dummy that must*',
+               '2 tests over the budget (1 not marked slow) of 3*'):
+    result.stdout.fnmatch_lines([line])  # one at a time: the report orders tests by cost
+  assert 'over budget: test_dummy.py::test_cheap' not in result.stdout.str()
+
+
+def test_a_test_over_the_budget_fails_when_a_developer_asks(pytester, monkeypatch):
+  result = _dummy_suite(pytester, monkeypatch, strict=True)
+  result.assert_outcomes(passed=2, failed=1)  # the marked one still passes
+  result.stdout.fnmatch_lines(['*test_dummy.py::test_costly cost *over the suite\'s budget of 0.1 s*',
+                               'FAILED test_dummy.py::test_costly*'])
