@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from jaxlm import checkpoint as checkpoint_lib
+from jaxlm import integrity
 from jaxlm import errors
 from jaxlm import metrics as metrics_lib
 from jaxlm import rundir, sharding
@@ -82,9 +83,9 @@ def test_three_async_saves_keep_two_and_restore_bit_exact(checkpoint_store):
   _save_steps(directory, (2, 4, 6))
   assert rundir.checkpoint_steps(checkpoint_store) == [4, 6]
   for step in (4, 6):  # checksums from the store's own hashes (local: sha256 of the bytes)
-    recorded = storage.read_json(storage.join(directory, str(step), checkpoint_lib.CHECKSUMS))
+    recorded = storage.read_json(storage.join(directory, str(step), integrity.CHECKSUMS))
     algorithm = {'local': 'sha256', 'gs': 'crc32c', 's3': 'etag'}[storage.scheme(checkpoint_store) or 'local']
-    assert recorded[algorithm] and checkpoint_lib.verify_checksums(storage.join(directory, str(step))) is None
+    assert recorded[algorithm] and integrity.verify_checksums(storage.join(directory, str(step))) is None
   ckpt = _checkpointer(directory)
   data = _data(0)
   state, guard = ckpt.restore(*_abstract(_state(6)), data)
