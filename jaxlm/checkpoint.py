@@ -380,9 +380,13 @@ class Checkpointer:
     newest = self._newest_step()
     resume = (f'a rerun resumes from step {newest}, the newest good checkpoint' if newest is not None
               else 'no checkpoint was written, so a rerun starts from step 0')
+    bucket = storage.is_url(self.directory)  # no free space to report: a refused write is quota or permissions
+    why = cause if bucket else f'{cause}; {free_text} free'
+    fix = ("the bucket's quota or write permission, or use another --workdir" if bucket
+           else 'free space or use a writable --workdir')
     return CheckpointError(metrics_lib.fit_line(
-        f'checkpoint of step {step} was not written to {{path}} ({cause}; {free_text} free) and {resume}; fix: '
-        f'free space or use a writable --workdir, then rerun the same command', self.directory))
+        f'checkpoint of step {step} was not written to {{path}} ({why}) and {resume}; fix: {fix}, then rerun the '
+        f'same command', self.directory))
 
   def _newest_step(self) -> int | None:
     """The newest finalized step on storage (a failed save is never listed)."""
@@ -532,7 +536,19 @@ class Checkpointer:
       self._join_hashing()
     finally:
       self._hasher.shutdown(wait=True)
+      self._close_manager()
+
+  def _close_manager(self) -> None:
+    try:
       self.manager.close()
+    except Exception as e:  # pylint: disable=broad-except
+      # Orbax re-raises, when it closes, a background write that failed (a step's _CHECKPOINT_METADATA on a bucket
+      # refusing writes). A save already counted as failed says so in the run's last line (`unsaved_error`); one
+      # not confirmed otherwise becomes that line too: a failed save is never a traceback, never a quiet exit 0.
+      logging.warning('closing the checkpoint manager: %s: %s', type(e).__name__, e)
+      step = self.timings[-1]['step'] if self.timings else None
+      if self.unsaved is None and step is not None and step != self.last_good:
+        self.unsaved = (step, metrics_lib.short_cause(e), 'unknown')
 
 
 def load_params(path: str, abstract_params, shardings, weights: str = 'raw', fill=None):
