@@ -16,6 +16,7 @@ import pytest
 from jaxlm.hf import export
 from jaxlm.hf import import_llama as import_hf
 from jaxlm import model as model_lib
+from tests.helpers import load_config
 
 WINDOW, SEQ = 8, 40
 _COMMON = dict(vocab_size=211, hidden_size=48, intermediate_size=100, num_hidden_layers=2, num_attention_heads=4,
@@ -62,11 +63,11 @@ def hf():
     print('\nmax |logits(jaxlm) - logits(transformers)|: ' + ', '.join(f'{k} {v:.2e}' for k, v in MAX_ABS.items()))
 
 
-def _original(hf, family: str, path: str):
+def _original(hf, family: str, path: str, **overrides):
   """The family's tiny random transformers model, saved to `path`, with norm scales drawn away from init."""
   torch, transformers = hf
   config_cls, model_cls, kwargs = FAMILIES[family]
-  config = getattr(transformers, config_cls)(**kwargs)
+  config = getattr(transformers, config_cls)(**{**kwargs, **overrides})
   config._attn_implementation = 'eager'  # pylint: disable=protected-access  (Gemma 2's soft-cap needs it)
   model = getattr(transformers, model_cls)(config).float().eval()
   with torch.no_grad():
@@ -169,3 +170,33 @@ def test_export_refuses_blocks_no_family_computes():
       export.architecture(m)
   assert export.architecture(dataclasses.replace(base, attention=model_lib.AttentionConfig(window=8))) == \
       'MistralForCausalLM'
+
+
+@pytest.mark.parametrize('family', ['gemma2', 'mistral'])
+def test_greedy_with_the_kv_cache_equals_transformers_generate_beyond_the_window(hf, family, tmp_path):
+  """jaxlm.generate (KV cache, ragged prompts left-padded in one batch) continues each prompt token for token as
+  transformers' generate does, 24 tokens past prompts of 8 and 5: four windows of W = 8."""
+  torch, _ = hf
+  from jaxlm import generate as generate_lib
+  # Larger weights and an untied head: a tiny random model's greedy path otherwise repeats one token (tied, its own).
+  original = _original(hf, family, str(tmp_path / 'hf'), initializer_range=0.4, tie_word_embeddings=False)
+  original.generation_config.eos_token_id = None  # random weights: never stop early
+  m = model_lib.ModelConfig.from_config(
+      _model_cfg(import_hf.model_overrides(json.loads((tmp_path / 'hf' / 'config.json').read_text()))))
+  params = import_hf.from_hf(import_hf.read_safetensors(str(tmp_path / 'hf')), m, scan_layers=True)
+  prompts = [list(range(10, 18)), [40, 7, 99, 3, 150]]
+  ours = generate_lib.generate(m, params, prompts, 24).tokens
+  for prompt, got in zip(prompts, ours):
+    with torch.no_grad():
+      want = original.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):]
+    assert got == want.tolist()
+  assert len(set(ours[0])) > 3  # not one token repeated
+  unwindowed = dataclasses.replace(m, attention=dataclasses.replace(m.attention, window=0))
+  assert generate_lib.generate(unwindowed, params, prompts, 24).tokens != ours  # the window decides tokens
+
+
+def _model_cfg(overrides: dict):
+  """palm_tiny's model section with an import's overrides, float32."""
+  c = load_config('palm_tiny').model
+  c.update(**overrides, dtype='float32')
+  return c
