@@ -1,5 +1,5 @@
-"""The families whose blocks go beyond Llama's (model.py's block options): Gemma 2, Gemma 3 (text), Mistral and
-OLMo 2, both directions side by side: config.json <-> cfg.model keys, and the layer norms' names.
+"""The families whose blocks go beyond Llama's (model.py's block options): Gemma 2, Gemma 3 (text), Mistral,
+OLMo 2 and OLMo 3, both directions side by side: config.json <-> cfg.model keys, and the layer norms' names.
 
 convert.py calls these for the families listed here and keeps the tensors' mapping common to all.
 """
@@ -19,9 +19,12 @@ class HFImportError(errors.ConfigError):
 _GEMMA = dict(norm_placement='sandwich', norm_offset=True, mlp_activation='geglu', embed_scale=True)
 # model_type -> the cfg.model block keys every checkpoint of the family has (its window, caps and RoPE: its config).
 FAMILY_BLOCKS = {'gemma2': dict(_GEMMA, qk_norm='none'), 'gemma3_text': dict(_GEMMA, qk_norm='head'),
-                 'mistral': dict(qk_norm='none'), 'olmo2': dict(norm_placement='post', qk_norm='full')}
+                 'mistral': dict(qk_norm='none'), 'olmo2': dict(norm_placement='post', qk_norm='full'),
+                 'olmo3': dict(norm_placement='post', qk_norm='full')}
 FAMILY_MODEL_TYPES = {'Gemma2ForCausalLM': 'gemma2', 'Gemma3ForCausalLM': 'gemma3_text',
-                      'MistralForCausalLM': 'mistral', 'Olmo2ForCausalLM': 'olmo2'}
+                      'MistralForCausalLM': 'mistral', 'Olmo2ForCausalLM': 'olmo2', 'Olmo3ForCausalLM': 'olmo3'}
+# Families whose config.json gives RoPE per layer type (transformers 5): rope_parameters.{full,sliding}_attention.
+_PER_LAYER_ROPE = ('gemma3_text', 'olmo3')
 _LAYER_TYPES = ('full_attention', 'sliding_attention')
 GELU_TANH = ('gelu_pytorch_tanh', 'gelu_tanh')  # transformers' names of the tanh-approximated gelu
 
@@ -57,12 +60,12 @@ def _pattern(hf: dict) -> dict:
   return dict(attention_window=int(window), attention_global_every=every)
 
 
-def _gemma3_rope(hf: dict) -> tuple[dict, dict]:
-  """(hf with its global RoPE where convert._rope reads it, rope_local_theta) of a Gemma 3 config: per layer
-  type (transformers 5) or rope_theta + rope_local_base_freq + rope_scaling (4.x)."""
+def _per_layer_rope(hf: dict) -> tuple[dict, dict]:
+  """(hf with its global RoPE where convert._rope reads it, rope_local_theta) of a Gemma 3 or OLMo 3 config: per
+  layer type (transformers 5) or rope_theta + rope_local_base_freq + rope_scaling (4.x)."""
   params = hf.get('rope_parameters') or {}
   if 'full_attention' not in params:
-    return hf, dict(rope_local_theta=float(hf.get('rope_local_base_freq') or 10_000.0))
+    return hf, dict(rope_local_theta=float(hf.get('rope_local_base_freq') or hf.get('rope_theta') or 10_000.0))
   local = params.get('sliding_attention') or {}
   if local.get('rope_type', 'default') != 'default':
     raise HFImportError(f'rope_parameters.sliding_attention={local} is not supported: jaxlm\'s local layers '
@@ -83,8 +86,8 @@ def family_overrides(hf: dict) -> tuple[dict, dict]:
     out.update(attention_softcap=float(hf.get('attn_logit_softcapping') or 0.0),
                final_softcap=float(hf.get('final_logit_softcapping') or 0.0),
                query_pre_attn_scalar=float(hf.get('query_pre_attn_scalar') or 0.0))
-  if kind == 'gemma3_text':
-    hf, local = _gemma3_rope(hf)
+  if kind in _PER_LAYER_ROPE:
+    hf, local = _per_layer_rope(hf)
     out.update(local)
   cleared = dict(hf, sliding_window=None, layer_types=None, attn_logit_softcapping=None,
                  final_logit_softcapping=None, hidden_act='silu')
@@ -129,13 +132,14 @@ def family_architecture(m) -> str:
     arch = 'MistralForCausalLM'
     problems += extra(['attention_softcap', 'final_softcap', 'query_pre_attn_scalar', 'rope_local_theta'])
   elif block == dict({k: _OFF[k] for k in block}, norm_placement='post') and m.attention.qk_norm == 'full':
-    arch = 'Olmo2ForCausalLM'
-    problems += extra(['attention_window', 'attention_softcap', 'final_softcap', 'query_pre_attn_scalar',
-                       'rope_local_theta'])
+    # OLMo 3 is OLMo 2 with local layers (and RoPE per layer type).
+    two = not m.attention.window and o['rope_local_theta'] in (0.0, m.rope_theta)
+    arch = 'Olmo2ForCausalLM' if two else 'Olmo3ForCausalLM'
+    problems += extra(['attention_softcap', 'final_softcap', 'query_pre_attn_scalar'])
   if arch is None or problems:
     raise ExportError(f'{", ".join(problems or features(m))} (qk_norm={m.attention.qk_norm}): no Hugging Face '
                       f'class jaxlm exports computes this block (Gemma2/Gemma3ForCausalLM: sandwich norms with '
-                      f'(1+w), GeGLU, scaled embeddings; Mistral: all layers local; Olmo2: post norms with '
+                      f'(1+w), GeGLU, scaled embeddings; Mistral: all layers local; Olmo2/Olmo3: post norms with '
                       f'qk_norm=full); change those keys to match one.')
   return arch
 
@@ -150,10 +154,12 @@ def family_config(m, arch: str, max_positions: int, rope_scaling: dict | None) -
   if arch == 'Olmo2ForCausalLM':
     return c
   types = [_LAYER_TYPES[model_lib.is_local(m, i)] for i in range(m.num_layers)]
-  c.update(hidden_activation=GELU_TANH[0], hidden_act=GELU_TANH[0], layer_types=types,
-           sliding_window=a.window or max_positions, query_pre_attn_scalar=_whole(a.query_scalar or m.head_dim),
-           attn_logit_softcapping=a.softcap or None, final_logit_softcapping=m.final_softcap or None)
-  if arch == 'Gemma3ForCausalLM':
+  c.update(layer_types=types, sliding_window=a.window or max_positions)
+  if arch != 'Olmo3ForCausalLM':
+    c.update(hidden_activation=GELU_TANH[0], hidden_act=GELU_TANH[0],
+             query_pre_attn_scalar=_whole(a.query_scalar or m.head_dim), attn_logit_softcapping=a.softcap or None,
+             final_logit_softcapping=m.final_softcap or None)
+  if arch in ('Gemma3ForCausalLM', 'Olmo3ForCausalLM'):
     full = {'rope_type': 'default', **(rope_scaling or {}), 'rope_theta': m.rope_theta}
     local = {'rope_type': 'default', 'rope_theta': a.local_rope_theta or m.rope_theta}
     c.update(rope_parameters={'full_attention': full, 'sliding_attention': local}, rope_scaling=None,

@@ -1,4 +1,4 @@
-"""Gemma 2, Gemma 3 (text), Mistral and OLMo 2 through import and export: jaxlm's logits equal transformers'.
+"""Gemma 2, Gemma 3 (text), Mistral, OLMo 2 and OLMo 3 through import and export: jaxlm's logits equal transformers'.
 
 Each family is a tiny random transformers model (float32, eager attention) whose norm scales are drawn away from
 their init, saved with save_pretrained, imported with jaxlm.hf.import_llama and exported back. The sequences
@@ -38,6 +38,11 @@ FAMILIES = {
                      rope_parameters={'rope_type': 'default', 'rope_theta': 1000.0})),
     'olmo2': ('Olmo2Config', 'Olmo2ForCausalLM',
               dict(_COMMON, head_dim=12, rope_parameters={'rope_type': 'default', 'rope_theta': 1000.0})),
+    'olmo3': ('Olmo3Config', 'Olmo3ForCausalLM',
+              dict(_COMMON, head_dim=12, sliding_window=WINDOW, layer_types=['sliding_attention', 'full_attention'],
+                   rope_parameters={'sliding_attention': {'rope_type': 'default', 'rope_theta': 1000.0},
+                                    'full_attention': {'rope_type': 'yarn', 'factor': 2.0, 'rope_theta': 1000.0,
+                                                       'original_max_position_embeddings': 16}})),
 }
 # Turning one feature off (cfg.model key -> its off value) must move the logits by at least 1e-2.
 FEATURES = {
@@ -46,6 +51,7 @@ FEATURES = {
     'gemma3_text': dict(rope_local_theta=0.0, attention_window=0),
     'mistral': dict(attention_window=0),
     'olmo2': dict(norm_placement='pre'),
+    'olmo3': dict(attention_window=0, rope_local_theta=0.0),
 }
 MAX_ABS = {}  # 'import-<family>' / 'export-<family>' -> max |logit difference| (printed with pytest -s)
 
@@ -111,7 +117,7 @@ def test_family_imports_and_exports_with_transformers_logits(hf, family, tmp_pat
     changed[key] = off
     other = model_lib.ModelConfig.from_config(changed)
     moved = params
-    if m.norms.placement == 'post':  # the same norms moved before their sublayers
+    if key == 'norm_placement' and m.norms.placement == 'post':  # the same norms moved before their sublayers
       rename = {'attn_post_norm': 'attn_norm', 'mlp_post_norm': 'mlp_norm'}
       moved = {**params, 'layers': {rename.get(k, k): v for k, v in params['layers'].items()}}
     assert np.abs(_logits(model_lib.Decoder(other), moved, tokens) - theirs).max() >= 1e-2, key
