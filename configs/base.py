@@ -45,8 +45,8 @@ def get_config() -> ml_collections.ConfigDict:
   m.explicit_transpose_grads = False  # weight gradients as plain products of a transposed copy: faster on XLA:CPU only
   m.qk_norm = 'none'  # RMSNorm on queries and keys before RoPE: none | head (per head: Qwen3) | full (all heads: OLMoE)
   # Block features of today's open families (jaxlm/model.py, attention.py), all off by default; sequential block only.
-  m.attention_window = 0  # W > 0: local layers attend to their W most recent tokens, themselves included; 0 = all global
-  m.attention_global_every = 0  # with a window: every n-th layer global (Gemma 3: 6, Gemma 2: 2); 0 = all local (Mistral)
+  m.attention_window = 0  # W > 0: local layers see their W most recent tokens, their own included; 0 = all global
+  m.attention_global_every = 0  # with a window, every n-th layer global (Gemma 3: 6, Gemma 2: 2); 0 = all local
   m.rope_local_theta = 0.0  # RoPE base of the local layers (Gemma 3: 10k beside 1M); 0 = rope_theta everywhere
   m.attention_softcap = 0.0  # attention scores -> cap·tanh(score / cap) (Gemma 2: 50); 0 = off
   m.attention_sinks = False  # a learned per-head logit joins each softmax's denominator (gpt-oss)
