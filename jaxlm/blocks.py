@@ -118,3 +118,36 @@ def block_errors(model_cfg, context: int = 1, stages: int = 1) -> list[str]:
     e.append(f'model.attention_global_every={g("attention_global_every")} with mesh.stage={stages}: a pipeline runs '
              f'one layer body, all local or all global; set attention_global_every=0 or mesh.stage=1.')
   return e
+
+
+def ring_cached_attention(module, q, k, v, segment_ids, window: int, scores):
+  """A local layer's decoding step: q (B, T, H, E) over its last `window` keys, kept in a ring buffer.
+
+  The cache holds R = min(S, W) slots (S: the length of the call that creates it), so a local layer's cache does
+  not grow with the sequence. Slot s of the sequence lives at ring position s mod R; `slots` (R,) records which
+  sequence slot each position holds (unwritten ones are segment 0, never attended). The queries attend over the
+  ring as it was plus this call's own T keys, by sequence slot (causal, windowed), then the last min(T, R) of
+  those keys overwrite the oldest positions. `module`: the Attention whose `cache` collection this is.
+  """
+  B, T, K, E = k.shape
+  R = min(T, window)  # the creating call's T is the sequence length S
+  key = module.variable('cache', 'key', jnp.zeros, (B, R, K, E), k.dtype)
+  value = module.variable('cache', 'value', jnp.zeros, (B, R, K, E), v.dtype)
+  segments = module.variable('cache', 'segment_ids', jnp.zeros, (B, R), jnp.int32)
+  slots = module.variable('cache', 'slots', jnp.zeros, (R,), jnp.int32)
+  index = module.variable('cache', 'index', lambda: jnp.zeros((), jnp.int32))
+  i, R = index.value, key.value.shape[1]
+  new_slots = i + jnp.arange(T)
+  out = attention_lib.attention(
+      q, jnp.concatenate([key.value, k.astype(key.value.dtype)], 1),
+      jnp.concatenate([value.value, v.astype(value.value.dtype)], 1), segment_ids,
+      kv_segment_ids=jnp.concatenate([segments.value, segment_ids.astype(jnp.int32)], 1), order=new_slots,
+      kv_order=jnp.concatenate([slots.value, new_slots]), scores_cfg=scores)
+  keep = min(T, R)  # static: only the last R of a long prefill can still be seen
+  at = new_slots[T - keep:] % R  # distinct ring positions
+  key.value = key.value.at[:, at].set(k[:, T - keep:].astype(key.value.dtype))
+  value.value = value.value.at[:, at].set(v[:, T - keep:].astype(value.value.dtype))
+  segments.value = segments.value.at[:, at].set(segment_ids[:, T - keep:].astype(jnp.int32))
+  slots.value = slots.value.at[at].set(new_slots[T - keep:])
+  index.value = i + T
+  return out

@@ -24,7 +24,7 @@ from jaxlm import lora as lora_lib
 from jaxlm import moe as moe_lib
 from jaxlm import pipeline as pipeline_lib
 from jaxlm.blocks import (MLP_ACTIVATIONS, NORM_PLACEMENTS, AttentionConfig, MlpConfig,  # noqa: F401
-                          NormsConfig, block_errors, is_local, scores_config)
+                          NormsConfig, block_errors, is_local, ring_cached_attention, scores_config)
 from jaxlm.rope import ROPE_SCALINGS, layer_frequencies, rope, rope_frequencies  # noqa: F401  (callers' names)
 
 
@@ -317,8 +317,10 @@ def tokens(x):
 
 class Attention(nn.Module):
   """Multi-query / grouped-query self-attention with rotary positions, no biases; `local`: a sliding-window
-  layer (model.attention_window), a bool or, for scanned layers, a traced one."""
+  layer (model.attention_window), a bool or, for scanned layers, a traced one. `static_local`: known to be local
+  when the model is built (unrolled layers, or all of them local): its decoding cache is then a ring buffer."""
   config: ModelConfig
+  static_local: bool | None = None
 
   @nn.compact
   def __call__(self, x, segment_ids, positions, local=False):  # x: (B, T, D)
@@ -351,7 +353,9 @@ class Attention(nn.Module):
       sinks = self.param('sinks', nn.with_logical_partitioning(nn.initializers.zeros, ('heads',)), (H,),
                          storage_dtype(m))
     scores = scores_config(m, local, sinks)
-    if self.is_mutable_collection('cache'):  # decoding (jaxlm/generate.py): attend over the KV cache
+    if self.is_mutable_collection('cache') and self.static_local and m.attention.window:  # W slots, not S
+      out = ring_cached_attention(self, q, k, v, segment_ids, m.attention.window, scores)
+    elif self.is_mutable_collection('cache'):  # decoding (jaxlm/generate.py): attend over the KV cache
       out = self.cached_attention(q, k, v, segment_ids, scores)
     else:
       out = attention_lib.attention(q, k, v, segment_ids, m.attention.kernel, m.attention.block_q,
@@ -471,10 +475,12 @@ class Block(nn.Module):
   config: ModelConfig
   deterministic: bool = True
   moe: bool = False  # the MLP is a mixture of experts (jaxlm/moe.py)
+  local: bool | None = None  # a local layer, known when the model is built (Attention.static_local)
 
   @nn.compact
   def __call__(self, x, segment_ids, positions, local=False):  # x: (B, T, D); local: see Attention
     m = self.config
+    local = local if self.local is None else self.local
     drop = nn.Dropout(m.dropout_rate, deterministic=self.deterministic)
     if self.moe:  # routed per token; padding (segment id 0) goes to no expert
       mlp = lambda h: moe_mlp(m, name='moe')(h, segment_ids)  # noqa: E731
@@ -487,10 +493,10 @@ class Block(nn.Module):
     if m.parallel_block:
       # PaLM: y = x + Attn(LN(x)) + MLP(LN(x)); the two input matmuls can fuse (PaLM reports it faster at scale).
       h = gathered(Norm(m, rms=False, name='norm')(x))
-      attn, out = Attention(m, name='attention')(h, segment_ids, positions, local), mlp(h)
+      attn, out = Attention(m, self.local, name='attention')(h, segment_ids, positions, local), mlp(h)
       x = x + drop(to_residual(attn)) + drop(to_residual(out))
     else:
-      attention = lambda h: Attention(m, name='attention')(h, segment_ids, positions, local)  # noqa: E731
+      attention = lambda h: Attention(m, self.local, name='attention')(h, segment_ids, positions, local)  # noqa: E731
       x = x + drop(self.sublayer('attn', attention, x))
       x = nn.with_logical_constraint(x, RESIDUAL)
       x = x + drop(self.sublayer('mlp', mlp, x))
@@ -568,6 +574,8 @@ class Decoder(nn.Module):
     fields = {'moe': True} if unit is Block and m.moe.experts else {}
     # Which layers are local (sliding window), scanned alongside the parameters: one stack holds both kinds.
     local = np.array([is_local(m, i) for i in range(m.num_layers)])
+    if unit is Block and local.all():  # every layer local: each knows it when built (its decode cache a ring)
+      fields['local'] = True
     block = Block
     if m.remat != 'none':
       block = nn.remat(Block, policy=REMAT_POLICIES[m.remat], prevent_cse=not m.scan_layers)
@@ -595,8 +603,8 @@ class Decoder(nn.Module):
       x, _ = scan(unit, length=units)(m, deterministic, name='layers', **fields)(x, segment_ids, positions, rest)
     else:
       for i in range(m.num_layers):
-        x, _ = block(m, deterministic, moe=is_moe(m, i), name=f'layers_{i}')(x, segment_ids, positions,
-                                                                             bool(local[i]))
+        x, _ = block(m, deterministic, moe=is_moe(m, i), local=bool(local[i]), name=f'layers_{i}')(
+            x, segment_ids, positions, bool(local[i]))
 
     x = gathered(Norm(m, rms=not m.parallel_block, name='final_norm')(x))
     B, T, _ = x.shape

@@ -181,7 +181,8 @@ def test_export_refuses_blocks_no_family_computes():
 @pytest.mark.parametrize('family', ['gemma2', 'mistral'])
 def test_greedy_with_the_kv_cache_equals_transformers_generate_beyond_the_window(hf, family, tmp_path):
   """jaxlm.generate (KV cache, ragged prompts left-padded in one batch) continues each prompt token for token as
-  transformers' generate does, 24 tokens past prompts of 8 and 5: four windows of W = 8."""
+  transformers' generate does, 24 tokens past prompts of 8 and 5: four windows of W = 8; local layers' caches
+  are rings of W slots."""
   torch, _ = hf
   from jaxlm import generate as generate_lib
   # Larger weights and an untied head: a tiny random model's greedy path otherwise repeats one token (tied, its own).
@@ -199,6 +200,18 @@ def test_greedy_with_the_kv_cache_equals_transformers_generate_beyond_the_window
   assert len(set(ours[0])) > 3  # not one token repeated
   unwindowed = dataclasses.replace(m, attention=dataclasses.replace(m.attention, window=0))
   assert generate_lib.generate(unwindowed, params, prompts, 24).tokens != ours  # the window decides tokens
+  # A local layer's cache is a ring of W slots where the layer knows it is local when built: every layer local
+  # (Mistral, scanned), or unrolled layers (Gemma 2); a scanned local/global stack keeps S slots in every layer.
+  if family == 'gemma2':
+    m = dataclasses.replace(m, scan_layers=False)
+    params = {k: v for k, v in params.items() if k != 'layers'} | {
+        f'layers_{i}': jax.tree.map(lambda x, i=i: x[i], params['layers']) for i in range(2)}
+    assert generate_lib.generate(m, params, prompts, 24).tokens == ours
+  cache = generate_lib.cache_shapes(generate_lib.inference_model(m), params, 2, 64)
+  if family == 'gemma2':
+    assert [cache[f'layers_{i}']['attention']['key'].shape[1] for i in range(2)] == [WINDOW, 64]
+  else:
+    assert cache['layers']['attention']['key'].shape[2] == WINDOW
 
 
 def _model_cfg(overrides: dict):
