@@ -606,6 +606,12 @@ class Decoder(nn.Module):
         x, _ = block(m, deterministic, moe=is_moe(m, i), local=bool(local[i]), name=f'layers_{i}')(
             x, segment_ids, positions, bool(local[i]))
 
+    return self.head(x, embedding)
+
+  def head(self, x, embedding):
+    """The final norm and the output projection: (B, T, D) -> logits (B, T, V), soft-capped if configured."""
+    m = self.config
+    D, V = m.d_model, m.vocab_size
     x = gathered(Norm(m, rms=not m.parallel_block, name='final_norm')(x))
     B, T, _ = x.shape
     if m.tie_embeddings:
