@@ -4,6 +4,7 @@ equal unrolled ones, a sharded step equals one device, and validation refuses th
 """
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -88,8 +89,8 @@ def test_scanned_layers_equal_unrolled_and_sinks_matter():
   params = nn.unbox(model_lib.Decoder(m).init(jax.random.PRNGKey(0), tokens, segment_ids, positions)['params'])
   rng = np.random.default_rng(2)
   params = jax.tree.map(lambda x: x + 0.3 * rng.standard_normal(x.shape).astype(np.float32), params)  # sinks, w
-  logits = lambda m, p: np.asarray(jax.jit(model_lib.Decoder(m).apply)({'params': p}, tokens, segment_ids,  # noqa
-                                                                       positions))
+  apply = functools.cache(lambda m: jax.jit(model_lib.Decoder(m).apply))  # one compile per model config
+  logits = lambda m, p: np.asarray(apply(m)({'params': p}, tokens, segment_ids, positions))  # noqa: E731
   scanned = logits(m, params)
   unrolled = {k: v for k, v in params.items() if k != 'layers'}
   unrolled.update({f'layers_{i}': jax.tree.map(lambda x, i=i: x[i], params['layers']) for i in range(3)})
