@@ -44,6 +44,18 @@ def get_config() -> ml_collections.ConfigDict:
   m.matmul_dtype = 'dtype'  # the layers' projections: dtype (model.dtype) | fp8 (e4m3/e5m2, delayed scaling; GPUs with fp8)
   m.explicit_transpose_grads = False  # weight gradients as plain products of a transposed copy: faster on XLA:CPU only
   m.qk_norm = 'none'  # RMSNorm on queries and keys before RoPE: none | head (per head: Qwen3) | full (all heads: OLMoE)
+  # Block features of today's open families (jaxlm/model.py, attention.py), all off by default; sequential block only.
+  m.attention_window = 0  # W > 0: local layers see their W most recent tokens, their own included; 0 = all global
+  m.attention_global_every = 0  # with a window, every n-th layer global (Gemma 3: 6, Gemma 2: 2); 0 = all local
+  m.rope_local_theta = 0.0  # RoPE base of the local layers (Gemma 3: 10k beside 1M); 0 = rope_theta everywhere
+  m.attention_softcap = 0.0  # attention scores -> cap·tanh(score / cap) (Gemma 2: 50); 0 = off
+  m.attention_sinks = False  # a learned per-head logit joins each softmax's denominator (gpt-oss)
+  m.query_pre_attn_scalar = 0.0  # scores scaled by this^-1/2 instead of head_dim^-1/2 (Gemma 2/3); 0 = head_dim
+  m.final_softcap = 0.0  # logits -> cap·tanh(logit / cap) (Gemma 2: 30); 0 = off
+  m.norm_placement = 'pre'  # pre (Llama) | sandwich (norm before and after each sublayer: Gemma) | post (after: OLMo 2)
+  m.norm_offset = False  # RMSNorm scales by (1 + w), w starting at 0 (Gemma)
+  m.mlp_activation = 'swiglu'  # dense MLP gate: swiglu (silu) | geglu (tanh-approximated gelu: Gemma)
+  m.embed_scale = False  # multiply the embeddings by sqrt(d_model) (Gemma)
   # Mixture of experts (jaxlm/moe.py); the moe_* keys below are read only when moe_experts > 0.
   m.moe_experts = 0  # X, routed experts per MoE layer; 0 = dense MLPs everywhere
   m.moe_top_k = 2  # k, experts each token is sent to
