@@ -26,6 +26,7 @@ from jaxlm import checkpoint as checkpoint_lib
 from jaxlm import cli
 from jaxlm import config as config_lib
 from jaxlm.data import pipeline as data_lib
+from jaxlm import distill as distill_lib
 from jaxlm import distributed
 from jaxlm import errors
 from jaxlm import faults as faults_lib
@@ -148,6 +149,10 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack, source=None, device
   ramp = config_lib.BatchRamp(t, cfg.data.seq_len)
   faults = faults_lib.Faults(cfg.faults, cfg.model.vocab_size, log.event)
   source, eval_data = open_data(cfg, program, ramp, faults, source, acct, shutdown)
+  if t.get('objective') == 'distill':  # the frozen teacher adds its keys to every batch (jaxlm/distill.py)
+    with acct.phase('teacher'):
+      source = distill_lib.TeacherSource(source, distill_lib.Teacher(cfg.distill, mesh, program.batch_sharding))
+    say(source.teacher.describe())
   ckpt = checkpoint_lib.Checkpointer(rundir.path(workdir, rundir.CHECKPOINTS), cfg.checkpoint, log.event)
   shutdown.callback(_quietly, ckpt.close)
   profiler = perf.Profiler(cfg.log, workdir, is_primary=primary)

@@ -1,0 +1,106 @@
+"""train.objective=distill through the one trainer: a student distilled (forward KL) from a better teacher beats the
+same student on hard labels; a resumed distillation run continues bit for bit (the teacher reloaded, not
+checkpointed); a teacher of another vocabulary or tokenizer is refused at validation."""
+
+import pathlib
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from jaxlm import config as config_lib
+from jaxlm import errors
+from jaxlm import train
+from tests.conftest import made_once
+from tests.helpers import load_config, read_records
+
+STUDENT_STEPS = 30
+
+
+def _teacher_cfg(data_cache):
+  """palm_tiny (D 64, 2 layers) on the stdlib corpus, trained longer than the student."""
+  c = load_config('palm_tiny')
+  c.data.cache_dir = str(data_cache)
+  c.train.update(steps=150, log_every=50, eval_every=0, eval_batches=2)
+  c.optim.update(lr=1e-2, warmup_steps=10)
+  c.checkpoint.update(every=0, async_save=False)
+  c.log.tensorboard = False
+  return c
+
+
+def _student_cfg(data_cache, teacher: str, objective: str = 'distill', steps: int = STUDENT_STEPS):
+  """A smaller student (D 32, 1 layer) of the teacher's vocabulary, on shorter rows of the same corpus."""
+  c = load_config('palm_tiny')
+  c.data.update(cache_dir=str(data_cache), seq_len=32)
+  c.model.update(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, mlp_dim=64)
+  c.train.update(objective=objective, steps=steps, batch_size=8, log_every=1, eval_every=0, eval_batches=4, seed=1)
+  c.optim.update(lr=1e-2, warmup_steps=5)
+  c.distill.update(teacher=teacher, beta=0.0, temperature=1.0, alpha=0.0, top_k=0)
+  c.checkpoint.update(every=10, keep=5, async_save=False)
+  c.log.tensorboard = False
+  return c
+
+
+@pytest.fixture(scope='module')
+def teacher(tmp_path_factory, data_cache) -> str:
+  """A trained palm_tiny run, made once for the whole test run."""
+  with made_once(tmp_path_factory, 'distill_teacher') as (path, done):
+    if not done:
+      cfg = _teacher_cfg(data_cache)
+      config_lib.validate(cfg, jax.device_count())
+      train.run(cfg, str(path))
+  return str(path)
+
+
+@pytest.mark.e2e  # three trainer runs: seconds of compiles
+def test_a_distilled_student_beats_hard_labels_and_resumes_bit_for_bit(teacher, data_cache, tmp_path):
+  """Forward KL from the teacher vs cross-entropy on the same batches, steps, seed and student: the distilled one
+  has the lower held-out cross-entropy. A run resumed from its step-10 checkpoint logs the same losses and saves
+  the same parameters and optimizer state as the uninterrupted run."""
+  import orbax.checkpoint as ocp
+  distilled_cfg = _student_cfg(data_cache, teacher)
+  config_lib.validate(distilled_cfg, jax.device_count())
+  distilled = train.run(distilled_cfg, str(tmp_path / 'distilled'))
+  hard = train.run(_student_cfg(data_cache, teacher, objective='lm'), str(tmp_path / 'hard'))
+  teacher_loss = read_records(teacher, 'eval')[-1]['eval_loss']
+  assert distilled['eval_loss'] < hard['eval_loss'] - 0.02, (distilled['eval_loss'], hard['eval_loss'], teacher_loss)
+  assert teacher_loss < distilled['eval_loss']  # the teacher is the better model: there is something to learn
+
+  (tmp_path / 'resumed' / 'checkpoints').mkdir(parents=True)
+  shutil.copytree(tmp_path / 'distilled' / 'checkpoints' / '10', tmp_path / 'resumed' / 'checkpoints' / '10')
+  train.run(distilled_cfg, str(tmp_path / 'resumed'))
+  full, resumed = read_records(tmp_path / 'distilled'), read_records(tmp_path / 'resumed')
+  assert [r['step'] for r in resumed] == list(range(11, STUDENT_STEPS + 1))
+  keys = ('loss', 'divergence', 'ce', 'grad_norm')
+  assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in full[10:]]
+  last = lambda run: ocp.StandardCheckpointer().restore(tmp_path / run / 'checkpoints' / str(STUDENT_STEPS) / 'state')  # noqa: E731
+  want, got = last('distilled'), last('resumed')
+  for item in ('params', 'opt_state'):
+    jax.tree.map(np.testing.assert_array_equal, got[item], want[item])
+
+
+def test_a_teacher_of_another_vocabulary_or_tokenizer_is_refused(teacher, data_cache, tmp_path):
+  """validate: model.vocab_size 256 against the teacher's 512, and a teacher import whose tokenizer file is not the
+  student's data's, each one line naming both; out-of-range settings named by their keys."""
+  other_vocab = _student_cfg(data_cache, teacher)
+  other_vocab.model.vocab_size = 256
+  with pytest.raises(errors.ConfigError) as e:
+    config_lib.validate(other_vocab, jax.device_count())
+  assert 'model.vocab_size=512 but the student has model.vocab_size=256' in str(e.value)
+
+  imported = tmp_path / 'import'  # the teacher's saved config, beside a tokenizer file of its own (an import)
+  src = sorted((pathlib.Path(teacher) / 'checkpoints').iterdir(), key=lambda p: int(p.name))[-1]
+  shutil.copytree(src / 'env', imported / 'checkpoints' / src.name / 'env')
+  (imported / 'tokenizer.model').write_bytes(b'another tokenizer')
+  with pytest.raises(errors.ConfigError) as e:
+    config_lib.validate(_student_cfg(data_cache, str(imported)), jax.device_count())
+  lines = [line for line in str(e.value).splitlines() if 'distill.teacher' in line]
+  assert len(lines) == 1 and 'uses sha256 ' in lines[0] and 'stdlib corpus tokenizer of 512 entries' in lines[0]
+
+  bad = _student_cfg(data_cache, teacher)
+  bad.distill.update(beta=1.5, temperature=0.0, top_k=1000, teacher_dtype='int8')
+  with pytest.raises(errors.ConfigError) as e:
+    config_lib.validate(bad, jax.device_count())
+  for key in ('distill.beta=1.5', 'distill.temperature=0.0', 'distill.top_k=1000', "distill.teacher_dtype='int8'"):
+    assert key in str(e.value)
