@@ -147,6 +147,7 @@ def get_config() -> ml_collections.ConfigDict:
   kd.alpha = 0.0  # weight of the hard-label cross-entropy: (1 - alpha)·divergence + alpha·CE; 0 = pure distillation
   kd.top_k = 0  # compare on the teacher's K most likely tokens plus the mass left over; 0 = the full vocabulary
   kd.teacher_dtype = 'float32'  # how the frozen teacher's parameters are stored (bfloat16 halves them)
+  kd.cached = ''  # a jaxlm.tools.teacher cache of its top-K log-probabilities, read beside the batches instead
 
   c.mesh = s = ml_collections.ConfigDict()
   s.data = 1  # data-parallel ways (params replicated)

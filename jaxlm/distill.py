@@ -228,8 +228,11 @@ def config_errors(c) -> list[str]:
     e.append(f'distill.top_k={d.top_k} must lie in [0, model.vocab_size={c.model.vocab_size}] (0: full vocabulary).')
   if d.teacher_dtype not in TEACHER_DTYPES:
     e.append(f'distill.teacher_dtype={d.teacher_dtype!r} is unknown; use one of {", ".join(TEACHER_DTYPES)}.')
+  if d.get('cached'):  # the teacher is never loaded: its log-probabilities come with the data
+    return e + cache_errors(c)
   if not d.teacher:
-    return e + ['train.objective=distill needs distill.teacher: a jaxlm run directory or import (its checkpoints).']
+    return e + ['train.objective=distill needs distill.teacher: a jaxlm run directory or import (its checkpoints), '
+                'or distill.cached: its top-K log-probabilities (python -m jaxlm.tools.teacher).']
   return e + _teacher_errors(c, d.teacher)
 
 
@@ -248,4 +251,48 @@ def _teacher_errors(c, teacher: str) -> list[str]:
     short = lambda x: f'sha256 {x[:12]}…' if re.fullmatch('[0-9a-f]{64}', x) else x  # noqa: E731
     return [f'distill.teacher={teacher} uses {short(theirs)} but the student\'s data uses {short(ours)}; '
             f'prepare the student\'s data with the teacher\'s tokenizer.']
+  return []
+
+
+def cached(c) -> str:
+  """The teacher cache a run's batches carry (distill.cached under train.objective=distill), else ''."""
+  return c.distill.get('cached', '') if c.train.get('objective') == 'distill' else ''
+
+
+def cache_identity(teacher_step_dir: str, data: str, meta: dict, top_k: int, temperature: float,
+                   vocab_size: int) -> dict:
+  """What a teacher cache belongs to (jaxlm/tools/teacher.py writes it, `cache_errors` compares it)."""
+  return {'teacher': os.path.abspath(teacher_step_dir), 'data': os.path.abspath(os.path.expanduser(data)),
+          'documents': meta['splits']['train']['documents'], 'tokenizer_sha256': meta['tokenizer_sha256'],
+          'top_k': int(top_k), 'temperature': float(temperature), 'vocab_size': int(vocab_size)}
+
+
+def cache_errors(c) -> list[str]:
+  """distill.cached against the run: one prepared chat dataset, the one the cache was made from (its tokenizer,
+  its documents), at this run's top_k, temperature and vocabulary."""
+  import json  # pylint: disable=import-outside-toplevel
+  from jaxlm.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
+  d, cache = c.distill, c.distill.cached
+  make = f'make it with `python -m jaxlm.tools.teacher --teacher=RUN --data=DATA --top_k=K --out={cache}`'
+  if c.data.source != 'prepared' or ',' in c.data.paths:
+    return [f'distill.cached reads one prepared chat dataset (data.source=prepared, one data.paths); {make}.']
+  data = c.data.paths.strip()
+  try:
+    with open(os.path.join(os.path.expanduser(cache), data_lib.TEACHER_MANIFEST)) as f:
+      saved = json.load(f)
+    with open(os.path.join(os.path.expanduser(data), 'metadata.json')) as f:
+      meta = json.load(f)
+  except (OSError, ValueError) as ex:
+    return [f'distill.cached={cache} or data.paths={data} is unreadable ({ex}); {make}.']
+  if not saved.get('complete'):
+    return [f'distill.cached={cache} is unfinished (jaxlm.tools.teacher was stopped); run the same command again '
+            f'to finish it.']
+  if meta.get('content') != 'chat':
+    return [f'distill.cached reads chat data (prepare --format=chat), whose conversations are never split across '
+            f'rows; data.paths={data} holds {meta.get("content", "text")}.']
+  want = cache_identity(saved.get('teacher', ''), data, meta, d.top_k, d.temperature, c.model.vocab_size)
+  for key in ('data', 'documents', 'tokenizer_sha256', 'top_k', 'temperature', 'vocab_size'):
+    if saved.get(key) != want[key]:
+      return [f'distill.cached={cache} was made for {key}={saved.get(key)!r} but this run has {want[key]!r}; '
+              f'{make.replace("make it", "make it again")}.']
   return []

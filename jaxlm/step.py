@@ -469,9 +469,10 @@ def global_batch(local: dict, batch_sharding) -> dict:
   order = sharding.zigzag_order(seq_len, context) if context > 1 else None
   # Whole rows from each process (its share of them, sharding.row_share): with the sequence or the model split
   # across hosts, each device takes its own part of the rows its process read.
-  shape = (rows * sharding.row_share(batch_sharding)[1], seq_len)
+  shape = (rows * sharding.row_share(batch_sharding)[1], seq_len)  # and a key's own trailing axes (teacher top-K)
   return {k: jax.make_array_from_process_local_data(
-      batch_sharding, np.asarray(v) if order is None else np.asarray(v)[:, order], shape) for k, v in local.items()}
+      batch_sharding, np.asarray(v) if order is None else np.asarray(v)[:, order], shape + np.shape(v)[2:])
+      for k, v in local.items()}
 
 
 def evaluate_preference(program: Program, params, reference, batches: list[dict]) -> dict:

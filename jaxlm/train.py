@@ -149,7 +149,7 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack, source=None, device
   ramp = config_lib.BatchRamp(t, cfg.data.seq_len)
   faults = faults_lib.Faults(cfg.faults, cfg.model.vocab_size, log.event)
   source, eval_data = open_data(cfg, program, ramp, faults, source, acct, shutdown)
-  if t.get('objective') == 'distill':  # the frozen teacher adds its keys to every batch (jaxlm/distill.py)
+  if t.get('objective') == 'distill' and not cfg.distill.cached:  # the frozen teacher adds its keys to each batch
     with acct.phase('teacher'):
       source = distill_lib.TeacherSource(source, distill_lib.Teacher(cfg.distill, mesh, program.batch_sharding))
     say(source.teacher.describe())
@@ -237,7 +237,7 @@ def open_data(cfg, program, ramp, faults, source, acct, shutdown) -> tuple[Any, 
     with acct.phase('data'):
       train_iter = data_lib.make_train_iterator(cfg.data, batch_size=ramp.unit, seed=t.seed, vocab_size=vocab,
                                                 process_index=share, process_count=shares,
-                                                reference_logps=cached)
+                                                reference_logps=cached, teacher_cache=distill_lib.cached(cfg))
     if hasattr(train_iter, 'close'):
       shutdown.callback(_quietly, train_iter.close)  # stops Grain's worker processes (data.num_workers > 0)
     source = DataSource(train_iter, ramp, faults, program.batch_sharding)

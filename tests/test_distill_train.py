@@ -6,6 +6,7 @@ import pathlib
 import shutil
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 
@@ -104,3 +105,82 @@ def test_a_teacher_of_another_vocabulary_or_tokenizer_is_refused(teacher, data_c
     config_lib.validate(bad, jax.device_count())
   for key in ('distill.beta=1.5', 'distill.temperature=0.0', 'distill.top_k=1000', "distill.teacher_dtype='int8'"):
     assert key in str(e.value)
+
+
+# Offline: the teacher's top-K cached by jaxlm.tools.teacher and read beside the batches.
+
+
+@pytest.fixture(scope='module')
+def chat(tmp_path_factory) -> str:
+  """Prepared chat data (a byte-level BPE tokenizer of ~400 entries), 20% held out."""
+  from jaxlm.data import prepare as prepare_lib
+  from tests.data import chat_fixtures
+  tmp = tmp_path_factory.mktemp('distill_chat')
+  path = chat_fixtures.write_jsonl(tmp / 'chats.jsonl', chat_fixtures.conversations(48))
+  out = str(tmp / 'data')
+  prepare_lib.prepare(prepare_lib.expand_inputs([str(path)]), out, workers=1, eval_fraction=0.2, progress=False,
+                      data_format='chat', tokenizer=chat_fixtures.make_tokenizer(str(tmp / 'tok')), seq_len=64)
+  return out
+
+
+def _chat_cfg(chat: str, steps: int = 2, **distill):
+  c = load_config('palm_tiny')
+  c.data.update(source='prepared', paths=chat)
+  c.model.update(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, mlp_dim=64)
+  c.train.update(steps=steps, batch_size=8, log_every=1, eval_every=0, eval_batches=1)
+  c.optim.update(lr=1e-2, warmup_steps=0)
+  c.checkpoint.update(every=0, async_save=False)
+  c.log.tensorboard = False
+  if distill:
+    c.train.objective = 'distill'
+    c.distill.update(**distill)
+  return c
+
+
+@pytest.mark.e2e  # two trainer runs and the cache command: seconds of compiles
+def test_a_cached_top_v_teacher_feeds_the_full_vocabulary_loss_and_other_caches_are_refused(chat, tmp_path):
+  """K = V cached at temperature 0.7: the batches' teacher keys give the same loss as the online teacher's full
+  log-probabilities on the same batch (1e-5); a run reads them and trains; a cache for another K, temperature,
+  data or tokenizer, or an unfinished one, is refused in one line."""
+  import json
+  from jaxlm import distill, sharding, step as step_lib
+  from jaxlm.data import pipeline as data_lib
+  from jaxlm.tools import teacher as teacher_tool
+  train.run(_chat_cfg(chat, steps=3), str(tmp_path / 'teacher'))
+  cache = tmp_path / 'cache'
+  manifest = teacher_tool.compute(str(tmp_path / 'teacher'), chat, str(cache), top_k=512, temperature=0.7)
+  assert manifest['top_k'] == 512 and (cache / data_lib.TEACHER_MANIFEST).exists()
+  cfg = _chat_cfg(chat, cached=str(cache), top_k=512, temperature=0.7, beta=0.5)
+  config_lib.validate(cfg, jax.device_count())
+
+  mesh = sharding.make_mesh(cfg.mesh)
+  bs = sharding.batch_sharding(mesh)
+  it = data_lib.make_train_iterator(cfg.data, batch_size=8, seed=0, vocab_size=512, teacher_cache=str(cache))
+  cached = step_lib.global_batch(next(it), bs)
+  plain = {k: cached[k] for k in ('inputs', 'targets', 'segment_ids', 'positions', 'weights')}
+  online = distill.Teacher(ml_collections.ConfigDict(dict(teacher=str(tmp_path / 'teacher'), temperature=0.7,
+                                                          top_k=0, teacher_dtype='float32')), mesh, bs)(plain)
+  student = jax.random.normal(jax.random.PRNGKey(3), (8, 64, 512)) * 2
+  loss = lambda batch, k: distill.DistillObjective(beta=0.5, temperature=0.7, top_k=k).loss(  # noqa: E731
+      student, batch, batch['weights'].sum())[0]
+  assert float(cached['weights'].sum()) > 50
+  np.testing.assert_allclose(float(loss(cached, 512)), float(loss(online, 0)), rtol=1e-5)
+
+  record = train.run(cfg, str(tmp_path / 'student'))
+  assert np.isfinite(record['loss']) and record['divergence'] > 0
+
+  def refused(cfg, *words):
+    with pytest.raises(errors.ConfigError) as e:
+      config_lib.validate(cfg, jax.device_count())
+    lines = [line for line in str(e.value).splitlines() if 'distill.cached' in line]
+    assert len(lines) == 1 and all(w in lines[0] for w in words), str(e.value)
+
+  refused(_chat_cfg(chat, cached=str(cache), top_k=64, temperature=0.7), 'top_k=512', '64')
+  refused(_chat_cfg(chat, cached=str(cache), top_k=512, temperature=1.0), 'temperature=0.7')
+  shutil.copytree(chat, tmp_path / 'other_data')
+  refused(_chat_cfg(str(tmp_path / 'other_data'), cached=str(cache), top_k=512, temperature=0.7), 'data=')
+  saved = json.loads((cache / data_lib.TEACHER_MANIFEST).read_text())
+  (cache / data_lib.TEACHER_MANIFEST).write_text(json.dumps(dict(saved, tokenizer_sha256='0' * 64)))
+  refused(_chat_cfg(chat, cached=str(cache), top_k=512, temperature=0.7), 'tokenizer_sha256=')
+  (cache / data_lib.TEACHER_MANIFEST).write_text(json.dumps(dict(saved, complete=False)))
+  refused(_chat_cfg(chat, cached=str(cache), top_k=512, temperature=0.7), 'unfinished')
