@@ -184,3 +184,32 @@ def test_a_cached_top_v_teacher_feeds_the_full_vocabulary_loss_and_other_caches_
   refused(_chat_cfg(chat, cached=str(cache), top_k=512, temperature=0.7), 'tokenizer_sha256=')
   (cache / data_lib.TEACHER_MANIFEST).write_text(json.dumps(dict(saved, complete=False)))
   refused(_chat_cfg(chat, cached=str(cache), top_k=512, temperature=0.7), 'unfinished')
+
+
+def test_the_teacher_is_sharded_by_the_rules_table_and_equals_an_unsharded_forward(teacher):
+  """On the 8-device mesh the teacher's parameters take the specs the rules table gives a program of its config
+  (an eighth of its bytes per device); its top-K keys equal those of a one-device forward of the saved weights."""
+  from jaxlm import distill, model as model_lib, rundir, sharding, step as step_lib
+  import jax.numpy as jnp
+  d = ml_collections.ConfigDict(dict(teacher=teacher, temperature=0.7, top_k=7, teacher_dtype='float32'))
+  saved = rundir.read_config(distill.teacher_step_dir(teacher))
+  mesh = sharding.make_mesh(saved.mesh)
+  assert mesh.shape['fsdp'] == 8
+  t = distill.Teacher(d, mesh, sharding.batch_sharding(mesh))
+  program = step_lib.build_program(saved, mesh)
+  spec = lambda tree: jax.tree.map(lambda s: s.spec, tree)  # noqa: E731
+  assert spec(t.shardings) == spec(program.state_shardings.params)
+  total = sum(x.size * 4 for x in jax.tree.leaves(t.abstract))
+  assert sharding.bytes_per_device(t.abstract, t.shardings) * 8 == total
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 512, (8, 24)).astype(np.int32)
+  batch = dict(inputs=tokens, targets=tokens, segment_ids=np.ones_like(tokens),
+               positions=np.tile(np.arange(24, dtype=np.int32), (8, 1)), weights=np.ones(tokens.shape, np.float32))
+  got = jax.device_get(t(step_lib.global_batch(batch, sharding.batch_sharding(mesh))))
+  model = model_lib.Decoder(t.config)
+  logits = model.apply({'params': rundir.read_params(t.step_dir)}, jnp.asarray(tokens), jnp.ones_like(tokens),
+                       jnp.asarray(batch['positions']))
+  want = jax.device_get(distill.teacher_targets(logits, 0.7, 7))
+  np.testing.assert_array_equal(got['teacher_ids'], want['teacher_ids'])
+  for key in ('teacher_logps', 'teacher_rest'):
+    np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6)
