@@ -114,3 +114,34 @@ def test_top_k_compares_the_k_ids_and_the_mass_left_over(logits):
                **distill.teacher_targets(jnp.asarray(teacher), temperature, K))
   grad = jax.grad(lambda x: objective.loss(x, batch, weights.sum())[0])(jnp.asarray(student))
   assert np.isfinite(np.asarray(grad)).all() and np.abs(np.asarray(grad)).max() > 0
+
+
+def test_a_distill_step_over_microbatches_equals_the_whole_batchs():
+  """train.objective=distill through the one step builder, top-K keys (B, T, K) in the batch: two microbatches
+  give the whole batch's loss and update (each divides by the whole batch's weight sum)."""
+  from jaxlm import sharding, step
+  from tests.helpers import load_config, plain_program
+  c = load_config('palm_tiny')
+  c.model.update(vocab_size=64, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, mlp_dim=32, dtype='float32')
+  c.data.seq_len = 16
+  c.train.update(objective='distill', batch_size=8)
+  c.distill.update(beta=0.5, temperature=0.7, alpha=0.2, top_k=5)
+  mesh = sharding.make_mesh(c.mesh)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 64, (8, 16)).astype(np.int32)
+  weights = (rng.uniform(size=(8, 16)) > 0.3).astype(np.float32)
+  teacher = jax.device_get(distill.teacher_targets(jnp.asarray(rng.standard_normal((8, 16, 64)) * 3), 0.7, 5))
+  batch = dict(inputs=tokens, targets=np.roll(tokens, -1, 1), segment_ids=np.ones_like(tokens),
+               positions=np.tile(np.arange(16, dtype=np.int32), (8, 1)), weights=weights, **teacher)
+  results = []
+  for microbatches in (1, 2):
+    program = plain_program(c, mesh, steps=10, microbatches=microbatches)
+    assert dict((k, d) for k, d, *_ in program.batch_extra) == dict(
+        teacher_ids=jnp.int32, teacher_logps=jnp.float32, teacher_rest=jnp.float32)
+    state, metrics = program.train_step(program.init(), step.global_batch(batch, program.batch_sharding))
+    results.append((jax.device_get(metrics), jax.device_get(state.params)))
+  (m1, p1), (m2, p2) = results
+  assert m1['divergence'] > 0 and m1['ce'] > 0
+  for key in ('loss', 'divergence', 'ce'):
+    np.testing.assert_allclose(m2[key], m1[key], rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p2, p1)

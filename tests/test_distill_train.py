@@ -75,8 +75,8 @@ def test_a_distilled_student_beats_hard_labels_and_resumes_bit_for_bit(teacher, 
   assert [r['step'] for r in resumed] == list(range(11, STUDENT_STEPS + 1))
   keys = ('loss', 'divergence', 'ce', 'grad_norm')
   assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in full[10:]]
-  last = lambda run: ocp.StandardCheckpointer().restore(tmp_path / run / 'checkpoints' / str(STUDENT_STEPS) / 'state')  # noqa: E731
-  want, got = last('distilled'), last('resumed')
+  want, got = (ocp.StandardCheckpointer().restore(tmp_path / run / 'checkpoints' / str(STUDENT_STEPS) / 'state')
+               for run in ('distilled', 'resumed'))
   for item in ('params', 'opt_state'):
     jax.tree.map(np.testing.assert_array_equal, got[item], want[item])
 
