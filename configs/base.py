@@ -148,6 +148,8 @@ def get_config() -> ml_collections.ConfigDict:
   kd.top_k = 0  # compare on the teacher's K most likely tokens plus the mass left over; 0 = the full vocabulary
   kd.teacher_dtype = 'float32'  # how the frozen teacher's parameters are stored (bfloat16 halves them)
   kd.cached = ''  # a jaxlm.tools.teacher cache of its top-K log-probabilities, read beside the batches instead
+  kd.on_policy = 0.0  # GKD's λ: the fraction of steps on completions the student samples (prompts from the data)
+  kd.max_new_tokens = 64  # on_policy: tokens the student samples per prompt (sampled at distill.temperature)
 
   c.mesh = s = ml_collections.ConfigDict()
   s.data = 1  # data-parallel ways (params replicated)

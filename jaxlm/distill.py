@@ -195,10 +195,14 @@ class Teacher:
 
 
 class TeacherSource:
-  """A batch source whose batches carry the teacher's keys: the inner source (train.DataSource) does the rest."""
+  """A batch source whose batches carry the teacher's keys: the inner source (train.DataSource) does the rest.
 
-  def __init__(self, inner, teacher: Teacher):
-    self.inner, self.teacher = inner, teacher
+  With `on_policy` (distill.on_policy = λ > 0, GKD's on-policy mix), a step drawn with probability λ replaces its
+  rows' completions by the student's own samples before the teacher scores them.
+  """
+
+  def __init__(self, inner, teacher: Teacher, on_policy: 'OnPolicy | None' = None):
+    self.inner, self.teacher, self.on_policy = inner, teacher, on_policy
 
   def __getattr__(self, name):  # iterator, skip, stability, begin, evaluates, objective: the inner source's
     return getattr(self.inner, name)
@@ -206,7 +210,74 @@ class TeacherSource:
   def next(self, state, step: int, size: int) -> tuple[dict, dict]:
     """The inner source's global batch of the step after `step`, with the teacher's keys."""
     batch, host = self.inner.next(state, step, size)
+    if self.on_policy is not None and self.on_policy.due(step):
+      batch = self.on_policy(state.params, batch, step)
+      host = dict(host, on_policy=1.0)
     return self.teacher(batch), host
+
+
+def teacher_source(cfg, inner, mesh, program, to_global) -> TeacherSource:
+  """The run's batch source under train.objective=distill (an online teacher): `inner`'s batches with the teacher's
+  keys, on the student's samples on a distill.on_policy share of steps (stop ids from the data's tokenizer)."""
+  d = cfg.distill
+  on_policy = None
+  if d.get('on_policy'):
+    from jaxlm.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
+    stops = getattr(data_lib.load_tokenizer(cfg.data, cfg.model.vocab_size), 'stop_ids', None) or []
+    on_policy = OnPolicy(d, cfg.train, program.model.config, mesh, cfg.data.seq_len, stops, to_global)
+  return TeacherSource(inner, Teacher(d, mesh, program.batch_sharding), on_policy)
+
+
+class OnPolicy:
+  """GKD's on-policy batches: each row's prompt (its first conversation up to the first weighted target) continued
+  by the student's sampler at distill.temperature; only the sampled tokens are weighted.
+
+  Whether step s samples is a function of (train.seed, s), and so is its sampling seed: a resumed run draws the
+  same batches. One process only (the rows are read back from the global batch).
+  """
+
+  def __init__(self, d, train_cfg, model_cfg, mesh, seq_len: int, stop_ids, to_global):
+    self.fraction, self.max_new = float(d.on_policy), int(d.max_new_tokens)
+    self.temperature, self.seed = float(d.temperature), int(train_cfg.seed)
+    self.model_cfg, self.mesh, self.seq_len = model_cfg, mesh, seq_len
+    self.stop_ids, self.to_global = list(stop_ids), to_global  # to_global: step.global_batch on the run's sharding
+
+  def due(self, step: int) -> bool:
+    """Whether the step after `step` trains on the student's samples."""
+    return bool(np.random.default_rng([self.seed, step, 1]).random() < self.fraction)
+
+  def __call__(self, params, batch: dict, step: int) -> dict:
+    """`batch` (a global batch) with every row replaced by its prompt and the student's completion of it."""
+    from jaxlm import generate  # pylint: disable=import-outside-toplevel
+    host = {k: np.asarray(jax.device_get(batch[k])) for k in ('inputs', 'weights', 'segment_ids')}
+    prompts = [prompt_of(*(host[k][i] for k in ('inputs', 'weights', 'segment_ids')), self.seq_len - self.max_new)
+               for i in range(host['inputs'].shape[0])]
+    out = generate.generate(self.model_cfg, params, prompts, self.max_new,
+                            sampling=generate.Sampling(self.temperature), seed=self.seed * 1_000_003 + step,
+                            eos_id=self.stop_ids or None, mesh=self.mesh, max_len=self.seq_len)
+    completions = [ids + [end] * (end is not None) for ids, end in zip(out.tokens, out.ends)]  # the stop id trained
+    return self.to_global(on_policy_rows(prompts, completions, self.seq_len))
+
+
+def prompt_of(inputs, weights, segment_ids, longest: int) -> list[int]:
+  """A row's prompt: its first segment's tokens up to and including the one that predicts the first weighted
+  target (chat: the conversation before the assistant's first token), at most the last `longest` of them."""
+  first = np.flatnonzero((weights > 0) & (segment_ids == segment_ids[0]))
+  end = int(first[0]) + 1 if len(first) else int((segment_ids == segment_ids[0]).sum())
+  return [int(x) for x in inputs[:max(end, 1)][-longest:]]
+
+
+def on_policy_rows(prompts: list, completions: list, seq_len: int) -> dict:
+  """Rows of prompt + completion, one sequence each: the completion's tokens weighted 1, the prompt's 0."""
+  rows = {k: np.zeros((len(prompts), seq_len), np.int32) for k in ('inputs', 'targets', 'segment_ids', 'positions')}
+  rows['weights'] = np.zeros((len(prompts), seq_len), np.float32)
+  for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+    ids = list(prompt) + list(completion)
+    n = len(ids) - 1
+    rows['inputs'][i, :n], rows['targets'][i, :n] = ids[:-1], ids[1:]
+    rows['segment_ids'][i, :n], rows['positions'][i, :n] = 1, np.arange(n)
+    rows['weights'][i, len(prompt) - 1:n] = 1.0  # targets from the first sampled token on
+  return rows
 
 
 # ------------------------------------------------------------------------------------------ validation
@@ -228,6 +299,12 @@ def config_errors(c) -> list[str]:
     e.append(f'distill.top_k={d.top_k} must lie in [0, model.vocab_size={c.model.vocab_size}] (0: full vocabulary).')
   if d.teacher_dtype not in TEACHER_DTYPES:
     e.append(f'distill.teacher_dtype={d.teacher_dtype!r} is unknown; use one of {", ".join(TEACHER_DTYPES)}.')
+  if not 0.0 <= d.get('on_policy', 0.0) <= 1.0:
+    e.append(f'distill.on_policy={d.on_policy} must lie in [0, 1] (the fraction of steps on the student\'s samples).')
+  elif d.get('on_policy', 0.0) and not 0 < d.max_new_tokens < c.data.seq_len:
+    e.append(f'distill.max_new_tokens={d.max_new_tokens} must lie in [1, data.seq_len={c.data.seq_len}).')
+  if d.get('on_policy', 0.0) and d.get('cached'):
+    e.append('distill.on_policy samples completions the cache cannot hold; set distill.cached=\'\' or on_policy=0.')
   if d.get('cached'):  # the teacher is never loaded: its log-probabilities come with the data
     return e + cache_errors(c)
   if not d.teacher:

@@ -151,7 +151,8 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack, source=None, device
   source, eval_data = open_data(cfg, program, ramp, faults, source, acct, shutdown)
   if t.get('objective') == 'distill' and not cfg.distill.cached:  # the frozen teacher adds its keys to each batch
     with acct.phase('teacher'):
-      source = distill_lib.TeacherSource(source, distill_lib.Teacher(cfg.distill, mesh, program.batch_sharding))
+      source = distill_lib.teacher_source(cfg, source, mesh, program,
+                                          lambda rows: global_batch(rows, program.batch_sharding))
     say(source.teacher.describe())
   ckpt = checkpoint_lib.Checkpointer(rundir.path(workdir, rundir.CHECKPOINTS), cfg.checkpoint, log.event)
   shutdown.callback(_quietly, ckpt.close)

@@ -145,3 +145,20 @@ def test_a_distill_step_over_microbatches_equals_the_whole_batchs():
   for key in ('loss', 'divergence', 'ce'):
     np.testing.assert_allclose(m2[key], m1[key], rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p2, p1)
+
+
+def test_on_policy_rows_weigh_the_sampled_tokens_only():
+  """prompt_of: a chat row's first conversation up to the token that predicts its first weighted target (cut to
+  the last `longest`); on_policy_rows: prompt + completion as one sequence, only the completion's targets weighted."""
+  inputs = np.array([5, 6, 7, 8, 9, 3, 4, 0], np.int32)
+  weights = np.array([0, 0, 1, 1, 0, 0, 1, 0], np.float32)  # conversation 1 answers from target 2 (input 7 on)
+  segments = np.array([1, 1, 1, 1, 1, 2, 2, 0], np.int32)
+  assert distill.prompt_of(inputs, weights, segments, longest=8) == [5, 6, 7]
+  assert distill.prompt_of(inputs, weights, segments, longest=2) == [6, 7]
+  assert distill.prompt_of(inputs, np.zeros(8, np.float32), segments, longest=8) == [5, 6, 7, 8, 9]
+  rows = distill.on_policy_rows([[5, 6, 7], [4]], [[11, 12, 2], [13]], seq_len=7)
+  np.testing.assert_array_equal(rows['inputs'], [[5, 6, 7, 11, 12, 0, 0], [4, 0, 0, 0, 0, 0, 0]])
+  np.testing.assert_array_equal(rows['targets'], [[6, 7, 11, 12, 2, 0, 0], [13, 0, 0, 0, 0, 0, 0]])
+  np.testing.assert_array_equal(rows['weights'], [[0, 0, 1, 1, 1, 0, 0], [1, 0, 0, 0, 0, 0, 0]])
+  np.testing.assert_array_equal(rows['segment_ids'], [[1, 1, 1, 1, 1, 0, 0], [1, 0, 0, 0, 0, 0, 0]])
+  np.testing.assert_array_equal(rows['positions'][0], [0, 1, 2, 3, 4, 0, 0])

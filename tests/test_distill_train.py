@@ -81,6 +81,30 @@ def test_a_distilled_student_beats_hard_labels_and_resumes_bit_for_bit(teacher, 
     jax.tree.map(np.testing.assert_array_equal, got[item], want[item])
 
 
+@pytest.mark.e2e  # two trainer runs with the sampler: seconds of compiles
+def test_on_policy_steps_train_on_the_students_samples_and_resume_bit_for_bit(teacher, data_cache, tmp_path):
+  """distill.on_policy=0.5 (seed 1: the 4th step is drawn on-policy): the sampled step is logged as such, and a run
+  resumed from step 2 logs the same losses and saves the same parameters as the uninterrupted one."""
+  import orbax.checkpoint as ocp
+  cfg = _student_cfg(data_cache, teacher, steps=4)
+  cfg.distill.update(on_policy=0.5, max_new_tokens=8, beta=0.5)
+  cfg.checkpoint.every = 2
+  cfg.optim.warmup_steps = 1
+  cfg.stability.policy = 'skip'  # no rollback: four steps
+  config_lib.validate(cfg, jax.device_count())
+  train.run(cfg, str(tmp_path / 'full'))
+  (tmp_path / 'resumed' / 'checkpoints').mkdir(parents=True)
+  shutil.copytree(tmp_path / 'full' / 'checkpoints' / '2', tmp_path / 'resumed' / 'checkpoints' / '2')
+  train.run(cfg, str(tmp_path / 'resumed'))
+  full, resumed = read_records(tmp_path / 'full'), read_records(tmp_path / 'resumed')
+  assert [r.get('on_policy', 0.0) for r in full] == [0.0, 0.0, 0.0, 1.0]
+  keys = ('loss', 'divergence', 'ce', 'grad_norm')
+  assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in full[2:]]
+  want, got = (ocp.StandardCheckpointer().restore(tmp_path / run / 'checkpoints' / '4' / 'state')
+               for run in ('full', 'resumed'))
+  jax.tree.map(np.testing.assert_array_equal, got['params'], want['params'])
+
+
 def test_a_teacher_of_another_vocabulary_or_tokenizer_is_refused(teacher, data_cache, tmp_path):
   """validate: model.vocab_size 256 against the teacher's 512, and a teacher import whose tokenizer file is not the
   student's data's, each one line naming both; out-of-range settings named by their keys."""
