@@ -13,6 +13,7 @@ per device, and the teacher's parameter bytes per device (held beside the step, 
 
 import os
 import pathlib
+import shutil
 import statistics
 import sys
 
@@ -59,8 +60,9 @@ def main(argv):
     cfg = _config(data=dict(seq_len=32), model=dict(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, mlp_dim=64),
                   train=dict(objective=objective, steps=FLAGS.student_steps, batch_size=8, log_every=1, eval_every=0,
                              eval_batches=4, seed=1),
-                  optim=dict(lr=1e-2, warmup_steps=5), distill=dict(teacher=str(teacher), top_k=0, **how))
+                  optim=dict(lr=1e-2, warmup_steps=5), distill=dict(dict(teacher=str(teacher), top_k=0), **how))
     out = work / name.replace(' ', '_').replace('(', '').replace(')', '').replace(',', '')
+    shutil.rmtree(out, ignore_errors=True)  # every student from step 0
     last = train.run(cfg, str(out))
     records = rundir.read_metrics(str(out))
     speeds = [r['tokens_per_s'] for r in records if r.get('kind') == 'train' and r['step'] > 1]

@@ -21,6 +21,11 @@ take the same path into the same loss. The cost: a whole batch's teacher log-pro
 top_k = K > 0 keeps the teacher's K most likely tokens and one more category for the mass left over: the student
 is compared on the same K + 1 categories (its log-probabilities of the K ids, and the log of its remaining mass).
 With K = V there is nothing left over and the loss is the full-vocabulary one.
+
+The teacher's keys come from one of three places: the teacher's forward on the data's batches (`Teacher`,
+`TeacherSource`), a cache jaxlm.tools.teacher wrote beside chat data (distill.cached: the data pipeline reads them
+into the rows, the teacher is never loaded), or the teacher's forward on completions the student sampled
+(distill.on_policy, GKD's on-policy mix: `OnPolicy`).
 """
 
 import dataclasses
@@ -36,6 +41,7 @@ from jaxlm import checkpoint as checkpoint_lib
 from jaxlm import model as model_lib
 from jaxlm import rundir
 from jaxlm import sharding
+from jaxlm.data import storage
 
 TEACHER_DTYPES = ('float32', 'bfloat16')  # distill.teacher_dtype
 # A log-probability floor for the teacher's leftover mass: a category of mass 0 would make the reverse KL infinite.
@@ -123,14 +129,9 @@ class DistillObjective:
 def teacher_step_dir(path: str) -> str:
   """The step directory distill.teacher names: a run directory (its newest checkpoint), a checkpoints directory
   or one step directory."""
-  if storage_isdir(rundir.path(path, rundir.CHECKPOINTS)):
+  if storage.isdir(rundir.path(path, rundir.CHECKPOINTS)):
     return rundir.step_dir(path)
   return checkpoint_lib.step_dir_of(path)
-
-
-def storage_isdir(path: str) -> bool:
-  from jaxlm.data import storage  # pylint: disable=import-outside-toplevel
-  return storage.isdir(path)
 
 
 def tokenizer_identity(cfg, workdir: str | None = None) -> str | None:
@@ -163,9 +164,13 @@ class Teacher:
     m = model_lib.inference_config(model_lib.ModelConfig.from_config(cfg.model))
     model = model_lib.Decoder(m)
     with sharding.activate(mesh):
-      dummy = jax.ShapeDtypeStruct((1, 8 * sharding.context_size(mesh)), jnp.int32)
-      boxed = jax.eval_shape(lambda: model.init({'params': jax.random.PRNGKey(0)}, jnp.zeros(dummy.shape, jnp.int32),
-                                                jnp.ones(dummy.shape, jnp.int32), jnp.zeros(dummy.shape, jnp.int32)))
+      shape = (1, 8 * sharding.context_size(mesh))  # shapes only, as step.py traces the student
+
+      def init():
+        tokens = jnp.zeros(shape, jnp.int32)
+        return model.init({'params': jax.random.PRNGKey(0)}, tokens, tokens + 1, tokens)
+
+      boxed = jax.eval_shape(init)
       self.shardings = sharding.logical_to_mesh(nn.get_partition_spec(boxed['params']), mesh)
     # Stored as asked (bfloat16 halves it); computed as the teacher's own model.dtype says.
     self.abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, d.teacher_dtype),
