@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlm import checkpoint as checkpoint_lib
+from jaxlm import errors
 from jaxlm import model as model_lib
 from jaxlm import rundir
 from jaxlm import sharding
@@ -228,6 +229,9 @@ def teacher_source(cfg, inner, mesh, program, to_global) -> TeacherSource:
   on_policy = None
   if d.get('on_policy'):
     from jaxlm.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
+    if jax.process_count() > 1:  # the rows are read back from the global batch, which one process cannot see whole
+      raise errors.ConfigError(f'distill.on_policy={d.on_policy} runs in one process for now, not '
+                               f'{jax.process_count()}; set distill.on_policy=0 or train on one host.')
     stops = getattr(data_lib.load_tokenizer(cfg.data, cfg.model.vocab_size), 'stop_ids', None) or []
     on_policy = OnPolicy(d, cfg.train, program.model.config, mesh, cfg.data.seq_len, stops, to_global)
   return TeacherSource(inner, Teacher(d, mesh, program.batch_sharding), on_policy)

@@ -56,8 +56,8 @@ def _read_meta(data: str) -> dict:
     raise TeacherCacheError(f'--data={data} holds no readable metadata.json ({e}); give the directory '
                             f'`python -m jaxlm.data.prepare --format=chat` wrote.') from e
   if meta.get('content') != 'chat':
-    raise TeacherCacheError(f'--data={data} holds {meta.get("content", "text")} data; the cache is made for chat '
-                            f'data (prepare --format=chat), whose conversations are never split across rows.')
+    raise TeacherCacheError(f'--data={data} holds {meta.get("content", "text")} data; give chat data (prepare '
+                            f'--format=chat): its conversations are never split across rows, a text document may be.')
   return meta
 
 
