@@ -121,7 +121,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.gen_eval_top_p = 0.95  # gen_eval: nucleus sampling (the open-ended generation protocol's setting)
   t.gen_eval_mauve = False  # gen_eval: MAUVE on the run's own features (needs jaxlm[textgen]; moves with training)
   t.deterministic = False  # GPU: deterministic XLA ops, so reruns and resumes are bit for bit (slower); CPU/TPU always are
-  t.objective = 'lm'  # lm: next-token cross-entropy (pre-training, SFT) | preference: `preference` below on pairs
+  t.objective = 'lm'  # lm: next-token cross-entropy (pre-training, SFT) | preference: `preference` below on pairs | distill: `distill` below
 
   c.optim = o = ml_collections.ConfigDict()
   o.name = 'adamw'  # adamw | adafactor (PaLM's) | muon (matrices; AdamW for the rest) | sf_adamw (schedule-free)
@@ -151,6 +151,17 @@ def get_config() -> ml_collections.ConfigDict:
   r.gamma = 0.5  # simpo: the target reward margin γ
   r.reference = 'copy'  # base (LoRA: adapters off, no memory) | copy (frozen initial weights) | cached (tools/reference)
   r.reference_dtype = 'float32'  # copy: how the frozen reference is stored (bfloat16 halves it)
+
+  c.distill = kd = ml_collections.ConfigDict()  # train.objective=distill (jaxlm/distill.py)
+  kd.teacher = ''  # the teacher: a jaxlm run directory or import (its newest checkpoint), or one step directory
+  kd.beta = 0.5  # 0: forward KL(teacher ‖ student) | 1: reverse KL | between: GKD's generalized JSD (TRL's default)
+  kd.temperature = 1.0  # teacher and student logits are divided by it before the divergence
+  kd.alpha = 0.0  # weight of the hard-label cross-entropy: (1 - alpha)·divergence + alpha·CE; 0 = pure distillation
+  kd.top_k = 0  # compare on the teacher's K most likely tokens plus the mass left over; 0 = the full vocabulary
+  kd.teacher_dtype = 'float32'  # how the frozen teacher's parameters are stored (bfloat16 halves them)
+  kd.cached = ''  # a jaxlm.tools.teacher cache of its top-K log-probabilities, read beside the batches instead
+  kd.on_policy = 0.0  # GKD's λ: the fraction of steps on completions the student samples (prompts from the data)
+  kd.max_new_tokens = 64  # on_policy: tokens the student samples per prompt (sampled at distill.temperature)
 
   c.mesh = s = ml_collections.ConfigDict()
   s.data = 1  # data-parallel ways (params replicated)

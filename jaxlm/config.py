@@ -193,6 +193,9 @@ def _preference_errors(c) -> list[str]:
   objective = c.train.get('objective', 'lm')
   if objective not in step_lib.OBJECTIVES:
     return [f'train.objective={objective!r} is unknown; use one of {", ".join(step_lib.OBJECTIVES)}.']
+  if objective == 'distill':  # its section is checked beside the loss (jaxlm/distill.py)
+    from jaxlm import distill  # pylint: disable=import-outside-toplevel
+    return distill.config_errors(c)
   if objective != 'preference':
     return []
   r, e = c.get('preference'), []
