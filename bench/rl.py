@@ -68,7 +68,8 @@ def main():
   records = [json.loads(x) for x in (work / 'run' / 'metrics.jsonl').read_text().splitlines()]
   steps = [r for r in records if r.get('kind') == 'train'][1:]
   sample_s = statistics.median(r['sample_s'] for r in steps)
-  train_s = statistics.median(r['train_s'] for r in steps)
+  # step_time_s is the loop's whole step (the rollout, as the step's data, and the train step): the rest is training
+  train_s = statistics.median(r['step_time_s'] - r['sample_s'] for r in steps)
   written = statistics.median(r['completions/mean_length'] * cfg.train.batch_size for r in steps)
   rows = cfg.train.batch_size
   print(f'{cfg.name} on {jax.device_count()} {jax.devices()[0].device_kind} device(s): {args.prompts} prompts x '
