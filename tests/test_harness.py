@@ -1,0 +1,159 @@
+"""lm-evaluation-harness tasks scored by jaxlm itself (jaxlm/harness.py): request by request equal to lm-eval's
+Hugging Face backend on the run's export, the `--tasks` command, and the training loop's harness hook."""
+
+import json
+import os
+import textwrap
+
+import pytest
+
+from tests.helpers import assert_fails_with, load_config, run_cli
+
+# Three tasks in lm-eval's own YAML style, on local jsonl data: a multiple-choice, a rolling (perplexity) and a
+# generation task. Contexts share prefixes and lengths differ, so batches mix lengths and buckets.
+MC = [{'q': 'def add(a, b):\n    return', 'choices': [' a + b', ' a - b', ' None', ' print(a)'], 'gold': 0},
+      {'q': 'import', 'choices': [' os', ' sys', ' the', ' 12'], 'gold': 1},
+      {'q': 'for i in range(10):\n   ', 'choices': [' print(i)', ' pass', ' return'], 'gold': 0},
+      {'q': 'class Foo(object):\n    def __init__(self', 'choices': ['):', ', x):', ' = 3'], 'gold': 1},
+      {'q': '#', 'choices': [' comment', '!/usr/bin/env python'], 'gold': 1}]
+DOCS = [{'text': 'import os\nimport sys\n'},
+        {'text': 'def f(x):\n    """Return twice x."""\n    return {"ü": x * 2}  # 日本\n' * 4},
+        {'text': 'class A:\n    pass\n'}]
+GEN = [{'prompt': 'def main():\n', 'answer': '    pass'}, {'prompt': 'import', 'answer': ' os'},
+       {'prompt': 'if __name__ == "__main__":\n    ', 'answer': 'main()'}, {'prompt': 'x = 1\ny =', 'answer': ' 2'}]
+
+TASKS = {
+    'h_mc': ('mc.jsonl', MC, """
+        output_type: multiple_choice
+        doc_to_text: q
+        doc_to_choice: choices
+        doc_to_target: gold
+        target_delimiter: ""
+        metric_list:
+          - metric: acc
+          - metric: acc_norm
+        """),
+    'h_roll': ('docs.jsonl', DOCS, """
+        output_type: loglikelihood_rolling
+        doc_to_text: ""
+        doc_to_target: "{{text}}"
+        metric_list:
+          - metric: word_perplexity
+          - metric: byte_perplexity
+          - metric: bits_per_byte
+        """),
+    'h_gen': ('gen.jsonl', GEN, """
+        output_type: generate_until
+        doc_to_text: "{{prompt}}"
+        doc_to_target: "{{answer}}"
+        target_delimiter: ""
+        generation_kwargs:
+          until: ["\\n"]
+          do_sample: false
+          max_gen_toks: 8
+        metric_list:
+          - metric: exact_match
+            aggregation: mean
+            higher_is_better: true
+        """),
+}
+
+
+def write_tasks(folder, tasks=TASKS):
+  """Each task's YAML and jsonl in `folder` (absolute data paths: lm-eval runs from any directory)."""
+  os.makedirs(folder, exist_ok=True)
+  for name, (data, docs, body) in tasks.items():
+    with open(os.path.join(folder, data), 'w') as f:
+      f.writelines(json.dumps(d) + '\n' for d in docs)
+    head = (f'task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: '
+            f'{os.path.join(folder, data)}\ntest_split: test\nshould_decontaminate: false\n')
+    with open(os.path.join(folder, f'{name}.yaml'), 'w') as f:
+      f.write(head + textwrap.dedent(body) + 'metadata:\n  version: 1.0\n')
+  return str(folder)
+
+
+@pytest.fixture(scope='module')
+def offline(tmp_path_factory):
+  """lm-eval imported offline, with a private datasets cache (the json builder needs no network)."""
+  saved = {k: os.environ.get(k) for k in ('HF_DATASETS_OFFLINE', 'HF_HUB_OFFLINE', 'HF_DATASETS_CACHE')}
+  os.environ.update(HF_DATASETS_OFFLINE='1', HF_HUB_OFFLINE='1',
+                    HF_DATASETS_CACHE=str(tmp_path_factory.mktemp('hf_datasets')))
+  try:
+    yield
+  finally:
+    for k, v in saved.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
+
+
+@pytest.fixture(scope='module')
+def harness_run(tmp_path_factory, data_cache, offline):
+  """A palm_tiny run trained 4 steps that scored the three tasks in the loop at steps 2 and 4 (checkpointed there);
+  returns (workdir, tasks folder)."""
+  from jaxlm import train
+  tasks = write_tasks(tmp_path_factory.mktemp('tasks'))
+  cfg = load_config('palm_tiny')
+  cfg.data.cache_dir = str(data_cache)
+  cfg.train.update(steps=4, eval_every=2, eval_batches=1, log_every=2, harness_tasks=tuple(TASKS),
+                   harness_every=2, harness_limit=0, harness_include_path=tasks)
+  cfg.optim.warmup_steps = 2
+  cfg.checkpoint.update(every=2, async_save=False)
+  cfg.log.update(tensorboard=False, compilation_cache='')
+  workdir = str(tmp_path_factory.mktemp('harness_run'))
+  train.run(cfg, workdir)
+  return workdir, tasks
+
+
+def _flat(resps):
+  """A sample's responses as a flat list of floats, bools and strings."""
+  out = []
+  for r in resps:
+    out.extend(_flat(r) if isinstance(r, (list, tuple)) else [r])
+  return out
+
+
+def test_requests_equal_lm_evals_hf_backend_on_the_export(harness_run, tmp_path):
+  """Every request's log-likelihood (1e-4 absolute), is_greedy flag and generated string, and every task metric,
+  as lm-eval's Hugging Face backend gives them on the run's export (float32 on both sides)."""
+  from lm_eval.models.huggingface import HFLM
+  from jaxlm import harness
+  from jaxlm.hf import export as export_lib
+  from jaxlm.tools import eval as eval_lib
+  workdir, tasks = harness_run
+  lm, step = eval_lib.harness_lm(workdir)
+  assert step == 4
+  ours = harness.evaluate(lm, TASKS, include_path=tasks, log_samples=True)
+  export_lib.export(workdir, str(tmp_path / 'hf'))
+  theirs = {}
+  # The start token once before every context (add_bos_token=True); rolling documents get it from lm-eval's
+  # prefix token, so there the tokenizer must not add it (add_bos_token=False), as jaxlm's rolling does.
+  for add_bos, names in ((True, ['h_mc', 'h_gen']), (False, ['h_roll'])):
+    hf = HFLM(pretrained=str(tmp_path / 'hf'), dtype='float32', add_bos_token=add_bos, batch_size=8, device='cpu')
+    out = harness.evaluate(hf, names, include_path=tasks, log_samples=True)
+    theirs.update({k: (out['results'][k], out['samples'][k]) for k in names})
+  worst, counts = 0.0, {}
+  for task, (results, samples) in theirs.items():
+    mine = ours['samples'][task]
+    assert [s['doc_id'] for s in mine] == [s['doc_id'] for s in samples] and len(mine) == len(TASKS[task][1])
+    for a, b in zip(mine, samples):
+      fa, fb = _flat(a['resps']), _flat(b['resps'])
+      assert len(fa) == len(fb) and [type(x) for x in fa] == [type(x) for x in fb], (task, fa, fb)
+      for x, y in zip(fa, fb):
+        if isinstance(x, float):
+          assert x == pytest.approx(y, abs=1e-4), (task, a['doc_id'], fa, fb)
+          worst = max(worst, abs(x - y))
+        else:  # is_greedy flags, generated strings
+          assert x == y, (task, a['doc_id'], fa, fb)
+      counts[task] = counts.get(task, 0) + len(fa)
+    for metric, value in results.items():
+      if isinstance(value, float) and '_stderr' not in metric:
+        assert ours['results'][task][metric] == pytest.approx(value, rel=1e-5, abs=1e-6), (task, metric)
+  print(f'\nresponses compared per task {counts}; largest log-likelihood difference {worst:.2e}')
+  assert counts['h_mc'] == 2 * sum(len(d['choices']) for d in MC)  # (log-likelihood, is_greedy) per choice
+  gens = [s['resps'][0][0] for s in ours['samples']['h_gen']]
+  assert any(gens), gens  # the sampler wrote something, cut at the task's stop sequence
+  assert all('\n' not in g for g in gens)
+  # Requests are padded to power-of-two lengths in fixed batches: a handful of compiled shapes for all three tasks.
+  assert harness._score_program(lm.scoring.model_cfg)._cache_size() <= 7
