@@ -23,6 +23,7 @@ import functools
 import json
 import math
 import os
+import random
 
 import flax.linen as nn
 import jax
@@ -37,6 +38,7 @@ from jaxlm.data import chat as chat_lib
 
 try:
   import lm_eval
+  import lm_eval.evaluator
   from lm_eval import utils as lm_eval_utils
   from lm_eval.api.model import TemplateLM
   from lm_eval.models import utils as model_utils
@@ -224,22 +226,30 @@ class JaxlmLM(TemplateLM):
                            special_tokens=self.tok.special_tokens)
 
 
-def task_manager(include_path: str | None = None) -> TaskManager:
-  """lm-eval's registry plus the tasks jaxlm ships (jaxlm/lm_eval_tasks) and those under `include_path`."""
-  paths = [TASKS_DIR] + [p for p in (include_path or '').split(',') if p]
-  return TaskManager(include_path=paths)
+def task_manager(include_path: str | None = None, tasks=()) -> TaskManager:
+  """lm-eval's task index: jaxlm's own tasks (jaxlm/lm_eval_tasks) and those under `include_path`, and lm-eval's
+  registry too unless all of `tasks` are found without it (indexing the registry reads thousands of YAMLs)."""
+  paths = tuple([TASKS_DIR] + [p for p in (include_path or '').split(',') if p])
+  local = _task_manager(paths, False)
+  return local if tasks and all(t in local.all_tasks for t in tasks) else _task_manager(paths, True)
+
+
+@functools.lru_cache(maxsize=8)
+def _task_manager(paths: tuple, registry: bool) -> TaskManager:
+  # One index per include path for the process: an in-loop evaluation does not index the task files again.
+  return TaskManager(include_path=list(paths), include_defaults=registry)
 
 
 def check_tasks(tasks, include_path: str | None = None) -> None:
   """Refuses, in one line, a task lm-eval does not know or whose dataset cannot be read on this machine now."""
-  manager = task_manager(include_path)
+  manager = task_manager(include_path, tasks)
   unknown = [t for t in tasks if t not in manager.all_tasks]
   if unknown:
     raise HarnessError(f'harness task(s) {", ".join(unknown)} unknown to lm-eval; give registered task names, or '
                        f'put their YAML in a folder passed as include_path')
   for task in tasks:
     try:
-      lm_eval.tasks.get_task_dict([task], manager)
+      manager.load([task])
     except Exception as e:  # pylint: disable=broad-except  # datasets raises many kinds; all mean "not here"
       reason = ' '.join(str(e).split())[:300]
       raise HarnessError(f'harness task {task}: its dataset cannot be loaded offline ({type(e).__name__}: '
@@ -249,20 +259,38 @@ def check_tasks(tasks, include_path: str | None = None) -> None:
                          f'machine, or point the task\'s YAML at local files') from e
 
 
-def evaluate(lm: JaxlmLM, tasks, *, include_path: str | None = None, num_fewshot: int | None = None,
+def evaluate(lm, tasks, *, include_path: str | None = None, num_fewshot: int | None = None,
              limit: float | None = None, apply_chat_template: bool = False, log_samples: bool = False,
              tracker=None, model_args: str = '') -> dict:
-  """lm_eval.simple_evaluate of `tasks` on `lm`: its results dict (with per-request samples if `log_samples`).
+  """lm-eval's results dict of `tasks` on `lm` (with per-request samples if `log_samples`), as simple_evaluate
+  makes it with its default seeds.
 
-  `tracker`: an lm_eval EvaluationTracker to record the run's settings in; `model_args` names the model there.
+  lm_eval.evaluator.evaluate on tasks set up as simple_evaluate sets them up: simple_evaluate itself also records
+  its environment, which imports torch and transformers wherever they are installed. `tracker`: an lm_eval
+  EvaluationTracker to record the settings in; `model_args` names the model there.
   """
   if limit is not None and limit >= 1:
     limit = int(limit)  # lm-eval reads a float as a fraction of the examples
-  return lm_eval.simple_evaluate(model=lm, model_args=model_args, tasks=list(tasks),
-                                 task_manager=task_manager(include_path), num_fewshot=num_fewshot, limit=limit,
-                                 apply_chat_template=apply_chat_template, log_samples=log_samples,
-                                 evaluation_tracker=tracker, bootstrap_iters=0,
-                                 torch_random_seed=None)  # no torch on jaxlm's side
+  random.seed(0)  # simple_evaluate's default seeds: the same few-shot draws and shuffles as `lm_eval` gives
+  np.random.seed(1234)
+  loaded = task_manager(include_path, tasks).load(list(tasks))
+  for task in loaded['tasks'].values():
+    if num_fewshot is not None and task.get_config('num_fewshot') != 0:  # a task fixed at 0 shots stays there
+      task.set_config(key='num_fewshot', value=num_fewshot)
+    elif num_fewshot is None and task.get_config('num_fewshot') is None:
+      task.set_config(key='num_fewshot', value=0)
+    task.set_fewshot_seed(seed=1234)
+  if tracker is not None:
+    tracker.general_config_tracker.log_experiment_args(
+        model_source='jaxlm', model_args=model_args, system_instruction=None,
+        chat_template=lm.chat_template(apply_chat_template) if apply_chat_template else None,
+        fewshot_as_multiturn=False)
+  results = lm_eval.evaluator.evaluate(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=0,
+                                       log_samples=log_samples, apply_chat_template=apply_chat_template)
+  results['config'] = {'model': type(lm).__name__, 'model_args': model_args, 'limit': limit,
+                       'num_fewshot': num_fewshot, 'bootstrap_iters': 0, 'random_seed': 0, 'numpy_seed': 1234,
+                       'fewshot_seed': 1234, 'batch_sizes': []}
+  return results
 
 
 def metrics(results: dict) -> dict:
@@ -278,8 +306,8 @@ def metrics(results: dict) -> dict:
 
 
 class InLoop:
-  """train.harness_tasks: checked at start-up (known, data on this machine), then scored at evaluations on the
-  weights the loop hands over, with the run's tokenizer, sequence length and mesh."""
+  """train.harness_tasks, scored at evaluations on the weights the loop hands over, with the run's tokenizer,
+  sequence length and mesh (the trainer refuses tasks that cannot run here at start-up: check_tasks)."""
 
   def __init__(self, train_cfg, tokenizer, model_cfg, *, seq_len: int, mesh):
     self.tasks, self.every = tuple(train_cfg.harness_tasks), train_cfg.harness_every
@@ -287,7 +315,6 @@ class InLoop:
     self.include_path = train_cfg.harness_include_path or None
     self.tokenizer, self.model_cfg, self.seq_len, self.mesh = tokenizer, model_cfg, seq_len, mesh
     self.batch_size = train_cfg.batch_size
-    check_tasks(self.tasks, self.include_path)
 
   def due(self, step: int, last_step: int) -> bool:
     return not self.every or step % self.every == 0 or step == last_step

@@ -133,6 +133,9 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack, source=None, device
   """Everything before the first step; each piece registers its own shutdown on `shutdown`."""
   acct = perf.TimeAccounting()  # wall time from process start: start-up counts against goodput
   t = cfg.train
+  if t.get('harness_tasks'):  # before any device work: a task that cannot run offline fails now, not at step N
+    from jaxlm import harness  # pylint: disable=g-import-not-at-top  # lm_eval: runs with harness tasks only
+    harness.check_tasks(t.harness_tasks, t.harness_include_path or None)
   with acct.phase('devices, mesh'):  # the first JAX call starts the backend (CUDA, TPU runtime)
     cache = perf.enable_compilation_cache(cfg.log)  # asks the backend for its devices (CPU mesh: off)
     mesh = sharding.make_mesh(cfg.mesh, devices)
@@ -166,8 +169,8 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack, source=None, device
     from jaxlm import textgen  # pylint: disable=g-import-not-at-top  # runs with gen_eval only
     r.gen = textgen.GenEval(t, eval_data, data_lib.load_tokenizer(cfg.data, cfg.model.vocab_size),
                             program.model.config, seq_len=cfg.data.seq_len, mesh=mesh)
-  if t.get('harness_tasks') and eval_data is not None:  # a task that cannot run offline is refused here, not later
-    from jaxlm import harness  # pylint: disable=g-import-not-at-top  # lm_eval: runs with harness tasks only
+  if t.get('harness_tasks') and eval_data is not None:  # scored at evaluations (checked above)
+    from jaxlm import harness  # pylint: disable=g-import-not-at-top
     r.harness = harness.InLoop(t, data_lib.load_tokenizer(cfg.data, cfg.model.vocab_size), program.model.config,
                                seq_len=cfg.data.seq_len, mesh=mesh)
   # A checkpoint this config cannot resume is refused before the compile: seconds, not minutes on a large model.

@@ -90,20 +90,28 @@ def offline(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def harness_run(tmp_path_factory, data_cache, offline):
-  """A palm_tiny run trained 4 steps that scored the three tasks in the loop at steps 2 and 4 (checkpointed there);
+  """A palm_tiny run trained 4 steps that scored the three tasks in the loop at its end (checkpointed there);
   returns (workdir, tasks folder)."""
   from jaxlm import train
   tasks = write_tasks(tmp_path_factory.mktemp('tasks'))
   cfg = load_config('palm_tiny')
   cfg.data.cache_dir = str(data_cache)
-  cfg.train.update(steps=4, eval_every=2, eval_batches=1, log_every=2, harness_tasks=tuple(TASKS),
-                   harness_every=2, harness_limit=0, harness_include_path=tasks)
+  cfg.train.update(steps=4, eval_every=0, eval_batches=1, log_every=2, harness_tasks=tuple(TASKS),
+                   harness_every=0, harness_limit=0, harness_include_path=tasks)
   cfg.optim.warmup_steps = 2
-  cfg.checkpoint.update(every=2, async_save=False)
+  cfg.checkpoint.update(every=0, async_save=False)
   cfg.log.update(tensorboard=False, compilation_cache='')
   workdir = str(tmp_path_factory.mktemp('harness_run'))
   train.run(cfg, workdir)
   return workdir, tasks
+
+
+def _in_loop(workdir: str, step: int = 4) -> dict:
+  """The harness/* metrics the training loop logged at `step` (metrics.jsonl)."""
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    records = [json.loads(line) for line in f]
+  [record] = [r for r in records if r['kind'] == 'eval' and r['step'] == step]
+  return {k: v for k, v in record.items() if k.startswith('harness/')}
 
 
 def _flat(resps):
@@ -150,6 +158,8 @@ def test_requests_equal_lm_evals_hf_backend_on_the_export(harness_run, tmp_path)
     for metric, value in results.items():
       if isinstance(value, float) and '_stderr' not in metric:
         assert ours['results'][task][metric] == pytest.approx(value, rel=1e-5, abs=1e-6), (task, metric)
+  logged = _in_loop(workdir)
+  assert logged == harness.metrics(ours) and len(logged) == 6  # the loop's step-4 scores: the same, exactly
   print(f'\nresponses compared per task {counts}; largest log-likelihood difference {worst:.2e}')
   assert counts['h_mc'] == 2 * sum(len(d['choices']) for d in MC)  # (log-likelihood, is_greedy) per choice
   gens = [s['resps'][0][0] for s in ours['samples']['h_gen']]
@@ -157,3 +167,62 @@ def test_requests_equal_lm_evals_hf_backend_on_the_export(harness_run, tmp_path)
   assert all('\n' not in g for g in gens)
   # Requests are padded to power-of-two lengths in fixed batches: a handful of compiled shapes for all three tasks.
   assert harness._score_program(lm.scoring.model_cfg)._cache_size() <= 7
+
+
+def test_tasks_command_equals_the_in_loop_scores_and_writes_lm_evals_files(harness_run, tmp_path):
+  """The real entry point on the step-4 checkpoint: lm-eval's table, its results JSON and samples, and the numbers
+  the loop logged at step 4, exactly; jaxlm's side imports no torch."""
+  from tests.helpers import train_env
+  workdir, tasks = harness_run
+  env = {**train_env(8), 'PYTHONPROFILEIMPORTTIME': '1', 'HF_DATASETS_OFFLINE': '1', 'HF_HUB_OFFLINE': '1',
+         'HF_DATASETS_CACHE': str(tmp_path / 'datasets')}
+  out = run_cli('jaxlm.tools.eval', f'--workdir={workdir}', '--step=4', f'--tasks={",".join(TASKS)}',
+                f'--include_path={tasks}', f'--output_path={tmp_path / "out"}', '--log_samples', env=env,
+                timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  imported = {line.rsplit('|', 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith('import time')}
+  assert {'jax', 'lm_eval'} <= imported, sorted(imported)[:50]
+  assert not {'torch', 'transformers'} & imported, 'jaxlm --tasks imported torch'
+  assert '|h_mc' in out.stdout.replace(' ', '') and 'acc_norm' in out.stdout and 'bits_per_byte' in out.stdout
+  [results] = list((tmp_path / 'out').rglob('results_*.json'))
+  with open(results) as f:
+    written = json.load(f)
+  from jaxlm import harness
+  assert harness.metrics(written) == _in_loop(workdir)
+  for task, (_, docs, _) in TASKS.items():
+    [samples] = list((tmp_path / 'out').rglob(f'samples_{task}_*.jsonl'))
+    assert len(samples.read_text().splitlines()) == len(docs)
+
+
+def test_a_task_that_cannot_run_offline_is_refused_before_step_0(tmp_path, data_cache, offline):
+  """A task whose data is not on this machine: one line naming it, before any training step or checkpoint. (An
+  unknown name is refused the same way, after indexing lm-eval's whole registry: too slow for the suite.)"""
+  from jaxlm import harness, train
+  missing = write_tasks(tmp_path / 'tasks', {'h_gone': TASKS['h_mc']})
+  os.remove(os.path.join(missing, 'mc.jsonl'))
+  for tasks, says in ((('h_gone',), 'harness task h_gone: its dataset cannot be loaded offline'),):
+    cfg = load_config('palm_tiny')
+    cfg.data.cache_dir = str(data_cache)
+    cfg.train.update(steps=2, harness_tasks=tasks, harness_include_path=missing)
+    cfg.optim.warmup_steps = 1
+    cfg.log.update(tensorboard=False, compilation_cache='')
+    workdir = tmp_path / f'run_{tasks[0]}'
+    with pytest.raises(harness.HarnessError) as e:
+      train.run(cfg, str(workdir))
+    message = str(e.value)
+    assert says in message and '; ' in message and '\n' not in message, message
+    assert not (workdir / 'checkpoints').exists() and not (workdir / 'metrics.jsonl').exists()  # before any step
+
+
+def test_harness_config_is_validated_naming_the_field(tmp_path):
+  from jaxlm import config as config_lib
+  from jaxlm import errors
+  cfg = load_config('palm_tiny')
+  cfg.train.update(harness_tasks=('a',), eval_every=10, harness_every=15, harness_include_path=str(tmp_path / 'no'))
+  with pytest.raises(errors.ConfigError) as e:
+    config_lib.validate(cfg, 8)
+  assert 'train.harness_every=15 must be a multiple of train.eval_every=10' in str(e.value)
+  assert 'train.harness_include_path' in str(e.value)
+  cfg.train.update(harness_tasks=('',), harness_every=20, harness_include_path='')
+  with pytest.raises(errors.ConfigError, match='train.harness_tasks'):
+    config_lib.validate(cfg, 8)
