@@ -61,8 +61,12 @@ def _bucket(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=16)
-def _score_program(model_cfg):
-  """Jitted (params, inputs, targets, segments, positions) -> (log p(target), target == argmax), each (B, L)."""
+def _score_program(model_cfg, mesh=None):
+  """Jitted (params, inputs, targets, segments, positions) -> (log p(target), target == argmax), each (B, L).
+
+  The outputs are replicated: on a multi-process mesh every process computes its devices' rows of one SPMD
+  program and reads back the whole batch, so each holds the same results for lm-eval's single-process side.
+  """
   model = generate_lib.inference_model(model_cfg)
 
   def score(params, inputs, targets, segments, positions):
@@ -71,7 +75,7 @@ def _score_program(model_cfg):
     picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # (B, L)
     return picked, jnp.argmax(logits, axis=-1) == targets
 
-  return jax.jit(score)
+  return jax.jit(score, out_shardings=None if mesh is None else NamedSharding(mesh, P()))
 
 
 @dataclasses.dataclass
@@ -116,7 +120,7 @@ class Scoring:
     return out
 
   def _forward(self, arrays):
-    fn = _score_program(self.model_cfg)
+    fn = _score_program(self.model_cfg, self.mesh)
     with _rules(self.mesh):
       batch = tuple(arrays)
       if self.mesh is not None:

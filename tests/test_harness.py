@@ -166,7 +166,7 @@ def test_requests_equal_lm_evals_hf_backend_on_the_export(harness_run, tmp_path)
   assert any(gens), gens  # the sampler wrote something, cut at the task's stop sequence
   assert all('\n' not in g for g in gens)
   # Requests are padded to power-of-two lengths in fixed batches: a handful of compiled shapes for all three tasks.
-  assert harness._score_program(lm.scoring.model_cfg)._cache_size() <= 7
+  assert harness._score_program(lm.scoring.model_cfg, lm.scoring.mesh)._cache_size() <= 7
 
 
 def test_tasks_command_equals_the_in_loop_scores_and_writes_lm_evals_files(harness_run, tmp_path):
@@ -226,3 +226,14 @@ def test_harness_config_is_validated_naming_the_field(tmp_path):
   cfg.train.update(harness_tasks=('',), harness_every=20, harness_include_path='')
   with pytest.raises(errors.ConfigError, match='train.harness_tasks'):
     config_lib.validate(cfg, 8)
+
+
+def test_report_shows_and_plots_the_harness_metrics(harness_run, tmp_path, capsys):
+  from jaxlm.tools import report
+  workdir, _ = harness_run
+  report.report(workdir, str(tmp_path / 'report.png'))
+  out = capsys.readouterr().out
+  assert 'Harness (train.harness_tasks' in out and 'h_mc/acc_norm' in out and 'h_roll/bits_per_byte' in out
+  logged = _in_loop(workdir)
+  assert f'{logged["harness/h_roll/bits_per_byte"]:.4f}' in out
+  assert (tmp_path / 'report.png').stat().st_size > 10_000

@@ -339,6 +339,8 @@ def _tasks_main() -> None:
                              log_samples=FLAGS.log_samples, tracker=tracker,
                              model_args=f'pretrained={os.path.abspath(FLAGS.workdir)}/step_{step}')
   samples = results.pop('samples', None)
+  if jax.process_index():  # every process scored the same requests as one SPMD program: process 0 reports
+    return
   if FLAGS.output_path:
     tracker.save_results_aggregated(results=results, samples=samples)
     for task in (results['configs'] if samples else ()):
