@@ -11,9 +11,12 @@ from tests.helpers import assert_fails_with, load_config, run_cli
 
 # Three tasks in lm-eval's own YAML style, on local jsonl data: a multiple-choice, a rolling (perplexity) and a
 # generation task. Contexts share prefixes and lengths differ, so batches mix lengths and buckets.
-MC = [{'q': 'def add(a, b):\n    return', 'choices': [' a + b', ' a - b', ' None', ' print(a)'], 'gold': 0},
+# No request here shares its context + continuation tokens but the last with another whose split differs (the
+# shipped jaxlm_code_mc's included): HFLM's default logits cache keys requests on those tokens and hands one
+# request's continuation logits to the other, misaligned when their continuation lengths differ.
+MC = [{'q': 'def sub(a, b):\n    return', 'choices': [' a - b', ' a + b', ' None', ' print(a)'], 'gold': 0},
       {'q': 'import', 'choices': [' os', ' sys', ' the', ' 12'], 'gold': 1},
-      {'q': 'for i in range(10):\n   ', 'choices': [' print(i)', ' pass', ' return'], 'gold': 0},
+      {'q': 'while True:\n   ', 'choices': [' break', ' pass', ' return'], 'gold': 0},
       {'q': 'class Foo(object):\n    def __init__(self', 'choices': ['):', ', x):', ' = 3'], 'gold': 1},
       {'q': '#', 'choices': [' comment', '!/usr/bin/env python'], 'gold': 1}]
 DOCS = [{'text': 'import os\nimport sys\n'},
@@ -122,29 +125,35 @@ def _flat(resps):
   return out
 
 
-def test_requests_equal_lm_evals_hf_backend_on_the_export(harness_run, tmp_path):
+def test_requests_equal_lm_evals_hf_backend_on_the_export(harness_run, tmp_path, monkeypatch):
   """Every request's log-likelihood (1e-4 absolute), is_greedy flag and generated string, and every task metric,
-  as lm-eval's Hugging Face backend gives them on the run's export (float32 on both sides)."""
+  as lm-eval's Hugging Face backend gives them on the run's export (float32 on both sides): the three tasks above
+  and two that ship in jaxlm/lm_eval_tasks (their data paths are relative to the directory lm-eval runs in)."""
   from lm_eval.models.huggingface import HFLM
   from jaxlm import harness
   from jaxlm.hf import export as export_lib
   from jaxlm.tools import eval as eval_lib
   workdir, tasks = harness_run
+  os.makedirs(tmp_path / 'jaxlm')
+  os.symlink(harness.TASKS_DIR, tmp_path / 'jaxlm' / 'lm_eval_tasks')
+  eval_lib.write_jsonl(str(tmp_path / 'documents.jsonl'), [d['text'] for d in DOCS])
+  monkeypatch.chdir(tmp_path)
   lm, step = eval_lib.harness_lm(workdir)
   assert step == 4
-  ours = harness.evaluate(lm, TASKS, include_path=tasks, log_samples=True)
+  ours = harness.evaluate(lm, [*TASKS, 'jaxlm_code_mc', 'jaxlm_documents'], include_path=tasks, log_samples=True)
   export_lib.export(workdir, str(tmp_path / 'hf'))
   theirs = {}
   # The start token once before every context (add_bos_token=True); rolling documents get it from lm-eval's
   # prefix token, so there the tokenizer must not add it (add_bos_token=False), as jaxlm's rolling does.
-  for add_bos, names in ((True, ['h_mc', 'h_gen']), (False, ['h_roll'])):
+  for add_bos, names in ((True, ['h_mc', 'h_gen', 'jaxlm_code_mc']), (False, ['h_roll', 'jaxlm_documents'])):
     hf = HFLM(pretrained=str(tmp_path / 'hf'), dtype='float32', add_bos_token=add_bos, batch_size=8, device='cpu')
     out = harness.evaluate(hf, names, include_path=tasks, log_samples=True)
     theirs.update({k: (out['results'][k], out['samples'][k]) for k in names})
   worst, counts = 0.0, {}
   for task, (results, samples) in theirs.items():
     mine = ours['samples'][task]
-    assert [s['doc_id'] for s in mine] == [s['doc_id'] for s in samples] and len(mine) == len(TASKS[task][1])
+    assert [s['doc_id'] for s in mine] == [s['doc_id'] for s in samples]
+    assert len(mine) == len(TASKS[task][1]) if task in TASKS else len(mine) >= 3
     for a, b in zip(mine, samples):
       fa, fb = _flat(a['resps']), _flat(b['resps'])
       assert len(fa) == len(fb) and [type(x) for x in fa] == [type(x) for x in fb], (task, fa, fb)
@@ -159,7 +168,11 @@ def test_requests_equal_lm_evals_hf_backend_on_the_export(harness_run, tmp_path)
       if isinstance(value, float) and '_stderr' not in metric:
         assert ours['results'][task][metric] == pytest.approx(value, rel=1e-5, abs=1e-6), (task, metric)
   logged = _in_loop(workdir)
-  assert logged == harness.metrics(ours) and len(logged) == 6  # the loop's step-4 scores: the same, exactly
+  # The loop scored the three tasks alone; here their windows share batches (and padded lengths) with the shipped
+  # tasks' requests, so float rounding differs: equal to 1e-6 here, exactly in the command test (same tasks).
+  assert logged == pytest.approx({k: v for k, v in harness.metrics(ours).items() if k.split('/')[1] in TASKS},
+                                 rel=1e-6)
+  assert len(logged) == 6  # the loop's step-4 scores: the same, exactly
   print(f'\nresponses compared per task {counts}; largest log-likelihood difference {worst:.2e}')
   assert counts['h_mc'] == 2 * sum(len(d['choices']) for d in MC)  # (log-likelihood, is_greedy) per choice
   gens = [s['resps'][0][0] for s in ours['samples']['h_gen']]
