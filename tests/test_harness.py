@@ -101,7 +101,7 @@ def harness_run(tmp_path_factory, data_cache, offline):
   cfg.data.cache_dir = str(data_cache)
   cfg.train.update(steps=4, eval_every=0, eval_batches=1, log_every=2, harness_tasks=tuple(TASKS),
                    harness_every=0, harness_limit=0, harness_include_path=tasks)
-  cfg.optim.warmup_steps = 2
+  cfg.optim.update(warmup_steps=2, ema=0.5)  # the averaged weights are scored too (harness/..._ema)
   cfg.checkpoint.update(every=0, async_save=False)
   cfg.log.update(tensorboard=False, compilation_cache='')
   workdir = str(tmp_path_factory.mktemp('harness_run'))
@@ -109,12 +109,13 @@ def harness_run(tmp_path_factory, data_cache, offline):
   return workdir, tasks
 
 
-def _in_loop(workdir: str, step: int = 4) -> dict:
-  """The harness/* metrics the training loop logged at `step` (metrics.jsonl)."""
+def _in_loop(workdir: str, step: int = 4, suffix: str = '') -> dict:
+  """The harness/* metrics the training loop logged at `step` (metrics.jsonl) of the weights (`_ema`: averaged)."""
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     records = [json.loads(line) for line in f]
   [record] = [r for r in records if r['kind'] == 'eval' and r['step'] == step]
-  return {k: v for k, v in record.items() if k.startswith('harness/')}
+  return {k.removesuffix(suffix): v for k, v in record.items()
+          if k.startswith('harness/') and k.endswith('_ema') == bool(suffix)}
 
 
 def _flat(resps):
@@ -175,6 +176,10 @@ def test_requests_equal_lm_evals_hf_backend_on_the_export(harness_run, tmp_path,
   assert len(logged) == 6  # the loop's step-4 scores: the same, exactly
   print(f'\nresponses compared per task {counts}; largest log-likelihood difference {worst:.2e}')
   assert counts['h_mc'] == 2 * sum(len(d['choices']) for d in MC)  # (log-likelihood, is_greedy) per choice
+  # The averaged weights the loop scored beside them: jaxlm.tools.eval --weights=ema's numbers, exactly.
+  ema, _ = eval_lib.harness_lm(workdir, weights='ema')
+  assert _in_loop(workdir, suffix='_ema') == harness.metrics(harness.evaluate(ema, TASKS, include_path=tasks))
+  assert _in_loop(workdir, suffix='_ema') != logged
   gens = [s['resps'][0][0] for s in ours['samples']['h_gen']]
   assert any(gens), gens  # the sampler wrote something, cut at the task's stop sequence
   assert all('\n' not in g for g in gens)
