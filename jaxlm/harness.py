@@ -223,11 +223,24 @@ class JaxlmLM(TemplateLM):
     return self._chat_template if chat_template else None
 
   def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
+    """The text the chat template makes of `chat_history`; without a generation prompt the final message is left
+    open to be continued (as HFLM asks transformers for: continue_final_message)."""
     if not self._chat_template:
       raise HarnessError('--apply_chat_template: the run\'s tokenizer has no chat template; drop the flag, or '
                          'prepare the run with a tokenizer that has one')
-    return chat_lib.render(chat_history, self._chat_template, add_generation_prompt=add_generation_prompt,
+    history = [dict(m) for m in chat_history]
+    if not add_generation_prompt and history:  # a marker after the final message shows where to cut
+      history[-1]['content'] += _OPEN_END
+    text = chat_lib.render(history, self._chat_template, add_generation_prompt=add_generation_prompt,
                            special_tokens=self.tok.special_tokens)
+    if add_generation_prompt or not history:
+      return text
+    cut = text.rindex(_OPEN_END.strip())
+    # A template that strips the message's trailing space drops the marker's too: strip what precedes it then.
+    return text[:cut] if text[cut:cut + len(_OPEN_END)] == _OPEN_END else text[:cut].rstrip()
+
+
+_OPEN_END = '\x00jaxlm-continue\x00 '
 
 
 def task_manager(include_path: str | None = None, tasks=()) -> TaskManager:

@@ -150,6 +150,14 @@ def test_requests_equal_lm_evals_hf_backend_on_the_export(harness_run, tmp_path,
     hf = HFLM(pretrained=str(tmp_path / 'hf'), dtype='float32', add_bos_token=add_bos, batch_size=8, device='cpu')
     out = harness.evaluate(hf, names, include_path=tasks, log_samples=True)
     theirs.update({k: (out['results'][k], out['samples'][k]) for k in names})
+    if add_bos:  # --apply_chat_template: the text transformers renders for HFLM (a ChatML template here)
+      from jaxlm.data import chat as chat_lib
+      chat = harness.JaxlmLM(lm.scoring, chat_template=chat_lib.BUILTIN['chatml'])
+      hf.tokenizer.chat_template = chat_lib.BUILTIN['chatml']
+      history = [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'def f():\n  '},
+                 {'role': 'assistant', 'content': 'return 1 '}]
+      for prompt, turns in ((True, history[:2]), (False, history)):
+        assert chat.apply_chat_template(turns, prompt) == hf.apply_chat_template(turns, prompt), (prompt, turns)
   worst, counts = 0.0, {}
   for task, (results, samples) in theirs.items():
     mine = ours['samples'][task]
