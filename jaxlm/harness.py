@@ -71,9 +71,10 @@ def _score_program(model_cfg, mesh=None):
 
   def score(params, inputs, targets, segments, positions):
     logits = model.apply({'params': params}, inputs, segments, positions).astype(jnp.float32)  # (B, L, V)
-    logp = jax.nn.log_softmax(logits, axis=-1)  # (B, L, V)
-    picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # (B, L)
-    return picked, jnp.argmax(logits, axis=-1) == targets
+    # The target's logit less the log-normalizer: no second (B, L, V) array beside the logits (large vocabularies).
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # (B, L)
+    logp = picked - jax.nn.logsumexp(logits, axis=-1)  # (B, L)
+    return logp, jnp.argmax(logits, axis=-1) == targets
 
   return jax.jit(score, out_shardings=None if mesh is None else NamedSharding(mesh, P()))
 
