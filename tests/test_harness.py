@@ -126,6 +126,7 @@ def _flat(resps):
   return out
 
 
+@pytest.mark.e2e  # a trained run and torch's HF backend: the full suite runs it, the fast loop keeps unit tests
 def test_requests_equal_lm_evals_hf_backend_on_the_export(harness_run, tmp_path, monkeypatch):
   """Every request's log-likelihood (1e-4 absolute), is_greedy flag and generated string, and every task metric,
   as lm-eval's Hugging Face backend gives them on the run's export (float32 on both sides): the three tasks above
@@ -195,6 +196,7 @@ def test_requests_equal_lm_evals_hf_backend_on_the_export(harness_run, tmp_path,
   assert harness._score_program(lm.scoring.model_cfg, lm.scoring.mesh)._cache_size() <= 7
 
 
+@pytest.mark.e2e  # a subprocess
 def test_tasks_command_equals_the_in_loop_scores_and_writes_lm_evals_files(harness_run, tmp_path):
   """The real entry point on the step-4 checkpoint: lm-eval's table, its results JSON and samples, and the numbers
   the loop logged at step 4, exactly; jaxlm's side imports no torch."""
@@ -254,6 +256,7 @@ def test_harness_config_is_validated_naming_the_field(tmp_path):
     config_lib.validate(cfg, 8)
 
 
+@pytest.mark.e2e  # the trained run of the fixture
 def test_report_shows_and_plots_the_harness_metrics(harness_run, tmp_path, capsys):
   from jaxlm.tools import report
   workdir, _ = harness_run
