@@ -44,6 +44,18 @@ def get_config() -> ml_collections.ConfigDict:
   m.matmul_dtype = 'dtype'  # the layers' projections: dtype (model.dtype) | fp8 (e4m3/e5m2, delayed scaling; GPUs with fp8)
   m.explicit_transpose_grads = False  # weight gradients as plain products of a transposed copy: faster on XLA:CPU only
   m.qk_norm = 'none'  # RMSNorm on queries and keys before RoPE: none | head (per head: Qwen3) | full (all heads: OLMoE)
+  # Block features of today's open families (jaxlm/model.py, attention.py), all off by default; sequential block only.
+  m.attention_window = 0  # W > 0: local layers see their W most recent tokens, their own included; 0 = all global
+  m.attention_global_every = 0  # with a window, every n-th layer global (Gemma 3: 6, Gemma 2: 2); 0 = all local
+  m.rope_local_theta = 0.0  # RoPE base of the local layers (Gemma 3: 10k beside 1M); 0 = rope_theta everywhere
+  m.attention_softcap = 0.0  # attention scores -> cap·tanh(score / cap) (Gemma 2: 50); 0 = off
+  m.attention_sinks = False  # a learned per-head logit joins each softmax's denominator (gpt-oss)
+  m.query_pre_attn_scalar = 0.0  # scores scaled by this^-1/2 instead of head_dim^-1/2 (Gemma 2/3); 0 = head_dim
+  m.final_softcap = 0.0  # logits -> cap·tanh(logit / cap) (Gemma 2: 30); 0 = off
+  m.norm_placement = 'pre'  # pre (Llama) | sandwich (norm before and after each sublayer: Gemma) | post (after: OLMo 2)
+  m.norm_offset = False  # RMSNorm scales by (1 + w), w starting at 0 (Gemma)
+  m.mlp_activation = 'swiglu'  # dense MLP gate: swiglu (silu) | geglu (tanh-approximated gelu: Gemma)
+  m.embed_scale = False  # multiply the embeddings by sqrt(d_model) (Gemma)
   # Mixture of experts (jaxlm/moe.py); the moe_* keys below are read only when moe_experts > 0.
   m.moe_experts = 0  # X, routed experts per MoE layer; 0 = dense MLPs everywhere
   m.moe_top_k = 2  # k, experts each token is sent to
@@ -113,7 +125,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.harness_limit = 0  # examples per harness task, bounding an in-loop evaluation's time (0 = all)
   t.harness_include_path = ''  # folders of task YAMLs beyond lm-eval's registry and jaxlm's own, comma-separated
   t.deterministic = False  # GPU: deterministic XLA ops, so reruns and resumes are bit for bit (slower); CPU/TPU always are
-  t.objective = 'lm'  # lm: next-token cross-entropy (pre-training, SFT) | preference: `preference` below on pairs
+  t.objective = 'lm'  # lm: next-token cross-entropy (pre-training, SFT) | preference: `preference` below on pairs | distill: `distill` below
 
   c.optim = o = ml_collections.ConfigDict()
   o.name = 'adamw'  # adamw | adafactor (PaLM's) | muon (matrices; AdamW for the rest) | sf_adamw (schedule-free)
@@ -143,6 +155,17 @@ def get_config() -> ml_collections.ConfigDict:
   r.gamma = 0.5  # simpo: the target reward margin γ
   r.reference = 'copy'  # base (LoRA: adapters off, no memory) | copy (frozen initial weights) | cached (tools/reference)
   r.reference_dtype = 'float32'  # copy: how the frozen reference is stored (bfloat16 halves it)
+
+  c.distill = kd = ml_collections.ConfigDict()  # train.objective=distill (jaxlm/distill.py)
+  kd.teacher = ''  # the teacher: a jaxlm run directory or import (its newest checkpoint), or one step directory
+  kd.beta = 0.5  # 0: forward KL(teacher ‖ student) | 1: reverse KL | between: GKD's generalized JSD (TRL's default)
+  kd.temperature = 1.0  # teacher and student logits are divided by it before the divergence
+  kd.alpha = 0.0  # weight of the hard-label cross-entropy: (1 - alpha)·divergence + alpha·CE; 0 = pure distillation
+  kd.top_k = 0  # compare on the teacher's K most likely tokens plus the mass left over; 0 = the full vocabulary
+  kd.teacher_dtype = 'float32'  # how the frozen teacher's parameters are stored (bfloat16 halves them)
+  kd.cached = ''  # a jaxlm.tools.teacher cache of its top-K log-probabilities, read beside the batches instead
+  kd.on_policy = 0.0  # GKD's λ: the fraction of steps on completions the student samples (prompts from the data)
+  kd.max_new_tokens = 64  # on_policy: tokens the student samples per prompt (sampled at distill.temperature)
 
   c.mesh = s = ml_collections.ConfigDict()
   s.data = 1  # data-parallel ways (params replicated)

@@ -31,6 +31,7 @@ attends causally within one nonzero segment. Outputs at padding positions are un
 carry zero loss weight, so no kernel has to agree there.
 """
 
+import dataclasses
 import functools
 import logging
 import math
@@ -53,8 +54,34 @@ _AUTO = {'gpu': 'cudnn', 'tpu': 'splash'}
 _logged = set()
 
 
-def attention_mask(segment_ids, order=None, kv_segment_ids=None, kv_order=None):
-  """(B, 1, 1, T, S) boolean: causal, within one document, and never from padding (segment 0).
+@dataclasses.dataclass(frozen=True)
+class Scores:
+  """What a layer does to its attention scores beyond softmax(q·k / sqrt(E)) (all off by default).
+
+  window  W > 0: a local layer, each query attending to its W most recent keys, itself included (key position
+          > query position - W, transformers' sliding-window convention); 0 = the whole causal past. May be a
+          traced int32 scalar (scanned layers carry local and global layers in one stack); <= 0 then means global.
+  softcap cap > 0: scores become cap·tanh(scores / cap) before masking (Gemma 2).
+  sinks   (H,) learned logits, one per query head, that join each softmax's denominator and attend to nothing
+          (gpt-oss); None = no sinks.
+  scale   the scores' multiplier; 0 = 1/sqrt(E) (Gemma's query_pre_attn_scalar gives another).
+  """
+  window: object = 0
+  softcap: float = 0.0
+  sinks: object = None
+  scale: float = 0.0
+
+  def masked_only(self) -> bool:
+    """Whether only the reference (xla) kernel computes these scores: a window, a soft-cap or sinks."""
+    return not (isinstance(self.window, int) and self.window == 0) or bool(self.softcap) or self.sinks is not None
+
+
+PLAIN = Scores()
+
+
+def attention_mask(segment_ids, order=None, kv_segment_ids=None, kv_order=None, window=0):
+  """(B, 1, 1, T, S) boolean: causal, within one document, never from padding (segment 0), and with `window`
+  W > 0 only the W most recent positions (the query's own included; see `Scores`).
 
   `order` (T,): the original position in the row of each array slot (context parallelism's zig-zag order);
   None means array order. Causality compares those, so it holds whatever order the tokens arrive in.
@@ -64,13 +91,16 @@ def attention_mask(segment_ids, order=None, kv_segment_ids=None, kv_order=None):
   kv_segment_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
   order = np.arange(segment_ids.shape[1]) if order is None else order
   kv_order = order if kv_order is None else kv_order
-  causal = jnp.asarray(order)[:, None] >= jnp.asarray(kv_order)[None, :]  # (T, S)
+  distance = jnp.asarray(order)[:, None] - jnp.asarray(kv_order)[None, :]  # (T, S): query - key position
+  causal = distance >= 0
+  if not (isinstance(window, int) and window == 0):  # within a document positions are array order, so this
+    causal = causal & ((window <= 0) | (distance < window))  # is the distance in tokens
   same_doc = segment_ids[:, :, None] == kv_segment_ids[:, None, :]  # (B, T, S)
   real = (segment_ids != 0)[:, :, None]  # (B, T, 1)
   return (causal & same_doc & real)[:, None, None]
 
 
-def _scores_attention(q, k, v, segment_ids, order, kv_segment_ids, kv_order):
+def _scores_attention(q, k, v, segment_ids, order, kv_segment_ids, kv_order, scores_cfg: Scores = PLAIN):
   """Queries q (B,T,H,E) over keys and values (B,S,K,E), the whole (T, S) scores at once -> (B,T,H,E)."""
   B, T, H, E = q.shape
   S, K = k.shape[1], k.shape[2]
@@ -80,16 +110,24 @@ def _scores_attention(q, k, v, segment_ids, order, kv_segment_ids, kv_order):
   # would copy them for a layout like (B, K, G, T, S)). For multi-query attention (K = 1) q moves for free.
   q = q.reshape(B, T, K, G, E).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, E)  # (B, K, M, E)
   k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, K, S, E)
-  scores = jnp.einsum('BKME,BKSE->BKMS', q, k).astype(jnp.float32) / math.sqrt(E)
+  c = scores_cfg
+  scores = jnp.einsum('BKME,BKSE->BKMS', q, k).astype(jnp.float32) * (c.scale or 1 / math.sqrt(E))
+  if c.softcap:  # Gemma 2: bounded scores, cap·tanh(s / cap), before the mask
+    scores = c.softcap * jnp.tanh(scores / c.softcap)
   # Finite fill, not -inf: a fully masked (padding) row then gives a uniform softmax rather than NaN.
-  mask = attention_mask(segment_ids, order, kv_segment_ids, kv_order).reshape(B, 1, T, 1, S)
+  mask = attention_mask(segment_ids, order, kv_segment_ids, kv_order, c.window).reshape(B, 1, T, 1, S)
   scores = jnp.where(mask, scores.reshape(B, K, T, G, S), jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(B, K, T * G, S)
+  if c.sinks is None:
+    probs = jax.nn.softmax(scores, axis=-1)
+  else:  # gpt-oss: exp(sink) joins every row's denominator; the sink column itself is dropped
+    sink = jnp.broadcast_to(c.sinks.astype(jnp.float32).reshape(1, K, 1, G, 1), (B, K, T, G, 1))
+    probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :S]
+  probs = probs.astype(v.dtype).reshape(B, K, T * G, S)
   out = jnp.einsum('BKMS,BKSE->BKME', probs, v)  # (B, K, M, E)
   return out.reshape(B, K, T, G, E).transpose(0, 2, 1, 3, 4).reshape(B, T, H, E)
 
 
-def xla_attention(q, k, v, segment_ids, order=None, block_q: int = 0, shards: int = 1):
+def xla_attention(q, k, v, segment_ids, order=None, block_q: int = 0, shards: int = 1, scores_cfg: Scores = PLAIN):
   """Reference attention: einsum scores, softmax in float32. q: (B,T,H,E); k, v: (B,S,K,E) -> (B,T,H,E).
 
   `order`: the tokens' original positions in the row when they arrive permuted (see `attention_mask`).
@@ -101,7 +139,7 @@ def xla_attention(q, k, v, segment_ids, order=None, block_q: int = 0, shards: in
   order = np.arange(T) if order is None else np.asarray(order)
   blocks = T // (shards * block_q) if block_q else 1
   if blocks <= 1:
-    return _scores_attention(q, k, v, segment_ids, order, segment_ids, order)
+    return _scores_attention(q, k, v, segment_ids, order, segment_ids, order, scores_cfg)
 
   def split(x):  # (B, T, ...) -> (blocks, B, shards·block_q, ...)
     x = x.reshape(B, shards, blocks, block_q, *x.shape[2:])
@@ -109,7 +147,7 @@ def xla_attention(q, k, v, segment_ids, order=None, block_q: int = 0, shards: in
 
   q_order = order.reshape(shards, blocks, block_q).transpose(1, 0, 2).reshape(blocks, shards * block_q)
   # Checkpointed: otherwise the backward pass keeps every block's probabilities, all of (T, S) again.
-  one = jax.checkpoint(lambda qb, sb, ob: _scores_attention(qb, k, v, sb, ob, segment_ids, order))
+  one = jax.checkpoint(lambda qb, sb, ob: _scores_attention(qb, k, v, sb, ob, segment_ids, order, scores_cfg))
   out = jax.lax.map(lambda xs: one(*xs), (split(q), split(segment_ids), q_order))  # (blocks, B, shards·block_q, ..)
   out = out.reshape(blocks, B, shards, block_q, *out.shape[3:])
   return jnp.moveaxis(out, 0, 2).reshape(q.shape)
@@ -124,14 +162,14 @@ def document_mask(segment_ids):
   return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
 
 
-def cudnn_attention(q, k, v, segment_ids, implementation: str = 'cudnn'):
+def cudnn_attention(q, k, v, segment_ids, implementation: str = 'cudnn', scale: float = 0.0):
   """jax.nn.dot_product_attention with is_causal and a document mask; `implementation='xla'` runs it on a CPU.
 
   jax.nn's layout is ours, (B, T, N, E), and it takes K < H key/value heads natively (GQA/MQA), so nothing
-  is transposed or repeated. The scale defaults to 1/sqrt(E).
+  is transposed or repeated. `scale` 0 is 1/sqrt(E).
   """
   return jax.nn.dot_product_attention(q, k, v, mask=document_mask(segment_ids), is_causal=True,
-                                      implementation=implementation)
+                                      scale=scale or None, implementation=implementation)
 
 
 def _splash_block(seq_len: int) -> int | None:
@@ -166,12 +204,12 @@ def _splash_kernel(heads: int, seq_len: int, mqa: bool, interpret: bool):
   return kernel, kernel_lib.SegmentIds
 
 
-def _splash_local(q, k, v, segment_ids, interpret: bool):
+def _splash_local(q, k, v, segment_ids, interpret: bool, scale: float = 0.0):
   """Splash attention on one device's shard: q (B, T, H, E), k/v (B, S, K, E) with K = 1, H, or dividing H."""
   B, T, H, E = q.shape
   K = k.shape[2]
   # The kernel takes unscaled logits: scale q (exact for E a power of 4, one bf16 rounding otherwise).
-  q = (q * (1.0 / math.sqrt(E))).astype(q.dtype).transpose(0, 2, 1, 3)  # (B, H, T, E)
+  q = (q * (scale or 1.0 / math.sqrt(E))).astype(q.dtype).transpose(0, 2, 1, 3)  # (B, H, T, E)
   k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, K, S, E)
   if K == H:
     kernel, SegmentIds = _splash_kernel(H, T, False, interpret)
@@ -189,7 +227,7 @@ def _splash_local(q, k, v, segment_ids, interpret: bool):
   return out.transpose(0, 2, 1, 3).astype(q.dtype)  # (B, T, H, E)
 
 
-def splash_attention(q, k, v, segment_ids, interpret: bool = False):
+def splash_attention(q, k, v, segment_ids, interpret: bool = False, scale: float = 0.0):
   """Pallas splash attention with segment ids; under a mesh it runs per shard (batch and heads split).
 
   A Pallas kernel cannot be split by the SPMD partitioner, so it goes inside shard_map with the batch and head
@@ -197,7 +235,7 @@ def splash_attention(q, k, v, segment_ids, interpret: bool = False):
   semantics on any backend (slow; for tests on a CPU).
   """
   mesh = jax.sharding.get_abstract_mesh()
-  local = functools.partial(_splash_local, interpret=interpret)
+  local = functools.partial(_splash_local, interpret=interpret, scale=scale)
   if mesh.empty or mesh.size == 1:
     return local(q, k, v, segment_ids)
   batch_axes, heads_axis = nn.logical_to_mesh_axes(('act_batch', 'act_heads'))
@@ -324,24 +362,30 @@ def gather_sequence(x):
 
 
 def attention(q, k, v, segment_ids, impl: str = 'xla', block_q: int = 0, *, kv_segment_ids=None, order=None,
-              kv_order=None):
+              kv_order=None, scores_cfg: Scores = PLAIN):
   """Causal, document-masked attention with the kernel `impl` selects here (see `select`).
 
   `block_q`: xla attention's query rows per block on each context shard (0 = all at once; see xla_attention).
   Decoding (jaxlm/generate.py) passes a KV cache as k, v (B, S, K, E) with its `kv_segment_ids` (B, S), and the
   cache slots of the queries, `order` (T,), and of the keys, `kv_order` (S,): the reference kernel then masks
   by slot (causal) and segment (unwritten slots and padding are 0), whatever the kernel configured.
+  `scores_cfg`: a window, soft-cap, sinks or scale (`Scores`); the first three only the xla kernel computes
+  (config.validate refuses cudnn and splash with them; auto then chooses xla).
   """
   if kv_segment_ids is not None:
     _log_once('attention over a KV cache: xla attention (the fused kernels take no cache)')
-    return _scores_attention(q, k, v, segment_ids, order, kv_segment_ids, kv_order)
+    return _scores_attention(q, k, v, segment_ids, order, kv_segment_ids, kv_order, scores_cfg)
   context = context_ways()
   kernel, why = select(impl, dtype=q.dtype, head_dim=q.shape[-1], seq_len=q.shape[1], context=context)
+  if kernel != 'xla' and scores_cfg.masked_only():
+    kernel, why = 'xla', f'attention={impl}: a window, soft-cap or sinks need the masks of xla attention'
   # A requested kernel that cannot run is worth a warning; auto's choice and plain xla are information.
   _log_once(why, level=logging.WARNING if impl not in ('auto', 'xla') and kernel != impl else logging.INFO)
   if kernel != 'xla':
     try:
-      return cudnn_attention(q, k, v, segment_ids) if kernel == 'cudnn' else splash_attention(q, k, v, segment_ids)
+      if kernel == 'cudnn':
+        return cudnn_attention(q, k, v, segment_ids, scale=scores_cfg.scale)
+      return splash_attention(q, k, v, segment_ids, scale=scores_cfg.scale)
     except (NotImplementedError, ValueError, RuntimeError) as e:  # raised while tracing: shape/version limits
       _log_once('%s attention refused these inputs (%s: %s); falling back to xla', kernel, type(e).__name__, e,
                 level=logging.WARNING)
@@ -350,5 +394,5 @@ def attention(q, k, v, segment_ids, impl: str = 'xla', block_q: int = 0, *, kv_s
     # key and value sequence: K heads of (S, E) each, one under multi-query attention. The backward pass
     # reduce-scatters their gradients. The mask's order is a constant: the step's zig-zag permutation.
     order = sharding.zigzag_order(q.shape[1], context)
-    return xla_attention(q, gather_sequence(k), gather_sequence(v), segment_ids, order, block_q, context)
-  return xla_attention(q, k, v, segment_ids, block_q=block_q)
+    return xla_attention(q, gather_sequence(k), gather_sequence(v), segment_ids, order, block_q, context, scores_cfg)
+  return xla_attention(q, k, v, segment_ids, block_q=block_q, scores_cfg=scores_cfg)

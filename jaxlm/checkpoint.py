@@ -8,12 +8,10 @@ and renames it only when complete; on a bucket (`gs://`), which has no atomic re
 and a commit marker last. Either way a partial save is never listed as a step, and its leftovers are cleared
 before that step is saved again. Every path operation goes through `jaxlm.data.storage`, local or bucket alike.
 
-Integrity: once a save is confirmed, process 0 writes `checksums.json` into the step directory (locally SHA-256 of
-every file; on a bucket the store's own hash of each object, from one listing); a restore verifies it first. Orbax 0.12's TensorStore specs checksum only the zarr3 shard index, not the
-chunk data, so flipped bytes inside an array file would otherwise restore silently. A checkpoint that fails
-the check, or cannot be read, is moved aside to `<directory>.unreadable/` (kept for inspection, never resumed
-from, and out of the way of the step number being saved again; copy then delete on a bucket) and the one before it
-is used.
+Integrity (integrity.py): once a save is confirmed, process 0 writes `checksums.json` into the step directory; a
+restore verifies it first. A checkpoint that fails the check, or cannot be read, is moved aside to
+`<directory>.unreadable/` (kept for inspection, never resumed from, and out of the way of the step number being
+saved again; copy then delete on a bucket) and the one before it is used.
 
 Async saves block the loop only for the device-to-host copy: Orbax writes, finalizes and renames in the
 background, and the checksums are hashed on a thread of their own. A save that comes due while the previous one is
@@ -47,6 +45,7 @@ EventFn = Callable[..., None]  # event(step, name, message, **fields), e.g. Metr
 
 
 from jaxlm.errors import CheckpointError, CheckpointMismatchError, ConfigError  # noqa: F401
+from jaxlm import integrity
 from jaxlm import metrics as metrics_lib
 from jaxlm.data import storage
 
@@ -68,32 +67,6 @@ def environment(cfg, mesh) -> dict:
           'git_commit': commit, 'mesh': dict(mesh.shape),
           'device_kind': jax.devices()[0].device_kind, 'device_count': jax.device_count(),
           'process_count': jax.process_count()}
-
-
-CHECKSUMS = 'checksums.json'
-
-
-def file_checksums(step_dir: str) -> tuple[str, dict[str, str]]:
-  """(algorithm, {relative path: hash}) of every file under a step directory but checksums.json itself."""
-  return storage.hashes(step_dir, skip=(CHECKSUMS,))
-
-
-def verify_checksums(step_dir: str) -> str | None:
-  """None if every file matches its recorded checksum (or none were recorded); else what is wrong."""
-  path = storage.join(step_dir, CHECKSUMS)
-  if not storage.exists(path):
-    return None
-  recorded = storage.read_json(path)
-  algorithm, got = file_checksums(step_dir)
-  if algorithm not in recorded:  # copied between a disk and a bucket: the hashes are of another kind
-    return None
-  want = recorded[algorithm]
-  bad = sorted(k for k in want if got.get(k) != want[k])
-  if bad:
-    missing = [k for k in bad if k not in got]
-    return (f'{len(bad)} file(s) differ from the checksums written at save time'
-            + (f' ({len(missing)} missing)' if missing else '') + f', e.g. {bad[0]}')
-  return None
 
 
 class _WriterErrors(py_logging.Filter):
@@ -160,41 +133,6 @@ def _without_absent_empty_fields(target, state_dir: str):
     return target, lambda state: state
   present = {f: getattr(target, f) for f in fields if f not in absent}
   return present, lambda state: target.replace(**state, **{f: getattr(target, f) for f in absent})
-
-
-class _Misfit(Exception):
-  """A readable checkpoint that does not fit this run's state: refused, never moved aside."""
-
-
-def _leaf_name(key) -> str:
-  return str(getattr(key, 'key', getattr(key, 'name', getattr(key, 'idx', key))))
-
-
-def misfit(step_dir: str, target, identity: dict | None) -> str | None:
-  """How the checkpoint in `step_dir` does not fit the state `target` (optimizer, shapes, dtypes), or None.
-
-  Read from the saved optimizer identity (`environment`) and the state's metadata, before any array is restored;
-  an unreadable checkpoint raises (it is corrupt, not a misfit). Layout (mesh, shardings) never misfits.
-  """
-  env_file = storage.join(step_dir, 'env', 'metadata')
-  saved_env = storage.read_json(env_file) if storage.isfile(env_file) else {}
-  saved_id = saved_env.get('optimizer') or {'name': saved_env.get('config', {}).get('optim', {}).get('name')}
-  if identity and saved_id.get('name') and any(saved_id.get(k, v) != v for k, v in identity.items()):
-    show = lambda i: f"optim.name={i.get('name')}" + (', optim.ema on' if i.get('ema') else '')
-    return f'it was written by {show(saved_id)}, this run has {show(identity)}'
-  tree = ocp.StandardCheckpointHandler().metadata(epath.Path(storage.join(step_dir, 'state')))
-  flat = lambda t: {'.'.join(map(_leaf_name, k)): (tuple(v.shape), np.dtype(v.dtype).name)
-                    for k, v in jax.tree_util.tree_flatten_with_path(t)[0]}
-  saved, want = flat(tree), flat(target)
-  for name in sorted(set(saved) | set(want), key=lambda n: (not n.startswith('params.'), n)):  # params first
-    if name not in want:
-      return f'it holds {name}, which this run\'s state has not (another optimizer or model config?)'
-    if name not in saved:
-      return f'it lacks {name}, which this run\'s state has (another optimizer or model config?)'
-    if saved[name] != want[name]:
-      (s_shape, s_dtype), (w_shape, w_dtype) = saved[name], want[name]
-      return f'{name} is {s_shape} {s_dtype} in it but {w_shape} {w_dtype} in this run'
-  return None
 
 
 def with_shardings(abstract_tree, shardings):
@@ -378,8 +316,8 @@ class Checkpointer:
     """Runs beside training: hashes the confirmed step's files and writes checksums.json atomically."""
     step_dir = storage.join(self.directory, str(step))
     try:
-      algorithm, sums = file_checksums(step_dir)
-      storage.write_json(storage.join(step_dir, CHECKSUMS), {algorithm: sums, 'written': time.time()})
+      algorithm, sums = integrity.file_checksums(step_dir)
+      storage.write_json(storage.join(step_dir, integrity.CHECKSUMS), {algorithm: sums, 'written': time.time()})
     except OSError as e:  # deleted meanwhile (keep policy, rollback) or disk full: the step stays unverified
       logging.warning('checksums of checkpoint %d not written: %s', step, e)
 
@@ -442,9 +380,13 @@ class Checkpointer:
     newest = self._newest_step()
     resume = (f'a rerun resumes from step {newest}, the newest good checkpoint' if newest is not None
               else 'no checkpoint was written, so a rerun starts from step 0')
+    bucket = storage.is_url(self.directory)  # no free space to report: a refused write is quota or permissions
+    why = cause if bucket else f'{cause}; {free_text} free'
+    fix = ("the bucket's quota or write permission, or use another --workdir" if bucket
+           else 'free space or use a writable --workdir')
     return CheckpointError(metrics_lib.fit_line(
-        f'checkpoint of step {step} was not written to {{path}} ({cause}; {free_text} free) and {resume}; fix: '
-        f'free space or use a writable --workdir, then rerun the same command', self.directory))
+        f'checkpoint of step {step} was not written to {{path}} ({why}) and {resume}; fix: {fix}, then rerun the '
+        f'same command', self.directory))
 
   def _newest_step(self) -> int | None:
     """The newest finalized step on storage (a failed save is never listed)."""
@@ -479,17 +421,17 @@ class Checkpointer:
         continue
       step_dir = storage.join(self.directory, str(step))
       try:
-        if problem := verify_checksums(step_dir):
+        if problem := integrity.verify_checksums(step_dir):
           raise CheckpointError(problem)
-        if problem := misfit(step_dir, target, identity):
-          raise _Misfit(problem)
+        if problem := integrity.misfit(step_dir, target, identity):
+          raise integrity.Misfit(problem)
         state_target, rebuild = _without_absent_empty_fields(target, storage.join(step_dir, 'state'))
         items = dict(state=ocp.args.StandardRestore(state_target))
         if storage.isdir(storage.join(step_dir, 'guard')):  # absent in checkpoints older than the guard item
           items['guard'] = ocp.args.JsonRestore()
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         data_state = self._read_data(step_dir) if data_iter is not None else None
-      except _Misfit as e:
+      except integrity.Misfit as e:
         raise self._misfit_error(step, str(e), 'it is intact and left in place') from None
       except Exception as e:  # pylint: disable=broad-except  -- corrupt: fall back to an older step
         unreadable += 1
@@ -519,7 +461,8 @@ class Checkpointer:
       return
     step = max(steps)
     try:
-      problem = misfit(storage.join(self.directory, str(step)), with_shardings(abstract_state, shardings), identity)
+      problem = integrity.misfit(storage.join(self.directory, str(step)), with_shardings(abstract_state, shardings),
+                                 identity)
     except Exception:  # pylint: disable=broad-except  -- unreadable: restore decides what it is
       return
     if problem:
@@ -593,7 +536,19 @@ class Checkpointer:
       self._join_hashing()
     finally:
       self._hasher.shutdown(wait=True)
+      self._close_manager()
+
+  def _close_manager(self) -> None:
+    try:
       self.manager.close()
+    except Exception as e:  # pylint: disable=broad-except
+      # Orbax re-raises, when it closes, a background write that failed (a step's _CHECKPOINT_METADATA on a bucket
+      # refusing writes). A save already counted as failed says so in the run's last line (`unsaved_error`); one
+      # not confirmed otherwise becomes that line too: a failed save is never a traceback, never a quiet exit 0.
+      logging.warning('closing the checkpoint manager: %s: %s', type(e).__name__, e)
+      step = self.timings[-1]['step'] if self.timings else None
+      if self.unsaved is None and step is not None and step != self.last_good:
+        self.unsaved = (step, metrics_lib.short_cause(e), 'unknown')
 
 
 def load_params(path: str, abstract_params, shardings, weights: str = 'raw', fill=None):

@@ -194,6 +194,9 @@ def _preference_errors(c) -> list[str]:
   objective = c.train.get('objective', 'lm')
   if objective not in step_lib.OBJECTIVES:
     return [f'train.objective={objective!r} is unknown; use one of {", ".join(step_lib.OBJECTIVES)}.']
+  if objective == 'distill':  # its section is checked beside the loss (jaxlm/distill.py)
+    from jaxlm import distill  # pylint: disable=import-outside-toplevel
+    return distill.config_errors(c)
   if objective != 'preference':
     return []
   r, e = c.get('preference'), []
@@ -384,7 +387,7 @@ def _mesh_errors(c, num_devices: int, num_processes: int, num_slices: int) -> li
     return layout
   shape = sharding.MeshShape.resolve(c.mesh, num_devices)
   data, fsdp, tensor, context = (shape.size(a) for a in ('data', 'fsdp', 'tensor', 'context'))
-  e = _pipeline_errors(c, shape.stages, data * fsdp)
+  e = _pipeline_errors(c, shape.stages, data * fsdp) + model.block_errors(c.model, context, shape.stages)
   if context > 1 and c.data.seq_len > 0 and c.data.seq_len % (2 * context):
     e.append(f'data.seq_len={c.data.seq_len} is not divisible by 2 × mesh.context = 2×{context}: context '
              f'parallelism cuts each sequence into 2·context chunks (the load-balanced zig-zag order); use a '

@@ -143,7 +143,7 @@ def cache_shardings(cache_shapes, mesh):
   def one(path, x):
     name = path[-1].key
     logical = {'key': ('act_batch', None, 'act_kv_heads', 'act_kv'), 'value': ('act_batch', None, 'act_kv_heads',
-               'act_kv'), 'segment_ids': ('act_batch', None), 'index': ()}[name]
+               'act_kv'), 'segment_ids': ('act_batch', None), 'index': (), 'slots': (None,)}[name]
     logical = (None,) * (x.ndim - len(logical)) + logical  # the scanned stack's leading layer axis
     axes = nn.logical_to_mesh_axes(logical, sharding.rules(mesh))
     axes = [a if size % sharding.ways(mesh, a) == 0 else None for a, size in zip(axes, x.shape)]

@@ -23,13 +23,15 @@ from jaxlm import attention as attention_lib
 from jaxlm import lora as lora_lib
 from jaxlm import moe as moe_lib
 from jaxlm import pipeline as pipeline_lib
+from jaxlm.blocks import (MLP_ACTIVATIONS, NORM_PLACEMENTS, AttentionConfig, MlpConfig,  # noqa: F401
+                          NormsConfig, block_errors, is_local, ring_cached_attention, scores_config)
+from jaxlm.rope import ROPE_SCALINGS, layer_frequencies, rope, rope_frequencies  # noqa: F401  (callers' names)
 
 
 DTYPES = ('bfloat16', 'float32', 'float16')  # model.dtype and model.param_dtype
 MATMUL_DTYPES = ('dtype', 'fp8')  # model.matmul_dtype: the projections in model.dtype, or in fp8 (`project`)
 # Flax's collection for fp8 scales and amax histories: their "gradient" is their next value (step.py).
 FP8 = fp8_ops.OVERWRITE_WITH_GRADIENT
-ROPE_SCALINGS = ('none', 'linear', 'llama3', 'yarn')  # model.rope_scaling
 QK_NORMS = ('none', 'head', 'full')  # model.qk_norm (QKNorm)
 
 
@@ -41,31 +43,6 @@ def head_dim(model_cfg) -> int:
 def mlp_dim(model_cfg) -> int:
   """F: the configured SwiGLU width, or 4 * D as in PaLM."""
   return model_cfg.mlp_dim or 4 * model_cfg.d_model
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionConfig:
-  """model.attention (the kernel), attention_block_q and qk_norm: how a layer's attention runs."""
-  kernel: str = 'xla'  # model.attention: attention.py's kernel choice
-  block_q: int = 0  # model.attention_block_q: query rows per block (0 = all at once)
-  qk_norm: str = 'none'  # see QKNorm
-
-  @classmethod
-  def from_config(cls, model_cfg) -> 'AttentionConfig':
-    """From cfg.model's flat keys (a key a saved config lacks: its default)."""
-    return cls(kernel=model_cfg.get('attention', cls.kernel), block_q=model_cfg.get('attention_block_q', cls.block_q),
-               qk_norm=model_cfg.get('qk_norm', cls.qk_norm))
-
-
-@dataclasses.dataclass(frozen=True)
-class NormsConfig:
-  """model.norm_eps: the layer norms (`Norm`, `QKNorm`); which norm a block uses follows model.parallel_block."""
-  eps: float = 1e-6
-
-  @classmethod
-  def from_config(cls, model_cfg) -> 'NormsConfig':
-    """From cfg.model's flat keys (a key a saved config lacks: its default)."""
-    return cls(eps=model_cfg.get('norm_eps', cls.eps))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,9 +75,12 @@ class ModelConfig:
   scan_layers: bool = True
   explicit_transpose_grads: bool = False
   matmul_dtype: str = 'dtype'
+  embed_scale: bool = False  # model.embed_scale: the looked-up embeddings times sqrt(D) (Gemma)
+  final_softcap: float = 0.0  # model.final_softcap: logits -> cap·tanh(logits / cap) (Gemma 2); 0 = off
   # Each feature's keys in its own small frozen config; cfg.model keeps them flat (`from_config` maps them).
   attention: AttentionConfig = AttentionConfig()  # model.attention, attention_block_q, qk_norm
-  norms: NormsConfig = NormsConfig()  # model.norm_eps
+  norms: NormsConfig = NormsConfig()  # model.norm_eps, norm_placement, norm_offset
+  mlp: MlpConfig = MlpConfig()  # model.mlp_activation
   moe: moe_lib.MoeConfig = moe_lib.MoeConfig()  # model.moe_*: read only when moe.experts > 0 (jaxlm/moe.py)
   lora: lora_lib.LoraConfig = lora_lib.LoraConfig()  # model.lora: read where a projection is made (`project`)
 
@@ -108,11 +88,12 @@ class ModelConfig:
   def from_config(cls, model_cfg) -> 'ModelConfig':
     """Builds the frozen config from `cfg.model`, filling the derived sizes (head_dim, mlp_dim, moe.mlp_dim)."""
     # .get: a config saved before a key existed (an old checkpoint's) means that key's default.
-    nested = {'attention', 'norms', 'moe', 'lora'}
+    nested = {'attention', 'norms', 'mlp', 'moe', 'lora'}
     fields = {f.name: model_cfg.get(f.name, f.default) for f in dataclasses.fields(cls) if f.name not in nested}
     fields.update(head_dim=head_dim(model_cfg), mlp_dim=mlp_dim(model_cfg))
     moe = moe_lib.MoeConfig.from_config(model_cfg)
     fields.update(attention=AttentionConfig.from_config(model_cfg), norms=NormsConfig.from_config(model_cfg),
+                  mlp=MlpConfig.from_config(model_cfg),
                   moe=dataclasses.replace(moe, mlp_dim=moe.mlp_dim or fields['mlp_dim']),
                   lora=lora_lib.LoraConfig.from_config(model_cfg.get('lora')))
     return cls(**fields)
@@ -147,7 +128,9 @@ def param_count(m: ModelConfig, active: bool = False) -> int:
   routed = m.moe.top_k if active else m.moe.experts
   moe = (D + 1) * m.moe.experts + 3 * D * m.moe.mlp_dim * (routed + m.moe.shared_experts)  # router + bias, experts
   moe_layers = sum(is_moe(m, i) for i in range(L))
-  norms = D if m.parallel_block else 2 * D  # one shared LayerNorm vs pre-attention and pre-MLP RMSNorms
+  # one shared LayerNorm vs two RMSNorms per layer (pre or post), four when they sandwich the sublayers
+  norms = D if m.parallel_block else (4 if m.norms.placement == 'sandwich' else 2) * D
+  attention += H if m.attention.sinks else 0
   embeddings = V * D * (1 if m.tie_embeddings else 2)
   base = L * (attention + norms) + (L - moe_layers) * mlp + moe_layers * moe + D + embeddings  # + final norm
   return base + lora_param_count(m)
@@ -195,13 +178,24 @@ class Norm(nn.Module):
 
   @nn.compact
   def __call__(self, x):  # (B, T, D)
-    scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, ('embed',)),
+    scale = self.param('scale', nn.with_logical_partitioning(_scale_init(self.config), ('embed',)),
                        (self.config.d_model,), storage_dtype(self.config))
     x32 = x.astype(jnp.float32)
     if not self.rms:
       x32 = x32 - x32.mean(-1, keepdims=True)
     x32 = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.config.norms.eps)
-    return (x32 * scale).astype(self.config.dtype)
+    return (x32 * _scale(scale, self.config)).astype(self.config.dtype)
+
+
+def _scale_init(m: ModelConfig):
+  """A norm scale's init: ones, or zeros under model.norm_offset, whose scale is 1 + w (so 1 either way)."""
+  return nn.initializers.zeros if m.norms.offset else nn.initializers.ones
+
+
+def _scale(w, m: ModelConfig):
+  """A norm's multiplier in float32: w, or 1 + w under model.norm_offset (Gemma, which adds in float32)."""
+  w = w.astype(jnp.float32)
+  return 1.0 + w if m.norms.offset else w
 
 
 class QKNorm(nn.Module):
@@ -218,70 +212,10 @@ class QKNorm(nn.Module):
     m = self.config
     whole = m.attention.qk_norm == 'full'
     shape, names = ((x.shape[2], x.shape[3]), (self.heads, 'kv')) if whole else ((x.shape[3],), ('kv',))
-    scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, names), shape,
-                       storage_dtype(m))
+    scale = self.param('scale', nn.with_logical_partitioning(_scale_init(m), names), shape, storage_dtype(m))
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt((x32 * x32).mean((-2, -1) if whole else -1, keepdims=True) + m.norms.eps)
-    return (x32 * scale).astype(x.dtype)
-
-
-def rope_frequencies(m: ModelConfig) -> tuple[np.ndarray, float]:
-  """RoPE's inverse frequencies (E/2,) and the cos/sin scale under `m.rope_scaling`, from the shape alone.
-
-  none    θ^(-2i/E), PaLM/Llama's rotary embeddings (Su et al. 2021).
-  linear  position interpolation (Chen et al. 2023): every frequency divided by `rope_factor`.
-  llama3  Llama 3.1: wavelengths longer than original_max_positions / low_freq_factor divided by `rope_factor`,
-          shorter than original_max_positions / high_freq_factor kept, a smooth blend between.
-  yarn    YaRN (Peng et al. 2023): per-frequency blend of interpolation and extrapolation with a linear ramp over
-          the dimensions that turn between beta_fast and beta_slow times within original_max_positions, and
-          cos/sin scaled by `rope_attention_factor` (0: 0.1·ln(factor) + 1, the paper's).
-  The same formulas as transformers' ROPE_INIT_FUNCTIONS (tests compare them), in float64 then rounded once.
-  """
-  E, theta, factor = m.head_dim, m.rope_theta, m.rope_factor
-  inv_freq = 1.0 / theta ** (np.arange(0, E, 2, dtype=np.float64) / E)  # (E/2,)
-  scale = 1.0
-  if m.rope_scaling == 'linear':
-    inv_freq = inv_freq / factor
-  elif m.rope_scaling == 'llama3':
-    original = m.rope_original_max_positions
-    wavelen = 2 * math.pi / inv_freq
-    low_wavelen, high_wavelen = original / m.rope_low_freq_factor, original / m.rope_high_freq_factor
-    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (original / wavelen - m.rope_low_freq_factor) / (m.rope_high_freq_factor - m.rope_low_freq_factor)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    inv_freq = np.where(medium, blended, scaled)
-  elif m.rope_scaling == 'yarn':
-    def dim_of(rotations):  # the dimension that turns `rotations` times over the original context
-      return E * math.log(m.rope_original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-    low, high = dim_of(m.rope_beta_fast), dim_of(m.rope_beta_slow)
-    if m.rope_truncate:
-      low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, E - 1)
-    ramp = np.clip((np.arange(E // 2) - low) / ((high - low) or 0.001), 0, 1)  # 0: extrapolate, 1: interpolate
-    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
-    scale = m.rope_attention_factor or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
-  return inv_freq.astype(np.float32), float(scale)
-
-
-def rope(x, positions, theta: float, frequencies: tuple[np.ndarray, float] | None = None):
-  """Rotary embeddings, half-split layout (GPT-NeoX/Llama): dims [0, E/2) pair with [E/2, E).
-
-  x: (B, T, N, E) for N heads; positions: (B, T). Angles in float32: bf16 positions lose integer precision
-  past 256. `frequencies`: (inverse frequencies, cos/sin scale) of a scaled RoPE (`rope_frequencies`); None is
-  plain RoPE with base `theta`.
-  """
-  E = x.shape[-1]
-  if frequencies is None:
-    inv_freq, scale = theta ** (-jnp.arange(0, E, 2, dtype=jnp.float32) / E), 1.0  # (E/2,)
-  else:
-    inv_freq, scale = jnp.asarray(frequencies[0]), frequencies[1]
-  angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # (B, T, 1, E/2)
-  sin, cos = jnp.sin(angles), jnp.cos(angles)
-  if scale != 1.0:  # YaRN's attention factor: scales q and k alike, so the logits by its square
-    sin, cos = sin * scale, cos * scale
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return (x32 * _scale(scale, m)).astype(x.dtype)
 
 
 @jax.custom_vjp
@@ -382,11 +316,14 @@ def tokens(x):
 
 
 class Attention(nn.Module):
-  """Multi-query / grouped-query self-attention with rotary positions, no biases."""
+  """Multi-query / grouped-query self-attention with rotary positions, no biases; `local`: a sliding-window
+  layer (model.attention_window), a bool or, for scanned layers, a traced one. `static_local`: known to be local
+  when the model is built (unrolled layers, or all of them local): its decoding cache is then a ring buffer."""
   config: ModelConfig
+  static_local: bool | None = None
 
   @nn.compact
-  def __call__(self, x, segment_ids, positions):  # x: (B, T, D)
+  def __call__(self, x, segment_ids, positions, local=False):  # x: (B, T, D)
     m = self.config
     D, H, K, E = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim
     wq = _param(self, 'query', ('embed', 'heads', 'kv'), (D, H, E), D ** -0.5, m)
@@ -408,20 +345,28 @@ class Attention(nn.Module):
     q = nn.with_logical_constraint(q, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
     if m.attention.qk_norm != 'none':
       q, k = QKNorm(m, 'heads', name='query_norm')(q), QKNorm(m, 'kv_heads', name='key_norm')(k)
-    # Plain RoPE keeps its float32 formula; a scaled one takes its precomputed frequencies.
-    frequencies = None if m.rope_scaling == 'none' else rope_frequencies(m)
+    # Plain RoPE keeps its float32 formula; a scaled one (or a local layer's own base) its precomputed frequencies.
+    frequencies = layer_frequencies(m, local)
     q, k = rope(q, positions, m.rope_theta, frequencies), rope(k, positions, m.rope_theta, frequencies)
-    if self.is_mutable_collection('cache'):  # decoding (jaxlm/generate.py): attend over the KV cache
-      out = self.cached_attention(q, k, v, segment_ids)
+    sinks = None
+    if m.attention.sinks:  # zeros: at init each sink weighs like one key whose score is 0
+      sinks = self.param('sinks', nn.with_logical_partitioning(nn.initializers.zeros, ('heads',)), (H,),
+                         storage_dtype(m))
+    scores = scores_config(m, local, sinks)
+    if self.is_mutable_collection('cache') and self.static_local and m.attention.window:  # W slots, not S
+      out = ring_cached_attention(self, q, k, v, segment_ids, m.attention.window, scores)
+    elif self.is_mutable_collection('cache'):  # decoding (jaxlm/generate.py): attend over the KV cache
+      out = self.cached_attention(q, k, v, segment_ids, scores)
     else:
-      out = attention_lib.attention(q, k, v, segment_ids, m.attention.kernel, m.attention.block_q)  # (B, T, H, E)
+      out = attention_lib.attention(q, k, v, segment_ids, m.attention.kernel, m.attention.block_q,
+                                    scores_cfg=scores)  # (B, T, H, E)
     out = nn.with_logical_constraint(out, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
     # Named so the `attn_out` remat policy can keep it instead of recomputing the whole attention.
     out = checkpoint_name(out, 'attn_out')
     return project(out.reshape(B * T, H * E), wo.astype(dt).reshape(H * E, D), 'out', m,
                    lora['out']).reshape(B, T, D)
 
-  def cached_attention(self, q, k, v, segment_ids):
+  def cached_attention(self, q, k, v, segment_ids, scores=attention_lib.PLAIN):
     """q (B, T, H, E) over this layer's KV cache after writing k, v (B, T, K, E) at its next T slots.
 
     The cache holds only the K key/value heads (one under multi-query attention), sized (B, S, K, E) by the call
@@ -440,11 +385,12 @@ class Attention(nn.Module):
     index.value = i + T
     S = key.value.shape[1]
     return attention_lib.attention(q, key.value, value.value, segment_ids, kv_segment_ids=segments.value,
-                                   order=i + jnp.arange(T), kv_order=jnp.arange(S))
+                                   order=i + jnp.arange(T), kv_order=jnp.arange(S), scores_cfg=scores)
 
 
 class SwiGLU(nn.Module):
-  """MLP: down(silu(gate(x)) * up(x)) (Shazeer 2020, used by PaLM), no biases."""
+  """MLP: down(silu(gate(x)) * up(x)) (Shazeer 2020, used by PaLM), no biases; with model.mlp_activation=geglu
+  down(gelu(gate(x)) * up(x)), gelu tanh-approximated as Gemma's (transformers' gelu_pytorch_tanh)."""
   config: ModelConfig
 
   @nn.compact
@@ -461,8 +407,9 @@ class SwiGLU(nn.Module):
         ('down', ((F, 'mlp'),), ((D, 'embed'),)))}
     B, T, _ = x.shape
     x = tokens(x)  # (N, D)
-    h = swiglu(project(x, w_gate.astype(dt), 'gate', m, lora['gate']),
-               project(x, w_up.astype(dt), 'up', m, lora['up']))  # (N, F)
+    gate = swiglu if m.mlp.activation == 'swiglu' else lambda g, u: jax.nn.gelu(g, approximate=True) * u
+    h = gate(project(x, w_gate.astype(dt), 'gate', m, lora['gate']),
+             project(x, w_up.astype(dt), 'up', m, lora['up']))  # (N, F)
     h = nn.with_logical_constraint(h.reshape(B, T, F), ('act_batch', 'act_seq', 'act_mlp'))
     return project(tokens(h), w_down.astype(dt), 'down', m, lora['down']).reshape(B, T, D)
 
@@ -528,10 +475,12 @@ class Block(nn.Module):
   config: ModelConfig
   deterministic: bool = True
   moe: bool = False  # the MLP is a mixture of experts (jaxlm/moe.py)
+  local: bool | None = None  # a local layer, known when the model is built (Attention.static_local)
 
   @nn.compact
-  def __call__(self, x, segment_ids, positions):  # x: (B, T, D)
+  def __call__(self, x, segment_ids, positions, local=False):  # x: (B, T, D); local: see Attention
     m = self.config
+    local = local if self.local is None else self.local
     drop = nn.Dropout(m.dropout_rate, deterministic=self.deterministic)
     if self.moe:  # routed per token; padding (segment id 0) goes to no expert
       mlp = lambda h: moe_mlp(m, name='moe')(h, segment_ids)  # noqa: E731
@@ -544,15 +493,24 @@ class Block(nn.Module):
     if m.parallel_block:
       # PaLM: y = x + Attn(LN(x)) + MLP(LN(x)); the two input matmuls can fuse (PaLM reports it faster at scale).
       h = gathered(Norm(m, rms=False, name='norm')(x))
-      attn, out = Attention(m, name='attention')(h, segment_ids, positions), mlp(h)
+      attn, out = Attention(m, self.local, name='attention')(h, segment_ids, positions, local), mlp(h)
       x = x + drop(to_residual(attn)) + drop(to_residual(out))
     else:
-      h = gathered(Norm(m, rms=True, name='attn_norm')(x))
-      x = x + drop(to_residual(Attention(m, name='attention')(h, segment_ids, positions)))
+      attention = lambda h: Attention(m, self.local, name='attention')(h, segment_ids, positions, local)  # noqa: E731
+      x = x + drop(self.sublayer('attn', attention, x))
       x = nn.with_logical_constraint(x, RESIDUAL)
-      x = x + drop(to_residual(mlp(gathered(Norm(m, rms=True, name='mlp_norm')(x)))))
+      x = x + drop(self.sublayer('mlp', mlp, x))
     x = nn.with_logical_constraint(x, RESIDUAL)
     return x, None  # (carry, output) as nn.scan wants
+
+  def sublayer(self, name: str, fn, x):
+    """The sequential block's sublayer `fn` on the residual x, normed as model.norm_placement says (NormsConfig):
+    its input by `<name>_norm` (pre, sandwich), its output by `<name>_post_norm` (sandwich, post)."""
+    m = self.config
+    placement = m.norms.placement
+    h = x if placement == 'post' else Norm(m, rms=True, name=f'{name}_norm')(x)
+    y = to_residual(fn(gathered(h)))
+    return y if placement == 'pre' else Norm(m, rms=True, name=f'{name}_post_norm')(y)
 
 
 class Group(nn.Module):
@@ -561,10 +519,11 @@ class Group(nn.Module):
   deterministic: bool = True
 
   @nn.compact
-  def __call__(self, x, segment_ids, positions):
+  def __call__(self, x, segment_ids, positions, local):  # local: (moe_every,) bools, one per block
     m = self.config
     for j in range(m.moe.every):
-      x, _ = Block(m, self.deterministic, moe=j == m.moe.every - 1, name=f'block_{j}')(x, segment_ids, positions)
+      x, _ = Block(m, self.deterministic, moe=j == m.moe.every - 1, name=f'block_{j}')(x, segment_ids, positions,
+                                                                                      local[j])
     return x, None
 
 
@@ -599,6 +558,8 @@ class Decoder(nn.Module):
     # stream's sequence split (an all-to-all over tensor).
     table = nn.with_logical_constraint(embedding, (None, 'act_table_embed'))
     x = jnp.take(table, inputs, axis=0).astype(m.dtype)  # (B, T, D)
+    if m.embed_scale:  # Gemma: its N(0, 1/D)-scale table brought to unit scale, in the compute dtype as Gemma does
+      x = x * jnp.asarray(math.sqrt(D), m.dtype)
     x = nn.with_logical_constraint(x, RESIDUAL)
 
     # The scanned unit: one layer, or with MoE every n-th layer a group of n (jaxlm/moe.py); the stack's
@@ -611,6 +572,10 @@ class Decoder(nn.Module):
     else:
       unit, units = Block, m.num_layers - first
     fields = {'moe': True} if unit is Block and m.moe.experts else {}
+    # Which layers are local (sliding window), scanned alongside the parameters: one stack holds both kinds.
+    local = np.array([is_local(m, i) for i in range(m.num_layers)])
+    if unit is Block and local.all():  # every layer local: each knows it when built (its decode cache a ring)
+      fields['local'] = True
     block = Block
     if m.remat != 'none':
       block = nn.remat(Block, policy=REMAT_POLICIES[m.remat], prevent_cse=not m.scan_layers)
@@ -618,7 +583,8 @@ class Decoder(nn.Module):
     if self.pipeline is not None and not self.is_initializing():
       def layer(p, h, seg, pos, rng):  # one Block on one microbatch, with one layer's parameters
         rngs = {} if rng is None else {'dropout': rng}
-        return Block(m, deterministic).apply({'params': p}, h, seg, pos, rngs=rngs)[0]
+        # config.validate lets a pipeline run only layers that are all local or all global.
+        return Block(m, deterministic).apply({'params': p}, h, seg, pos, bool(local[0]), rngs=rngs)[0]
       rng = None if deterministic else self.make_rng('dropout')
       policy = REMAT_POLICIES.get(m.remat)
       x = pipeline_lib.run(layer, self.variables['params']['layers'], x, segment_ids, positions, rng,
@@ -628,15 +594,24 @@ class Decoder(nn.Module):
       # One compiled layer body applied L times; parameters get a leading `layers` axis.
       scan = functools.partial(nn.scan, variable_axes={'params': 0, FP8: 0, moe_lib.STATS: 0, 'cache': 0},
                                split_rngs={'params': True, 'dropout': True},
-                               in_axes=(nn.broadcast, nn.broadcast),
+                               in_axes=(nn.broadcast, nn.broadcast, 0),
                                metadata_params={nn.PARTITION_NAME: 'layers'})
       if first:
-        x, _ = scan(block, length=first)(m, deterministic, name='dense_layers')(x, segment_ids, positions)
-      x, _ = scan(unit, length=units)(m, deterministic, name='layers', **fields)(x, segment_ids, positions)
+        x, _ = scan(block, length=first)(m, deterministic, name='dense_layers')(x, segment_ids, positions,
+                                                                             local[:first])
+      rest = local[first:].reshape(units, -1) if unit is not Block else local[first:]  # (units, moe_every)
+      x, _ = scan(unit, length=units)(m, deterministic, name='layers', **fields)(x, segment_ids, positions, rest)
     else:
       for i in range(m.num_layers):
-        x, _ = block(m, deterministic, moe=is_moe(m, i), name=f'layers_{i}')(x, segment_ids, positions)
+        x, _ = block(m, deterministic, moe=is_moe(m, i), local=bool(local[i]), name=f'layers_{i}')(
+            x, segment_ids, positions, bool(local[i]))
 
+    return self.head(x, embedding)
+
+  def head(self, x, embedding):
+    """The final norm and the output projection: (B, T, D) -> logits (B, T, V), soft-capped if configured."""
+    m = self.config
+    D, V = m.d_model, m.vocab_size
     x = gathered(Norm(m, rms=not m.parallel_block, name='final_norm')(x))
     B, T, _ = x.shape
     if m.tie_embeddings:
@@ -646,6 +621,8 @@ class Decoder(nn.Module):
     else:
       unembed = _param(self, 'unembed', ('embed', 'vocab'), (D, V), D ** -0.5, m)
       logits = dense(tokens(x), unembed.astype(m.dtype), m.explicit_transpose_grads)
+    if m.final_softcap:  # Gemma 2: logits bounded to (-cap, cap), in float32
+      logits = (m.final_softcap * jnp.tanh(logits.astype(jnp.float32) / m.final_softcap)).astype(logits.dtype)
     return nn.with_logical_constraint(logits.reshape(B, T, V), ('act_batch', 'act_seq', 'act_vocab'))
 
 

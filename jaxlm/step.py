@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxlm import distill as distill_lib
 from jaxlm import lora as lora_lib
 from jaxlm import model as model_lib
 from jaxlm import moe as moe_lib
@@ -23,7 +24,8 @@ from jaxlm import pipeline as pipeline_lib
 from jaxlm import preference as preference_lib
 from jaxlm import sharding
 
-OBJECTIVES = ('lm', 'preference')  # train.objective: next-token cross-entropy, or a preference loss (preference.py)
+# train.objective: next-token cross-entropy, a preference loss (preference.py), or a teacher's distribution (distill.py)
+OBJECTIVES = ('lm', 'preference', 'distill')
 
 
 @flax.struct.dataclass
@@ -73,7 +75,7 @@ class Program:
   score: Callable[[Any, dict], jax.Array] | None = None  # an objective's token log-probs (RL's reference)
   # train.objective=preference: (params, reference, batch) -> sums of the preference metrics over its pairs.
   preference_eval_step: Callable[[Any, Any, dict], dict] | None = None
-  batch_extra: tuple = ()  # batch keys beyond the LM's: ((name, dtype), ...), e.g. preference pairs
+  batch_extra: tuple = ()  # batch keys beyond the LM's: ((name, dtype[, trailing shape]), ...), e.g. preference pairs
   copy_reference: Callable[[Any], Any] | None = None  # reference=copy: params -> the frozen reference
 
 
@@ -91,6 +93,8 @@ def build_program(cfg, mesh, objective=None) -> Program:
     stages = dict(mesh.shape).get(sharding.STAGE, 1)
     pipeline = pipeline_lib.layout(cfg.pipeline, stages) if 'pipeline' in cfg else None
     kind = cfg.train.get('objective', 'lm')  # train.objective; `objective` is a loss object (RL)
+    if kind == 'distill':  # a loss over the batch's teacher keys (distill.py); the teacher stays outside the state
+      objective = distill_lib.DistillObjective.from_config(cfg.distill, cfg.model.z_loss)
     return _build(cfg.model, cfg.optim, steps=cfg.train.steps, seed=cfg.train.seed, mesh=mesh, pipeline=pipeline,
                   microbatches=cfg.train.microbatches, skip_nonfinite=cfg.stability.policy != 'off',
                   scale_updates=cfg.stability.policy == 'rollback' or bool(cfg.faults.lr_spike_steps),
@@ -132,6 +136,8 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
   copy = ref_kind == 'copy'
   batch_extra = ((('pairs', jnp.int32),) + ((('ref_logps', jnp.float32),) if ref_kind == 'cached' else ())
                  if preference else tuple((k, jnp.float32) for k in getattr(objective, 'batch_keys', ())))
+  if isinstance(objective, distill_lib.DistillObjective):
+    batch_extra = distill_lib.batch_keys(objective.top_k, m.vocab_size)
   abstract_params = jax.eval_shape(nn.unbox, boxed_variables['params'])
   state_shardings = _state_shardings(tx, optim_cfg, abstract_params, param_logical, boxed_variables, trainable,
                                      copy, mesh)
@@ -211,6 +217,8 @@ def _loss_fn(loss: _Loss, state, batch: dict, microbatches: int, scale, with_tra
     if loss.pref_cfg is not None:
       ref = reference_logps(model, loss.ref_kind, ref_params, mb)
       total, aux = preference_lib.loss(logits, mb, ref, loss.pref_cfg, num_pairs)
+    elif isinstance(loss.objective, distill_lib.DistillObjective):  # divided by the batch's weights, as the LM's
+      total, aux = loss.objective.loss(logits, mb, denominator)
     elif loss.objective is not None:  # its per-token weights are normalised over the whole batch on the host
       total, aux = loss.objective.loss(logits, mb)
     else:
@@ -296,7 +304,7 @@ def _eval_functions(loss: _Loss, state_shardings, batch_sharding, mesh) -> dict:
   params_s = state_shardings.params
   ref_shardings = state_shardings.reference if copy else None
   out = {'eval_step': _InContext(jax.jit(eval_step, in_shardings=(params_s, batch_sharding)), mesh),
-         'score': None if objective is None else _InContext(
+         'score': None if not hasattr(objective, 'logprobs') else _InContext(
              jax.jit(score, in_shardings=(params_s, batch_sharding)), mesh)}
   if pref_cfg is not None:
     out['preference_eval_step'] = _InContext(jax.jit(preference_eval_step, in_shardings=(
@@ -442,9 +450,10 @@ def group_norms(grads, scale=1.0) -> dict:
 
 def abstract_batch(batch_size: int, seq_len: int, batch_sharding, extra: tuple = ()) -> dict:
   """Shapes of one global batch, for compiling the step ahead of time; `extra`: Program.batch_extra."""
-  spec = lambda dtype: jax.ShapeDtypeStruct((batch_size, seq_len), dtype, sharding=batch_sharding)
+  spec = lambda dtype, trailing=(): jax.ShapeDtypeStruct((batch_size, seq_len, *trailing), dtype,  # noqa: E731
+                                                         sharding=batch_sharding)
   return dict(inputs=spec(jnp.int32), targets=spec(jnp.int32), segment_ids=spec(jnp.int32),
-              positions=spec(jnp.int32), weights=spec(jnp.float32), **{k: spec(d) for k, d in extra})
+              positions=spec(jnp.int32), weights=spec(jnp.float32), **{k: spec(*rest) for k, *rest in extra})
 
 
 def global_batch(local: dict, batch_sharding) -> dict:
@@ -460,9 +469,10 @@ def global_batch(local: dict, batch_sharding) -> dict:
   order = sharding.zigzag_order(seq_len, context) if context > 1 else None
   # Whole rows from each process (its share of them, sharding.row_share): with the sequence or the model split
   # across hosts, each device takes its own part of the rows its process read.
-  shape = (rows * sharding.row_share(batch_sharding)[1], seq_len)
+  shape = (rows * sharding.row_share(batch_sharding)[1], seq_len)  # and a key's own trailing axes (teacher top-K)
   return {k: jax.make_array_from_process_local_data(
-      batch_sharding, np.asarray(v) if order is None else np.asarray(v)[:, order], shape) for k, v in local.items()}
+      batch_sharding, np.asarray(v) if order is None else np.asarray(v)[:, order], shape + np.shape(v)[2:])
+      for k, v in local.items()}
 
 
 def evaluate_preference(program: Program, params, reference, batches: list[dict]) -> dict:

@@ -26,6 +26,7 @@ from jaxlm import checkpoint as checkpoint_lib
 from jaxlm import cli
 from jaxlm import config as config_lib
 from jaxlm.data import pipeline as data_lib
+from jaxlm import distill as distill_lib
 from jaxlm import distributed
 from jaxlm import errors
 from jaxlm import faults as faults_lib
@@ -152,6 +153,11 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack, source=None, device
   ramp = config_lib.BatchRamp(t, cfg.data.seq_len)
   faults = faults_lib.Faults(cfg.faults, cfg.model.vocab_size, log.event)
   source, eval_data = open_data(cfg, program, ramp, faults, source, acct, shutdown)
+  if t.get('objective') == 'distill' and not cfg.distill.cached:  # the frozen teacher adds its keys to each batch
+    with acct.phase('teacher'):
+      source = distill_lib.teacher_source(cfg, source, mesh, program,
+                                          lambda rows: global_batch(rows, program.batch_sharding))
+    say(source.teacher.describe())
   ckpt = checkpoint_lib.Checkpointer(rundir.path(workdir, rundir.CHECKPOINTS), cfg.checkpoint, log.event)
   shutdown.callback(_quietly, ckpt.close)
   profiler = perf.Profiler(cfg.log, workdir, is_primary=primary)
@@ -240,7 +246,7 @@ def open_data(cfg, program, ramp, faults, source, acct, shutdown) -> tuple[Any, 
     with acct.phase('data'):
       train_iter = data_lib.make_train_iterator(cfg.data, batch_size=ramp.unit, seed=t.seed, vocab_size=vocab,
                                                 process_index=share, process_count=shares,
-                                                reference_logps=cached)
+                                                reference_logps=cached, teacher_cache=distill_lib.cached(cfg))
     if hasattr(train_iter, 'close'):
       shutdown.callback(_quietly, train_iter.close)  # stops Grain's worker processes (data.num_workers > 0)
     source = DataSource(train_iter, ramp, faults, program.batch_sharding)

@@ -165,22 +165,49 @@ QUOTA_EXCEEDED = json.dumps({'error': {'code': 403, 'message': 'The project exce
                                        'errors': [{'reason': 'quotaExceeded', 'domain': 'global'}]}}).encode()
 
 
+class Switch:
+  """While set, the proxy refuses writes: every one, or those of objects whose name holds `matching` (e.g. a step's
+  checkpoint directory): named in the request's URL (plain or URL-encoded), or in a multipart upload's JSON
+  metadata — never a log line that merely mentions the path."""
+
+  def __init__(self):
+    import threading  # pylint: disable=import-outside-toplevel
+    self._on = threading.Event()
+    self.matching = None
+
+  def set(self, matching: str | None = None) -> None:
+    self.matching = matching
+    self._on.set()
+
+  def clear(self) -> None:
+    self._on.clear()
+
+  def refuses(self, path: str, body: bytes) -> bool:
+    if not self._on.is_set():
+      return False
+    if self.matching is None:
+      return True
+    import re  # pylint: disable=import-outside-toplevel
+    if any(m in path for m in (self.matching, urllib.parse.quote(self.matching, safe=''))):
+      return True
+    return re.search(rb'"name"\s*:\s*"[^"]*' + re.escape(self.matching.encode()), body[:4096]) is not None
+
+
 @pytest.fixture
 def refusing_gcs(gcs_emulator):
-  """(URL, switch): a pass-through to the GCS emulator that, while `switch` is set, answers every write with 403
-  quotaExceeded, as a bucket over its quota does; reads pass."""
+  """(URL, switch): a pass-through to the GCS emulator that, while `switch` is set, answers writes with 403
+  quotaExceeded, as a bucket over its quota does (every write, or those `switch.matching` names); reads pass."""
   import http.client  # pylint: disable=import-outside-toplevel
   import http.server  # pylint: disable=import-outside-toplevel
-  import threading  # pylint: disable=import-outside-toplevel
   upstream = urllib.parse.urlparse(gcs_emulator)
-  refuse = threading.Event()
+  refuse = Switch()
 
   class Proxy(http.server.BaseHTTPRequestHandler):
     protocol_version = 'HTTP/1.1'
 
     def _forward(self):
       body = self.rfile.read(int(self.headers.get('Content-Length') or 0))
-      if refuse.is_set() and self.command in ('POST', 'PUT', 'PATCH', 'DELETE'):
+      if self.command in ('POST', 'PUT', 'PATCH', 'DELETE') and refuse.refuses(self.path, body):
         status, headers, data = 403, [('Content-Type', 'application/json')], QUOTA_EXCEEDED
       else:
         conn = http.client.HTTPConnection(upstream.hostname, upstream.port, timeout=60)

@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from jaxlm import checkpoint as checkpoint_lib
+from jaxlm import integrity
 from jaxlm import sharding, train
 from tests.conftest import ROOT, made_once
 from tests.helpers import (assert_fails_with, odd_config, plain_program, random_batch, read_records, train_command,
@@ -381,10 +382,10 @@ def test_flipped_bytes_fail_the_checksums_and_the_run_falls_back(reference, tmp_
   import shutil
   shutil.copytree(reference / 'checkpoints', tmp_path / 'checkpoints')
   newest = tmp_path / 'checkpoints' / str(STEPS)
-  assert json.loads((newest / checkpoint_lib.CHECKSUMS).read_text())['sha256']  # written with every save
-  assert checkpoint_lib.verify_checksums(str(newest)) is None
+  assert json.loads((newest / integrity.CHECKSUMS).read_text())['sha256']  # written with every save
+  assert integrity.verify_checksums(str(newest)) is None
   _flip_bytes(newest)
-  assert 'differ from the checksums' in checkpoint_lib.verify_checksums(str(newest))
+  assert 'differ from the checksums' in integrity.verify_checksums(str(newest))
   out = _run(tmp_path, data_cache, f'--config.train.steps={STEPS + 4}', '--config.optim.warmup_steps=5')
   events = read_records(tmp_path, 'event')
   unreadable = [e for e in events if e['event'] == 'checkpoint_unreadable']
@@ -408,7 +409,7 @@ def test_a_poisoned_checkpoint_without_checksums_is_rolled_back_past(reference, 
   shutil.rmtree(newest / 'state')
   with ocp.StandardCheckpointer() as c:
     c.save(newest / 'state', state)
-  (newest / checkpoint_lib.CHECKSUMS).unlink()
+  (newest / integrity.CHECKSUMS).unlink()
   out = _run(tmp_path, data_cache, f'--config.train.steps={STEPS + 8}', '--config.optim.warmup_steps=5',
              '--config.stability.nonfinite_steps=2', '--config.checkpoint.keep=6', check=False)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -485,7 +486,7 @@ def test_an_async_save_blocks_only_for_the_copy(tmp_path, slow_write):
   restored = ocp.StandardCheckpointer().restore(tmp_path / 'ckpt' / '1' / 'state')
   for key in saved:
     np.testing.assert_array_equal(restored[key], saved[key])
-  assert (tmp_path / 'ckpt' / '1' / checkpoint_lib.CHECKSUMS).exists()
+  assert (tmp_path / 'ckpt' / '1' / integrity.CHECKSUMS).exists()
 
 
 @pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
@@ -511,7 +512,7 @@ def test_a_save_due_while_the_previous_is_written_waits_and_says_so_once(tmp_pat
   stats = ckpt.stats()  # what the run's last system record carries
   assert stats['checkpoint_saves'] == 3 and stats['checkpoint_waited_max_s'] == max(t['waited_s'] for t in ckpt.timings)
   assert stats['checkpoint_blocked_median_s'] == sorted(t['blocked_s'] for t in ckpt.timings)[1]
-  assert all((tmp_path / 'ckpt' / str(s) / checkpoint_lib.CHECKSUMS).exists() for s in (10, 20, 30))
+  assert all((tmp_path / 'ckpt' / str(s) / integrity.CHECKSUMS).exists() for s in (10, 20, 30))
 
 
 def test_stall_message_cadence():

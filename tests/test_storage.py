@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from jaxlm import checkpoint as checkpoint_lib
+from jaxlm import integrity
 from jaxlm import errors
 from jaxlm import metrics as metrics_lib
 from jaxlm import rundir, sharding
@@ -26,6 +27,7 @@ from tests.helpers import load_config
 from tests.helpers import assert_fails_with, run_cli, train_env
 from tests.stores import checkpoint_store, gcs_emulator, refusing_gcs, s3_emulator, s3_emulator_checking_keys, store  # noqa: F401  pylint: disable=unused-import
 from tests.stores import BUCKET, free_port, store_env
+from tests.test_checkpoint import reference  # noqa: F401  pylint: disable=unused-import  (the uninterrupted run)
 
 
 def _state(seed: int):
@@ -82,9 +84,9 @@ def test_three_async_saves_keep_two_and_restore_bit_exact(checkpoint_store):
   _save_steps(directory, (2, 4, 6))
   assert rundir.checkpoint_steps(checkpoint_store) == [4, 6]
   for step in (4, 6):  # checksums from the store's own hashes (local: sha256 of the bytes)
-    recorded = storage.read_json(storage.join(directory, str(step), checkpoint_lib.CHECKSUMS))
+    recorded = storage.read_json(storage.join(directory, str(step), integrity.CHECKSUMS))
     algorithm = {'local': 'sha256', 'gs': 'crc32c', 's3': 'etag'}[storage.scheme(checkpoint_store) or 'local']
-    assert recorded[algorithm] and checkpoint_lib.verify_checksums(storage.join(directory, str(step))) is None
+    assert recorded[algorithm] and integrity.verify_checksums(storage.join(directory, str(step))) is None
   ckpt = _checkpointer(directory)
   data = _data(0)
   state, guard = ckpt.restore(*_abstract(_state(6)), data)
@@ -410,6 +412,35 @@ def test_streaming_from_a_bucket_gives_the_rows_of_the_local_files(store, tmp_pa
   cfg.paths = url
   two = lanes_test._iterators(cfg, 2)  # pylint: disable=protected-access
   assert lanes_test._global_rows(two, 12) == local  # pylint: disable=protected-access
+
+
+@pytest.mark.slow(reason='a trainer whose bucket refuses its final save, then the same command again')
+def test_a_bucket_refusing_the_final_save_exits_3_and_the_rerun_ends_as_the_uninterrupted_run(
+    refusing_gcs, tmp_path, data_cache, reference):
+  """The quota drill at the last step: one refused save, the final one, ends the run with exit 3 and the line that
+  says which step was not written and what a rerun resumes from (never 0); the rerun, the bucket writable again,
+  ends with the uninterrupted run's parameters (issue #57)."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  from tests.test_checkpoint import STEPS, _args, _final_params  # pylint: disable=import-outside-toplevel
+  from tests.helpers import train_command  # pylint: disable=import-outside-toplevel
+  url, refuse = refusing_gcs
+  env = {**train_env(), 'STORAGE_EMULATOR_HOST': url}
+  workdir = f'gs://{BUCKET}/{uuid.uuid4().hex[:12]}/run'
+  command = train_command(workdir, *_args(data_cache, '--config.checkpoint.every=12'))
+  refuse.set(matching=f'checkpoints/{STEPS}')  # step 12's save is written; the last one, step 24's, refused
+  os.environ['STORAGE_EMULATOR_HOST'] = url
+  try:
+    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert_fails_with(out, 3, f'checkpoint of step {STEPS} was not written', 'Forbidden',
+                      'a rerun resumes from step 12, the newest good checkpoint', "fix: the bucket's quota")
+    assert rundir.checkpoint_steps(workdir) == [12]
+    refuse.clear()
+    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and 'resumed from checkpoint step 12' in again.stdout, again.stderr[-3000:]
+    final = ocp.StandardCheckpointer().restore(f'{workdir}/checkpoints/{STEPS}/state')['params']
+    jax.tree.map(np.testing.assert_array_equal, final, _final_params(reference))
+  finally:
+    os.environ.pop('STORAGE_EMULATOR_HOST', None)
 
 
 @pytest.mark.slow(reason='a trainer against a bucket that starts refusing writes mid-run, then the same command again')

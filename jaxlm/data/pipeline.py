@@ -46,6 +46,7 @@ from jaxlm.data import tokenizer as tokenizer_lib
 from jaxlm.errors import DataError  # noqa: F401  (missing, corrupt, or built with another tokenizer)
 
 SOURCES = ('stdlib', 'prepared', 'stream')  # data.source
+TEACHER_MANIFEST = 'teacher.json'  # distill.cached: what jaxlm.tools.teacher's cache belongs to, and its top_k
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
@@ -279,7 +280,7 @@ def is_chat(prepared: Sequence[Prepared]) -> bool:
 
 
 def _conversations(data_cfg, p: Prepared, split: str, *, seed: int, num_epochs: int | None, shuffle: bool,
-                   reference_logps: bool = False) -> stream_lib.ConversationRows:
+                   reference_logps: bool = False, teacher_cache: str = '') -> stream_lib.ConversationRows:
   source = _source(p, split)
   lengths = stream_lib.document_lengths(p.shards(split), p.meta, data_cfg.get('cache_dir') or None)
   extra = {}
@@ -293,19 +294,30 @@ def _conversations(data_cfg, p: Prepared, split: str, *, seed: int, num_epochs: 
       extra['reference'] = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(paths))
   else:
     rows = stream_lib.ConversationRows
+  if teacher_cache:  # distill.cached: tools/teacher's files, shard by shard, named as the data's
+    paths = [os.path.join(os.path.expanduser(teacher_cache), os.path.basename(s)) for s in p.shards(split)]
+    if not all(os.path.exists(x) for x in paths):
+      raise DataError(f'{teacher_cache} lacks the teacher log-probabilities of {p.path}\'s shards; make them with '
+                      f'`python -m jaxlm.tools.teacher --teacher=RUN --data={p.path} --out={teacher_cache}`.')
+    with open(os.path.join(os.path.expanduser(teacher_cache), TEACHER_MANIFEST)) as f:
+      extra['teacher_k'] = json.load(f)['top_k']
+    extra['teacher'] = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(paths))
   return rows(source, lengths, **extra, seed=seed, seq_len=data_cfg.seq_len, dtype=p.meta['dtype'],
                                      epochs=num_epochs, shuffle=shuffle)
 
 
 def _streams(data_cfg, prepared: Sequence[Prepared], seed: int, num_epochs: int | None,
-             reference_logps: bool = False) -> list[stream_lib.DocumentStream]:
+             reference_logps: bool = False, teacher_cache: str = '') -> list[stream_lib.DocumentStream]:
   out = []
   for k, p in enumerate(prepared):
     meta = p.meta
     if meta.get('content') in ('chat', 'preference'):  # whole conversations (pairs) per row, with loss weights
       out.append(_conversations(data_cfg, p, 'train', seed=_seed(seed, k), num_epochs=num_epochs, shuffle=True,
-                                reference_logps=reference_logps))
+                                reference_logps=reference_logps, teacher_cache=teacher_cache))
       continue
+    if teacher_cache:  # a text document may span rows: its cached context would not be the row's
+      raise DataError(f'distill.cached reads chat data (prepare --format=chat), whose conversations are never '
+                      f'split across rows; {p.path} holds text: distil from the teacher itself (distill.cached=\'\').')
     source = _source(p, 'train')
     lengths = stream_lib.document_lengths(p.shards('train'), meta, data_cfg.get('cache_dir') or None)
     if len(lengths) != len(source):
@@ -337,25 +349,26 @@ def steps_for_epochs(data_cfg, train_cfg, vocab_size: int) -> tuple[int, int]:
 
 
 def make_train_rows(data_cfg, *, seed: int, vocab_size: int, num_epochs: int | None = None,
-                    reference_logps: bool = False):
+                    reference_logps: bool = False, teacher_cache: str = ''):
   """(the global row stream as a random-access source, its fingerprint): the same on every process.
 
   reference_logps: preference pairs' rows carry `ref_logps`, the cached reference log-probabilities
-  (preference.reference=cached: `preference.reads_cached`).
+  (preference.reference=cached: `preference.reads_cached`). teacher_cache: chat rows carry the teacher's top-K
+  from this directory (distill.cached: jaxlm/tools/teacher.py).
   """
   prepared = _open_all(data_cfg, vocab_size)
   weights = _weights(data_cfg, prepared)
-  rows = stream_lib.Rows(_streams(data_cfg, prepared, seed, num_epochs, reference_logps), weights,
+  rows = stream_lib.Rows(_streams(data_cfg, prepared, seed, num_epochs, reference_logps, teacher_cache), weights,
                          data_cfg.cross_document_attention)
   return rows, fingerprint(data_cfg, prepared, weights, seed)
 
 
 def make_train_iterator(data_cfg, *, batch_size: int, seed: int, vocab_size: int, process_index: int | None = None,
                         process_count: int | None = None, num_epochs: int | None = None,
-                        reference_logps: bool = False) -> 'TrainIterator':
+                        reference_logps: bool = False, teacher_cache: str = '') -> 'TrainIterator':
   """Endless iterator of this process's rows of the global batches (batch_size // process_count rows each).
 
-  reference_logps: as make_train_rows.
+  reference_logps, teacher_cache: as make_train_rows.
 
   `next(it)` gives a batch of `batch_size` global rows; `it.take(size)` one of any multiple of the process count.
   Checkpointable: `get_state()` is the global row position (JSON), the same on every process.
@@ -369,7 +382,7 @@ def make_train_iterator(data_cfg, *, batch_size: int, seed: int, vocab_size: int
     return lanes_lib.StreamIterator(lanes, fp, unit=batch_size, process_index=process_index,
                                     process_count=process_count)
   rows, fp = make_train_rows(data_cfg, seed=seed, vocab_size=vocab_size, num_epochs=num_epochs,
-                             reference_logps=reference_logps)
+                             reference_logps=reference_logps, teacher_cache=teacher_cache)
   it = TrainIterator(rows, fp, unit=batch_size, process_index=process_index, process_count=process_count,
                      num_workers=data_cfg.num_workers, prefetch=data_cfg.prefetch)
   logging.info('data: training iterator ready in %.1fs (%s, seq_len %d, %d workers)', time.time() - start,

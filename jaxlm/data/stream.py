@@ -195,8 +195,10 @@ class ConversationRows:
   """
 
   def __init__(self, source, lengths: np.ndarray, *, seed: int, seq_len: int, dtype: str,
-               epochs: int | None = None, shuffle: bool = True):
+               epochs: int | None = None, shuffle: bool = True, teacher=None, teacher_k: int = 0):
     self.dtype = dtype
+    # distill.cached: per conversation, its positions' teacher top-K (jaxlm/tools/teacher.py), K = teacher_k
+    self.teacher, self.teacher_k = teacher, teacher_k
     self.source, self.seq_len, self.seed, self.shuffle = source, seq_len, seed, shuffle
     if (longest := int(lengths.max(initial=0))) > seq_len:
       raise DataError(f'a stored conversation fills {longest} positions but data.seq_len={seq_len}; prepare '
@@ -239,11 +241,16 @@ class ConversationRows:
     T = self.seq_len
     out = {key: np.zeros(T, np.int32) for key in ('inputs', 'targets', 'segment_ids', 'positions')}
     out['weights'] = np.zeros(T, np.float32)
+    if self.teacher is not None:
+      out.update(teacher_rows(T, self.teacher_k))
     e, j = divmod(int(k), self.rows_per_epoch)
     fill = 0
     for segment, conv in enumerate(self.bins[int(self._order(e)[j])], 1):
       ids, weights = chat_lib.from_record(self.source[conv], self.dtype)
       n = len(ids) - 1
+      if self.teacher is not None:
+        for key, value in from_teacher_record(self.teacher[conv], n, self.teacher_k).items():
+          out[key][fill:fill + n] = value
       out['inputs'][fill:fill + n] = ids[:-1]
       out['targets'][fill:fill + n] = ids[1:]
       out['weights'][fill:fill + n] = weights[1:]
@@ -251,6 +258,33 @@ class ConversationRows:
       out['positions'][fill:fill + n] = np.arange(n, dtype=np.int32)
       fill += n
     return out
+
+
+TEACHER_KEYS = ('teacher_ids', 'teacher_logps', 'teacher_rest')  # distill.cached: (T, K), (T, K), (T,)
+
+
+def teacher_rows(seq_len: int, k: int) -> dict:
+  """A row's teacher keys before its conversations fill them: padding positions are weighted 0 by the loss."""
+  return {'teacher_ids': np.zeros((seq_len, k), np.int32), 'teacher_logps': np.zeros((seq_len, k), np.float32),
+          'teacher_rest': np.zeros(seq_len, np.float32)}
+
+
+def teacher_record(ids, logps, rest) -> bytes:
+  """One conversation's cached teacher top-K (jaxlm/tools/teacher.py): int32 ids (n, K), float32 log-probs
+  (n, K), then float32 log of the mass left over (n,), for its n positions."""
+  return (np.asarray(ids, np.int32).tobytes() + np.asarray(logps, np.float32).tobytes()
+          + np.asarray(rest, np.float32).tobytes())
+
+
+def from_teacher_record(record: bytes, n: int, k: int) -> dict:
+  """teacher_record's arrays for a conversation of n positions; a record of another size is refused."""
+  if len(record) != 4 * n * (2 * k + 1):
+    raise DataError(f'a cached teacher record holds {len(record)} bytes, not the {4 * n * (2 * k + 1)} of {n} '
+                    f'positions at top_k={k}; the cache belongs to other data: make it again (jaxlm.tools.teacher).')
+  ids = np.frombuffer(record, np.int32, n * k).reshape(n, k)
+  logps = np.frombuffer(record, np.float32, n * k, offset=4 * n * k).reshape(n, k)
+  rest = np.frombuffer(record, np.float32, n, offset=8 * n * k)
+  return {'teacher_ids': ids, 'teacher_logps': logps, 'teacher_rest': rest}
 
 
 class PairRows(ConversationRows):
@@ -353,6 +387,8 @@ class Rows:
         row['pairs'] = np.zeros(self.seq_len, np.int32)
         if self.streams[0].reference is not None:
           row['ref_logps'] = np.zeros(self.seq_len, np.float32)
+      if getattr(self.streams[0], 'teacher', None) is not None:
+        row.update(teacher_rows(self.seq_len, self.streams[0].teacher_k))
     else:
       d, j = self.mixture.locate(int(k))
       row = self.streams[d].row(j)
@@ -363,7 +399,7 @@ class Rows:
       positions = np.arange(self.seq_len, dtype=np.int32)
     return {'inputs': row['inputs'], 'targets': row['targets'], 'segment_ids': segment_ids,
             'positions': positions, 'weights': row.get('weights', (segment_ids > 0).astype(np.float32)),
-            **{k: row[k] for k in ('pairs', 'ref_logps') if k in row}}
+            **{k: row[k] for k in ('pairs', 'ref_logps', *TEACHER_KEYS) if k in row}}
 
 
 class LocalRows:

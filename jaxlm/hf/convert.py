@@ -10,16 +10,13 @@ import math
 import jax
 import numpy as np
 
-from jaxlm import errors
 from jaxlm import model as model_lib
+from jaxlm.hf.families import (FAMILY_BLOCKS, FAMILY_MODEL_TYPES, ExportError, HFImportError,  # noqa: F401
+                               family_architecture, family_config, family_overrides, features, norm_names)
 
 # A Hugging Face model directory's tokenizer files (import copies them beside a run's checkpoints; export looks there).
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'chat_template.jinja',
                    'tokenizer.model', 'generation_config.json')  # the last: the end-of-sequence ids sampling stops at
-
-
-class ExportError(errors.ConfigError):
-  """A checkpoint or model that cannot be exported faithfully; the message says why and what to do."""
 
 
 def layer_params(params: dict, m) -> list[dict]:
@@ -77,7 +74,11 @@ def _moe_architecture(m: model_lib.ModelConfig) -> str:
 def architecture(m: model_lib.ModelConfig) -> str:
   """The Hugging Face class that computes exactly this model, or an ExportError saying why there is none."""
   if m.moe.experts:
+    if features(m):
+      raise ExportError(f'{", ".join(features(m))} on a mixture of experts has no Hugging Face export yet.')
     return _moe_architecture(m)
+  if features(m):
+    return family_architecture(m)
   qk_norm = m.attention.qk_norm
   if qk_norm == 'full' or (qk_norm == 'head' and m.parallel_block):
     raise ExportError(f'model.qk_norm={qk_norm} on a dense{" parallel-block" if m.parallel_block else ""} model '
@@ -123,8 +124,8 @@ def to_hf(params: dict, m: model_lib.ModelConfig) -> dict[str, np.ndarray]:
     if cohere:
       out[pre + 'input_layernorm.weight'] = f32(p['norm']['scale'])
     else:
-      out[pre + 'input_layernorm.weight'] = f32(p['attn_norm']['scale'])
-      out[pre + 'post_attention_layernorm.weight'] = f32(p['mlp_norm']['scale'])
+      for ours, theirs in norm_names(m).items():
+        out[pre + theirs + '.weight'] = f32(p[ours]['scale'])
   out['model.norm.weight'] = f32(params['final_norm']['scale'])
   if not m.tie_embeddings:
     out['lm_head.weight'] = f32(params['unembed']).T  # (V, D)
@@ -200,6 +201,8 @@ def hf_config(m: model_lib.ModelConfig, *, max_positions: int, dtype: str, bos_i
   else:
     c.update(rms_norm_eps=m.norms.eps, mlp_bias=False, head_dim=m.head_dim, pretraining_tp=1,
              tie_word_embeddings=False)
+  if arch in FAMILY_MODEL_TYPES:
+    c.update(family_config(m, arch, max_positions, rope_scaling_to_hf(m)))
   return c
 
 
@@ -207,11 +210,8 @@ _UNSUPPORTED = {
     'attention_bias': (False, None), 'mlp_bias': (False, None), 'sliding_window': (None,),
     'use_sliding_window': (False, None), 'partial_rotary_factor': (1.0, None), 'quantization_config': (None,),
     'attn_logit_softcapping': (None,), 'final_logit_softcapping': (None,), 'logit_scale': (1.0, None),
+    'use_bidirectional_attention': (False, None),
 }
-
-
-class HFImportError(errors.ConfigError):
-  """A Hugging Face directory jaxlm cannot import exactly; the message says why."""
 
 
 def rope_scaling_to_hf(m: model_lib.ModelConfig) -> dict | None:
@@ -274,7 +274,7 @@ def _rope(hf: dict) -> dict:
 MOE_FAMILIES = {'mixtral': ('mixtral', 'none'), 'qwen3_moe': ('qwen3_moe', 'head'), 'olmoe': ('olmoe', 'full')}
 # Dense families: model_type -> QK-norm (Qwen3: Llama's block with a per-head RMSNorm on queries and keys).
 DENSE_FAMILIES = {'llama': 'none', 'qwen3': 'head'}
-IMPORTABLE = (*DENSE_FAMILIES, *MOE_FAMILIES)
+IMPORTABLE = (*DENSE_FAMILIES, *MOE_FAMILIES, *FAMILY_BLOCKS)
 
 
 def _moe_overrides(hf: dict) -> dict:
@@ -303,6 +303,14 @@ def _moe_overrides(hf: dict) -> dict:
 
 def model_overrides(hf: dict) -> dict:
   """cfg.model values that compute what the Hugging Face `config.json` dict `hf` describes."""
+  if hf.get('vision_config') is not None or hf.get('model_type') == 'gemma3':
+    raise HFImportError(f'{hf.get("architectures") or hf.get("model_type")} has a vision tower (vision_config): '
+                        f'jaxlm imports text models only; import the text model (Gemma3ForCausalLM, model_type '
+                        f'gemma3_text).')
+  if hf.get('model_type') in FAMILY_BLOCKS:
+    hf, family = family_overrides(hf)
+  else:
+    family = {}
   if hf.get('model_type') not in IMPORTABLE:
     raise HFImportError(f'model_type={hf.get("model_type")!r}: only {", ".join(IMPORTABLE)} checkpoints '
                         f'can be imported.')
@@ -325,7 +333,7 @@ def model_overrides(hf: dict) -> dict:
               num_kv_heads=K, head_dim=E, mlp_dim=hf['intermediate_size'], parallel_block=False,
               tie_embeddings=False, norm_eps=float(hf.get('rms_norm_eps', 1e-6)), **_rope(hf),
               **({'qk_norm': DENSE_FAMILIES[hf['model_type']]} if hf['model_type'] in DENSE_FAMILIES else {}),
-              **_moe_overrides(hf))
+              **_moe_overrides(hf), **family)
 
 
 def from_hf(tensors: dict[str, np.ndarray], m: model_lib.ModelConfig, *, scan_layers: bool) -> dict:
@@ -350,8 +358,7 @@ def from_hf(tensors: dict[str, np.ndarray], m: model_lib.ModelConfig, *, scan_la
             'key': get(pre + 'self_attn.k_proj.weight', (K * E, D)).T.reshape(D, K, E),
             'value': get(pre + 'self_attn.v_proj.weight', (K * E, D)).T.reshape(D, K, E),
             'out': get(pre + 'self_attn.o_proj.weight', (D, H * E)).T.reshape(H, E, D)},
-        'attn_norm': {'scale': get(pre + 'input_layernorm.weight', (D,))},
-        'mlp_norm': {'scale': get(pre + 'post_attention_layernorm.weight', (D,))}}
+        **{ours: {'scale': get(pre + theirs + '.weight', (D,))} for ours, theirs in norm_names(m).items()}}
     if m.attention.qk_norm != 'none':  # Qwen3: one (E,) scale per q/k; OLMoE: over all heads, (H·E,) and (K·E,)
       shapes = ((E,), (E,)) if m.attention.qk_norm == 'head' else ((H, E), (K, E))
       layer['attention']['query_norm'] = {'scale': get(pre + 'self_attn.q_norm.weight').reshape(shapes[0])}

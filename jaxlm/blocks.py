@@ -1,0 +1,153 @@
+"""The block options of the one decoder (model.py), each a small frozen config read from cfg.model's flat keys,
+the per-layer choices they make (local or global attention), and config.validate's checks of them.
+
+Functions here take a model.ModelConfig `m` by field (this module sits beside model.py and does not import it).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxlm import attention as attention_lib
+
+NORM_PLACEMENTS = ('pre', 'sandwich', 'post')  # model.norm_placement (Block)
+MLP_ACTIVATIONS = ('swiglu', 'geglu')  # model.mlp_activation (SwiGLU)
+
+
+# AttentionConfig's field -> its flat cfg.model key.
+_ATTENTION_KEYS = {'kernel': 'attention', 'block_q': 'attention_block_q', 'qk_norm': 'qk_norm',
+                   'window': 'attention_window', 'global_every': 'attention_global_every',
+                   'local_rope_theta': 'rope_local_theta', 'softcap': 'attention_softcap',
+                   'sinks': 'attention_sinks', 'query_scalar': 'query_pre_attn_scalar'}
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """How a layer's attention runs: the kernel, QK-norm, and the per-layer pattern of local and global layers.
+
+  A local layer (window W > 0) attends to its W most recent keys, itself included (`attention.Scores`); with
+  `global_every` n > 0 every n-th layer (n-1, 2n-1, ...) is global (Gemma 3: 6, Gemma 2: 2), with 0 every layer
+  is local (Mistral). Local layers rotate with base `local_rope_theta` where it is set (Gemma 3).
+  """
+  kernel: str = 'xla'  # model.attention: attention.py's kernel choice
+  block_q: int = 0  # model.attention_block_q: query rows per block (0 = all at once)
+  qk_norm: str = 'none'  # see QKNorm
+  window: int = 0  # model.attention_window: W; 0 = every layer global
+  global_every: int = 0  # model.attention_global_every
+  local_rope_theta: float = 0.0  # model.rope_local_theta: 0 = rope_theta for every layer
+  softcap: float = 0.0  # model.attention_softcap: scores -> cap·tanh(scores / cap); 0 = off
+  sinks: bool = False  # model.attention_sinks: a learned per-head logit in each softmax's denominator (gpt-oss)
+  query_scalar: float = 0.0  # model.query_pre_attn_scalar: scores scaled by its -1/2 power; 0 = head dim
+
+  @classmethod
+  def from_config(cls, model_cfg) -> 'AttentionConfig':
+    """From cfg.model's flat keys (a key a saved config lacks: its default)."""
+    return cls(**{f: model_cfg.get(key, getattr(cls, f)) for f, key in _ATTENTION_KEYS.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class NormsConfig:
+  """The layer norms (`Norm`, `QKNorm`) of the sequential block: where they sit and how they scale.
+
+  placement  pre       norm -> sublayer -> add (Llama)
+             sandwich  norm -> sublayer -> norm -> add (Gemma 2/3)
+             post      sublayer -> norm -> add (OLMo 2)
+  offset     scale by (1 + w), w initialised to 0 (Gemma's RMSNorm), instead of by w.
+  The parallel (PaLM) block has one LayerNorm whatever these say (config.validate refuses the others with it).
+  """
+  eps: float = 1e-6  # model.norm_eps
+  placement: str = 'pre'  # model.norm_placement
+  offset: bool = False  # model.norm_offset
+
+  @classmethod
+  def from_config(cls, model_cfg) -> 'NormsConfig':
+    """From cfg.model's flat keys (a key a saved config lacks: its default)."""
+    return cls(eps=model_cfg.get('norm_eps', cls.eps), placement=model_cfg.get('norm_placement', cls.placement),
+               offset=model_cfg.get('norm_offset', cls.offset))
+
+
+@dataclasses.dataclass(frozen=True)
+class MlpConfig:
+  """model.mlp_activation: the dense MLP's gate, silu (SwiGLU) or tanh-approximated gelu (GeGLU, Gemma)."""
+  activation: str = 'swiglu'
+
+  @classmethod
+  def from_config(cls, model_cfg) -> 'MlpConfig':
+    """From cfg.model's flat keys (a key a saved config lacks: its default)."""
+    return cls(activation=model_cfg.get('mlp_activation', cls.activation))
+
+
+def is_local(m, layer: int) -> bool:
+  """Whether layer `layer` (from 0) attends through a sliding window (model.attention_window, _global_every)."""
+  a = m.attention
+  return a.window > 0 and not (a.global_every and (layer + 1) % a.global_every == 0)
+
+
+def scores_config(m, local, sinks=None) -> attention_lib.Scores:
+  """attention.Scores of a layer: its window (traced when `local` is), soft-cap, sinks and query scale."""
+  a = m.attention
+  window = (jnp.where(local, a.window, 0) if isinstance(local, jax.Array) else a.window * bool(local)) if a.window else 0
+  return attention_lib.Scores(window=window, softcap=a.softcap, sinks=sinks,
+                              scale=a.query_scalar ** -0.5 if a.query_scalar else 0.0)
+
+
+def block_errors(model_cfg, context: int = 1, stages: int = 1) -> list[str]:
+  """config.validate's checks of the block features (cfg.model's flat keys): the attention paths that cannot
+  honour a window, soft-cap or sinks are refused here, by the field that asks for them."""
+  g = lambda key, default=0: model_cfg.get(key, default)  # noqa: E731  a saved config may predate a key
+  e = [f'model.{key}={g(key)} must be >= 0 (0 = off).' for key in (
+      'attention_window', 'attention_global_every', 'rope_local_theta', 'attention_softcap', 'final_softcap',
+      'query_pre_attn_scalar') if g(key) < 0]
+  if g('norm_placement', 'pre') not in NORM_PLACEMENTS:
+    e.append(f'model.norm_placement={g("norm_placement")!r} is unknown; use one of {", ".join(NORM_PLACEMENTS)}.')
+  elif g('norm_placement', 'pre') != 'pre' and g('parallel_block', True):
+    e.append(f'model.norm_placement={g("norm_placement")} needs the sequential block; set model.parallel_block=False.')
+  if g('mlp_activation', 'swiglu') not in MLP_ACTIVATIONS:
+    e.append(f'model.mlp_activation={g("mlp_activation")!r} is unknown; use one of {", ".join(MLP_ACTIVATIONS)}.')
+  elif g('mlp_activation', 'swiglu') != 'swiglu' and g('moe_experts'):
+    e.append('model.mlp_activation=geglu: the experts of a mixture of experts are SwiGLU; set model.moe_experts=0.')
+  masked = [f'model.{k}' for k in ('attention_window', 'attention_softcap', 'attention_sinks') if g(k) > 0]
+  if masked and g('attention', 'xla') in ('cudnn', 'splash'):
+    e.append(f'{", ".join(masked)} need the masks of xla attention, and model.attention={g("attention")} has none '
+             f'of them; set model.attention=xla (or auto, which then runs xla).')
+  if g('attention_window') > 0 and context > 1:
+    e.append(f'model.attention_window={g("attention_window")} with mesh.context={context}: context parallelism '
+             f'would compute and mask the blocks outside the window rather than skip them; set mesh.context=1.')
+  if g('attention_window') > 0 and stages > 1 and 0 < g('attention_global_every') <= g('num_layers', 1):
+    e.append(f'model.attention_global_every={g("attention_global_every")} with mesh.stage={stages}: a pipeline runs '
+             f'one layer body, all local or all global; set attention_global_every=0 or mesh.stage=1.')
+  return e
+
+
+def ring_cached_attention(module, q, k, v, segment_ids, window: int, scores):
+  """A local layer's decoding step: q (B, T, H, E) over its last `window` keys, kept in a ring buffer.
+
+  The cache holds R = min(S, W) slots (S: the length of the call that creates it), so a local layer's cache does
+  not grow with the sequence. Slot s of the sequence lives at ring position s mod R; `slots` (R,) records which
+  sequence slot each position holds (unwritten ones are segment 0, never attended). The queries attend over the
+  ring as it was plus this call's own T keys, by sequence slot (causal, windowed), then the last min(T, R) of
+  those keys overwrite the oldest positions. `module`: the Attention whose `cache` collection this is.
+  """
+  B, T, K, E = k.shape
+  R = min(T, window)  # the creating call's T is the sequence length S
+  key = module.variable('cache', 'key', jnp.zeros, (B, R, K, E), k.dtype)
+  value = module.variable('cache', 'value', jnp.zeros, (B, R, K, E), v.dtype)
+  segments = module.variable('cache', 'segment_ids', jnp.zeros, (B, R), jnp.int32)
+  slots = module.variable('cache', 'slots', jnp.zeros, (R,), jnp.int32)
+  index = module.variable('cache', 'index', lambda: jnp.zeros((), jnp.int32))
+  i, R = index.value, key.value.shape[1]
+  new_slots = i + jnp.arange(T)
+  out = attention_lib.attention(
+      q, jnp.concatenate([key.value, k.astype(key.value.dtype)], 1),
+      jnp.concatenate([value.value, v.astype(value.value.dtype)], 1), segment_ids,
+      kv_segment_ids=jnp.concatenate([segments.value, segment_ids.astype(jnp.int32)], 1), order=new_slots,
+      kv_order=jnp.concatenate([slots.value, new_slots]), scores_cfg=scores)
+  keep = min(T, R)  # static: only the last R of a long prefill can still be seen
+  at = new_slots[T - keep:] % R  # distinct ring positions
+  key.value = key.value.at[:, at].set(k[:, T - keep:].astype(key.value.dtype))
+  value.value = value.value.at[:, at].set(v[:, T - keep:].astype(value.value.dtype))
+  segments.value = segments.value.at[:, at].set(segment_ids[:, T - keep:].astype(jnp.int32))
+  slots.value = slots.value.at[at].set(new_slots[T - keep:])
+  index.value = i + T
+  return out

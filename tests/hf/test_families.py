@@ -1,0 +1,221 @@
+"""Gemma 2, Gemma 3 (text), Mistral, OLMo 2 and OLMo 3 through import and export: jaxlm's logits equal transformers'.
+
+Each family is a tiny random transformers model (float32, eager attention) whose norm scales are drawn away from
+their init, saved with save_pretrained, imported with jaxlm.hf.import_llama and exported back. The sequences
+(40 tokens) are five windows (W = 8) long, so a sliding-window mask off by one, or not applied, shows.
+"""
+
+import dataclasses
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from jaxlm.hf import export
+from jaxlm.hf import import_llama as import_hf
+from jaxlm import model as model_lib
+from tests.helpers import load_config
+
+WINDOW, SEQ = 8, 40
+_COMMON = dict(vocab_size=211, hidden_size=48, intermediate_size=100, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=64, bos_token_id=1,
+               eos_token_id=2, pad_token_id=0, initializer_range=0.1)
+_GEMMA = dict(_COMMON, sliding_window=WINDOW, layer_types=['sliding_attention', 'full_attention'],
+              query_pre_attn_scalar=64, hidden_activation='gelu_pytorch_tanh')
+# model_type -> (config class, model class, config kwargs).
+FAMILIES = {
+    'gemma2': ('Gemma2Config', 'Gemma2ForCausalLM',
+               dict(_GEMMA, attn_logit_softcapping=1.0, final_logit_softcapping=2.0,
+                    rope_parameters={'rope_type': 'default', 'rope_theta': 1000.0})),
+    'gemma3_text': ('Gemma3TextConfig', 'Gemma3ForCausalLM',
+                    dict(_GEMMA, rope_parameters={'sliding_attention': {'rope_type': 'default', 'rope_theta': 50.0},
+                                                  'full_attention': {'rope_type': 'linear', 'factor': 2.0,
+                                                                     'rope_theta': 10_000.0}})),
+    'mistral': ('MistralConfig', 'MistralForCausalLM',
+                dict(_COMMON, sliding_window=WINDOW, tie_word_embeddings=False,
+                     rope_parameters={'rope_type': 'default', 'rope_theta': 1000.0})),
+    'olmo2': ('Olmo2Config', 'Olmo2ForCausalLM',
+              dict(_COMMON, head_dim=12, rope_parameters={'rope_type': 'default', 'rope_theta': 1000.0})),
+    'olmo3': ('Olmo3Config', 'Olmo3ForCausalLM',
+              dict(_COMMON, head_dim=12, sliding_window=WINDOW, layer_types=['sliding_attention', 'full_attention'],
+                   rope_parameters={'sliding_attention': {'rope_type': 'default', 'rope_theta': 1000.0},
+                                    'full_attention': {'rope_type': 'yarn', 'factor': 2.0, 'rope_theta': 1000.0,
+                                                       'original_max_position_embeddings': 16}})),
+}
+# Turning one feature off (cfg.model key -> its off value) must move the logits by at least 1e-2.
+FEATURES = {
+    'gemma2': dict(attention_window=0, attention_softcap=0.0, final_softcap=0.0, query_pre_attn_scalar=0.0,
+                   norm_offset=False, embed_scale=False, mlp_activation='swiglu', norm_placement='pre'),
+    'gemma3_text': dict(rope_local_theta=0.0, attention_window=0),
+    'mistral': dict(attention_window=0),
+    'olmo2': dict(norm_placement='pre'),
+    'olmo3': dict(attention_window=0, rope_local_theta=0.0),
+}
+MAX_ABS = {}  # 'import-<family>' / 'export-<family>' -> max |logit difference| (printed with pytest -s)
+
+
+@pytest.fixture(scope='module')
+def hf():
+  """(torch, transformers), imported once for the module, offline."""
+  torch = pytest.importorskip('torch', reason='torch is not installed: pip install -e ".[test]"')
+  transformers = pytest.importorskip('transformers', reason='transformers is not installed: pip install -e ".[test]"')
+  pytest.importorskip('safetensors', reason='safetensors is not installed: pip install -e ".[test]"')
+  os.environ['HF_HUB_OFFLINE'] = '1'
+  torch.manual_seed(0)
+  yield torch, transformers
+  if MAX_ABS:
+    print('\nmax |logits(jaxlm) - logits(transformers)|: ' + ', '.join(f'{k} {v:.2e}' for k, v in MAX_ABS.items()))
+
+
+def _original(hf, family: str, path: str, **overrides):
+  """The family's tiny random transformers model, saved to `path`, with norm scales drawn away from init."""
+  torch, transformers = hf
+  config_cls, model_cls, kwargs = FAMILIES[family]
+  config = getattr(transformers, config_cls)(**{**kwargs, **overrides})
+  config._attn_implementation = 'eager'  # pylint: disable=protected-access  (Gemma 2's soft-cap needs it)
+  model = getattr(transformers, model_cls)(config).float().eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith('norm.weight'):  # Gemma's scale is 1 + w, w starting at 0: draw w in (-0.5, 0.5)
+        p.copy_(torch.rand_like(p) + (-0.5 if family.startswith('gemma') else 0.5))
+  model.save_pretrained(path, safe_serialization=True)
+  return model
+
+
+def _logits(model, params, tokens):
+  B, T = tokens.shape
+  positions = np.tile(np.arange(T, dtype=np.int32), (B, 1))
+  return np.asarray(jax.jit(model.apply)({'params': params}, tokens, np.ones_like(tokens), positions))
+
+
+def _torch_logits(hf, model, tokens):
+  torch, _ = hf
+  with torch.no_grad():
+    return model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+
+
+@pytest.mark.parametrize('family', list(FAMILIES))
+def test_family_imports_and_exports_with_transformers_logits(hf, family, tmp_path):
+  """Import: jaxlm's logits == transformers' (1e-4), every feature of the block needed; export: the same tensors
+  and, reloaded by transformers as the same class, the same logits."""
+  _, transformers = hf
+  original = _original(hf, family, str(tmp_path / 'hf'))
+  result = import_hf.import_hf(str(tmp_path / 'hf'), str(tmp_path / 'run'))
+  cfg = export.read_config(result['checkpoint'])
+  cfg.model.dtype = 'float32'
+  m = model_lib.ModelConfig.from_config(cfg.model)
+  params = import_hf.from_hf(import_hf.read_safetensors(str(tmp_path / 'hf')), m, scan_layers=True)
+  tokens = np.random.default_rng(1).integers(3, 211, (2, SEQ)).astype(np.int32)
+  theirs = _torch_logits(hf, original, tokens)
+  ours = _logits(model_lib.Decoder(m), params, tokens)
+  MAX_ABS[f'import-{family}'] = float(np.abs(ours - theirs).max())
+  assert MAX_ABS[f'import-{family}'] <= 1e-4
+  for key, off in FEATURES[family].items():  # each feature is what made them agree
+    changed = cfg.model.copy_and_resolve_references()
+    changed[key] = off
+    other = model_lib.ModelConfig.from_config(changed)
+    moved = params
+    if key == 'norm_placement' and m.norms.placement == 'post':  # the same norms moved before their sublayers
+      rename = {'attn_post_norm': 'attn_norm', 'mlp_post_norm': 'mlp_norm'}
+      moved = {**params, 'layers': {rename.get(k, k): v for k, v in params['layers'].items()}}
+    assert np.abs(_logits(model_lib.Decoder(other), moved, tokens) - theirs).max() >= 1e-2, key
+
+  summary = export.export(str(tmp_path / 'run'), str(tmp_path / 'back'))
+  assert summary['architecture'] == FAMILIES[family][1]
+  written = json.loads((tmp_path / 'back' / 'config.json').read_text())
+  assert written['model_type'] == family
+  from safetensors.numpy import load_file
+  before = load_file(str(tmp_path / 'hf' / 'model.safetensors'))
+  before.setdefault('lm_head.weight', before['model.embed_tokens.weight'])  # tied there, held untied here
+  after = load_file(str(tmp_path / 'back' / 'model.safetensors'))
+  assert sorted(before) == sorted(after)
+  for name in before:
+    np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+  back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / 'back'), attn_implementation='eager')
+  assert type(back).__name__ == FAMILIES[family][1]
+  MAX_ABS[f'export-{family}'] = float(np.abs(_torch_logits(hf, back.float().eval(), tokens) - theirs).max())
+  assert MAX_ABS[f'export-{family}'] <= 1e-4
+
+
+def test_import_refuses_what_jaxlm_does_not_compute():
+  """An unknown layer type, a RoPE kind, a local RoPE scaling, an irregular pattern and a vision tower are each
+  refused in one line that names the key."""
+  gemma2 = dict(FAMILIES['gemma2'][2], model_type='gemma2')
+  gemma3 = dict(FAMILIES['gemma3_text'][2], model_type='gemma3_text')
+  assert import_hf.model_overrides(gemma2)['attention_global_every'] == 2
+  assert import_hf.model_overrides(gemma3)['rope_local_theta'] == 50.0
+  for bad, match in [
+      (dict(gemma2, layer_types=['sliding_attention', 'chunked_attention']), "layer_types entry 'chunked_attention'"),
+      (dict(gemma2, layer_types=['full_attention', 'sliding_attention']), 'layer_types='),
+      (dict(gemma2, rope_parameters={'rope_type': 'dynamic', 'factor': 2.0}), 'rope scaling'),
+      (dict(gemma3, rope_parameters={'sliding_attention': {'rope_type': 'linear', 'factor': 2.0},
+                                     'full_attention': {'rope_type': 'default'}}), 'sliding_attention'),
+      (dict(gemma2, hidden_activation='gelu'), 'hidden_activation'),
+      (dict(gemma3, model_type='gemma3', vision_config={'hidden_size': 8}), 'vision_config'),
+      (dict(FAMILIES['mistral'][2], model_type='mistral', attention_bias=True), 'attention_bias')]:
+    with pytest.raises(import_hf.HFImportError, match=match) as e:
+      import_hf.model_overrides(bad)
+    assert '\n' not in str(e.value)
+
+
+def test_export_refuses_blocks_no_family_computes():
+  """Options no exported class computes together are refused by name (sinks; Gemma 2 with two RoPE bases)."""
+  base = model_lib.ModelConfig(vocab_size=211, d_model=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                               mlp_dim=100, parallel_block=False)
+  gemma = dataclasses.replace(base, norms=model_lib.NormsConfig(placement='sandwich', offset=True),
+                              mlp=model_lib.MlpConfig('geglu'), embed_scale=True)
+  for m, match in [(dataclasses.replace(base, attention=model_lib.AttentionConfig(sinks=True)), 'attention_sinks'),
+                   (dataclasses.replace(gemma, attention=model_lib.AttentionConfig(local_rope_theta=5.0)),
+                    'rope_local_theta'),
+                   (dataclasses.replace(base, attention=model_lib.AttentionConfig(window=8, global_every=2)),
+                    'attention_window'),
+                   (dataclasses.replace(base, final_softcap=3.0), 'final_softcap')]:
+    with pytest.raises(export.ExportError, match=match):
+      export.architecture(m)
+  assert export.architecture(dataclasses.replace(base, attention=model_lib.AttentionConfig(window=8))) == \
+      'MistralForCausalLM'
+
+
+@pytest.mark.parametrize('family', ['gemma2', 'mistral'])
+def test_greedy_with_the_kv_cache_equals_transformers_generate_beyond_the_window(hf, family, tmp_path):
+  """jaxlm.generate (KV cache, ragged prompts left-padded in one batch) continues each prompt token for token as
+  transformers' generate does, 24 tokens past prompts of 8 and 5: four windows of W = 8; local layers' caches
+  are rings of W slots."""
+  torch, _ = hf
+  from jaxlm import generate as generate_lib
+  # Larger weights and an untied head: a tiny random model's greedy path otherwise repeats one token (tied, its own).
+  original = _original(hf, family, str(tmp_path / 'hf'), initializer_range=0.4, tie_word_embeddings=False)
+  original.generation_config.eos_token_id = None  # random weights: never stop early
+  m = model_lib.ModelConfig.from_config(
+      _model_cfg(import_hf.model_overrides(json.loads((tmp_path / 'hf' / 'config.json').read_text()))))
+  params = import_hf.from_hf(import_hf.read_safetensors(str(tmp_path / 'hf')), m, scan_layers=True)
+  prompts = [list(range(10, 18)), [40, 7, 99, 3, 150]]
+  ours = generate_lib.generate(m, params, prompts, 24).tokens
+  for prompt, got in zip(prompts, ours):
+    with torch.no_grad():
+      want = original.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):]
+    assert got == want.tolist()
+  assert len(set(ours[0])) > 3  # not one token repeated
+  unwindowed = dataclasses.replace(m, attention=dataclasses.replace(m.attention, window=0))
+  assert generate_lib.generate(unwindowed, params, prompts, 24).tokens != ours  # the window decides tokens
+  # A local layer's cache is a ring of W slots where the layer knows it is local when built: every layer local
+  # (Mistral, scanned), or unrolled layers (Gemma 2); a scanned local/global stack keeps S slots in every layer.
+  if family == 'gemma2':
+    m = dataclasses.replace(m, scan_layers=False)
+    params = {k: v for k, v in params.items() if k != 'layers'} | {
+        f'layers_{i}': jax.tree.map(lambda x, i=i: x[i], params['layers']) for i in range(2)}
+    assert generate_lib.generate(m, params, prompts, 24).tokens == ours
+  cache = generate_lib.cache_shapes(generate_lib.inference_model(m), params, 2, 64)
+  if family == 'gemma2':
+    assert [cache[f'layers_{i}']['attention']['key'].shape[1] for i in range(2)] == [WINDOW, 64]
+  else:
+    assert cache['layers']['attention']['key'].shape[2] == WINDOW
+
+
+def _model_cfg(overrides: dict):
+  """palm_tiny's model section with an import's overrides, float32."""
+  c = load_config('palm_tiny').model
+  c.update(**overrides, dtype='float32')
+  return c
