@@ -266,3 +266,15 @@ def test_report_shows_and_plots_the_harness_metrics(harness_run, tmp_path, capsy
   logged = _in_loop(workdir)
   assert f'{logged["harness/h_roll/bits_per_byte"]:.4f}' in out
   assert (tmp_path / 'report.png').stat().st_size > 10_000
+
+
+@pytest.mark.e2e  # a subprocess
+def test_tasks_command_refuses_a_task_without_its_data_in_one_line(tmp_path):
+  from tests.helpers import train_env
+  missing = write_tasks(tmp_path / 'tasks', {'h_gone': TASKS['h_mc']})
+  os.remove(os.path.join(missing, 'mc.jsonl'))
+  env = {**train_env(8), 'HF_DATASETS_OFFLINE': '1', 'HF_HUB_OFFLINE': '1',
+         'HF_DATASETS_CACHE': str(tmp_path / 'datasets')}
+  out = run_cli('jaxlm.tools.eval', f'--workdir={tmp_path}', '--tasks=h_gone', f'--include_path={missing}', env=env,
+                timeout=120)
+  assert_fails_with(out, 2, 'harness task h_gone: its dataset cannot be loaded offline')
