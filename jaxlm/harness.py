@@ -271,8 +271,8 @@ def check_tasks(tasks, include_path: str | None = None) -> None:
     except Exception as e:  # pylint: disable=broad-except  # datasets raises many kinds; all mean "not here"
       reason = ' '.join(str(e).split())[:300]
       raise HarnessError(f'harness task {task}: its dataset cannot be loaded offline ({type(e).__name__}: '
-                         f'{reason}); download it where there is network (python -c "import lm_eval.tasks as t; '
-                         f't.get_task_dict([\'{task}\'])"), then copy HF_DATASETS_CACHE '
+                         f'{reason}); download it where there is network (python -c "from lm_eval.tasks import '
+                         f'TaskManager; TaskManager().load([\'{task}\'])"), then copy HF_DATASETS_CACHE '
                          f'({os.environ.get("HF_DATASETS_CACHE", "~/.cache/huggingface/datasets")}) to this '
                          f'machine, or point the task\'s YAML at local files') from e
 
