@@ -120,6 +120,10 @@ def get_config() -> ml_collections.ConfigDict:
   t.gen_eval_temperature = 1.0  # gen_eval: sampling temperature (0 = greedy)
   t.gen_eval_top_p = 0.95  # gen_eval: nucleus sampling (the open-ended generation protocol's setting)
   t.gen_eval_mauve = False  # gen_eval: MAUVE on the run's own features (needs jaxlm[textgen]; moves with training)
+  t.harness_tasks = ()  # lm-eval tasks scored in the loop on the live weights (jaxlm/harness.py), e.g. ('arc_easy',)
+  t.harness_every = 0  # steps between harness evaluations, a multiple of eval_every (0 = at every evaluation)
+  t.harness_limit = 0  # examples per harness task, bounding an in-loop evaluation's time (0 = all)
+  t.harness_include_path = ''  # folders of task YAMLs beyond lm-eval's registry and jaxlm's own, comma-separated
   t.deterministic = False  # GPU: deterministic XLA ops, so reruns and resumes are bit for bit (slower); CPU/TPU always are
   t.objective = 'lm'  # lm: next-token cross-entropy (pre-training, SFT) | preference: `preference` below on pairs | distill: `distill` below
 

@@ -5,6 +5,7 @@ JAX. `validate` collects every problem it finds, so one run shows them all.
 """
 
 import math
+import os
 
 import ml_collections
 import numpy as np
@@ -289,6 +290,23 @@ def batch_stages(train_cfg, seq_len: int) -> list[tuple[int, float]]:
     size, until = item.split(':')
     stages.append((int(size), float(until)))
   return stages + [(train_cfg.batch_size, math.inf)]
+
+
+def _harness_errors(t) -> list[str]:
+  """train.harness_*: the tasks themselves (known, offline) are checked at start-up, by jaxlm/harness.py."""
+  tasks, e = t.get('harness_tasks', ()), []
+  if not isinstance(tasks, (tuple, list)) or not all(isinstance(x, str) and x for x in tasks):
+    e.append(f'train.harness_tasks={tasks!r} must be a tuple of lm-eval task names, e.g. "(\'arc_easy\',)".')
+  every = t.get('harness_every', 0)
+  if every < 0 or t.get('harness_limit', 0) < 0:
+    e.append(f'train.harness_every={every} and train.harness_limit={t.get("harness_limit", 0)} must be >= 0.')
+  elif tasks and every and t.eval_every and every % t.eval_every:
+    e.append(f'train.harness_every={every} must be a multiple of train.eval_every={t.eval_every} (harness tasks '
+             f'are scored at evaluations); change either.')
+  for folder in (p for p in t.get('harness_include_path', '').split(',') if p):
+    if tasks and not os.path.isdir(os.path.expanduser(folder)):
+      e.append(f'train.harness_include_path: {folder} is not a folder; give folders of lm-eval task YAMLs.')
+  return e
 
 
 def _gen_eval_errors(t, d, num_processes: int) -> list[str]:
@@ -579,7 +597,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int, num_processes: int 
   errors = (_model_errors(c.model) + _moe_errors(c, num_devices) + _lora_errors(c) + _preference_errors(c)
             + _fp8_errors(c) + _deterministic_errors(c)
             + _data_errors(c.data) + _stream_errors(c) + _train_errors(c.train, c.optim)
-            + _gen_eval_errors(c.train, c.data, num_processes) + _mesh_errors(c, num_devices, num_processes, num_slices)
+            + _gen_eval_errors(c.train, c.data, num_processes) + _harness_errors(c.train) + _mesh_errors(c, num_devices, num_processes, num_slices)
             + distributed.dist_errors(c.dist) + _other_errors(c) + _location_errors(c) + (_rl_errors(c) if rl else []))
   if errors:
     raise ConfigError('invalid config:\n  - ' + '\n  - '.join(errors))

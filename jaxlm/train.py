@@ -99,6 +99,7 @@ class Run:
   slow: perf.SlowStepDetector
   env: dict
   gen: Any = None  # train.gen_eval's prompts and cached human side (jaxlm/textgen.py), when on
+  harness: Any = None  # train.harness_tasks: lm-eval tasks checked at start-up, scored at evaluations (harness.py)
   compiled: dict = dataclasses.field(default_factory=dict)
   stop: list = dataclasses.field(default_factory=list)  # names of the stop signals received
 
@@ -133,6 +134,9 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack, source=None, device
   """Everything before the first step; each piece registers its own shutdown on `shutdown`."""
   acct = perf.TimeAccounting()  # wall time from process start: start-up counts against goodput
   t = cfg.train
+  if t.get('harness_tasks'):  # before any device work: a task that cannot run offline fails now, not at step N
+    from jaxlm import harness  # pylint: disable=g-import-not-at-top  # lm_eval: runs with harness tasks only
+    harness.check_tasks(t.harness_tasks, t.harness_include_path or None)
   with acct.phase('devices, mesh'):  # the first JAX call starts the backend (CUDA, TPU runtime)
     cache = perf.enable_compilation_cache(cfg.log)  # asks the backend for its devices (CPU mesh: off)
     mesh = sharding.make_mesh(cfg.mesh, devices)
@@ -171,6 +175,10 @@ def start(cfg, workdir: str, shutdown: contextlib.ExitStack, source=None, device
     from jaxlm import textgen  # pylint: disable=g-import-not-at-top  # runs with gen_eval only
     r.gen = textgen.GenEval(t, eval_data, data_lib.load_tokenizer(cfg.data, cfg.model.vocab_size),
                             program.model.config, seq_len=cfg.data.seq_len, mesh=mesh)
+  if t.get('harness_tasks') and eval_data is not None:  # scored at evaluations (checked above)
+    from jaxlm import harness  # pylint: disable=g-import-not-at-top
+    r.harness = harness.InLoop(t, data_lib.load_tokenizer(cfg.data, cfg.model.vocab_size), program.model.config,
+                               seq_len=cfg.data.seq_len, mesh=mesh)
   # A checkpoint this config cannot resume is refused before the compile: seconds, not minutes on a large model.
   ckpt.refuse_misfit(program.abstract_state, program.state_shardings, r.env.get('optimizer'))
   compile_and_check(r, say)
@@ -472,6 +480,10 @@ def evaluate_and_log(r: Run, step: int, state) -> float:
       record['eval_loss_ema'] = (evaluate(r.program, ema, r.eval_data) if r.program.preference_eval_step is None
                                  else step_lib.evaluate_preference(r.program, ema, state.reference,
                                                                    r.eval_data)['eval_loss'])
+    if r.harness is not None and r.harness.due(step, r.cfg.train.steps):  # harness/<task>/<metric>[_ema]
+      record.update(r.harness(params))
+      if state.ema:
+        record.update(r.harness(step_lib.ema_params(state, r.program.model.config), '_ema'))
     texts = sample_prompts(r, params)
     gen = r.gen(params) if r.gen is not None and r.gen.due(step, r.cfg.train.eval_every, r.cfg.train.steps) \
         else None

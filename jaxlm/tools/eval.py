@@ -6,6 +6,8 @@ run's also its pairs' preference loss, rewards and log-probabilities, as its tra
   python -m jaxlm.tools.eval --workdir=runs/palm_small --documents=FILE_DIR_OR_GLOB[,...] [--text_field=text]
                        [--txt_docs=file] [--max_documents=N]
   python -m jaxlm.tools.eval --workdir=runs/palm_small --write_jsonl=heldout.jsonl [--max_documents=N]
+  python -m jaxlm.tools.eval --workdir=runs/palm_small --tasks=T1,T2 [--include_path=DIR] [--num_fewshot=N] [--limit=N]
+                       [--apply_chat_template] [--output_path=DIR] [--log_samples]
   python -m jaxlm.tools.eval --workdir=runs/palm_small --generate=heldout|prompts.jsonl [--num_prompts=64]
                        [--prompt_tokens=16] [--max_tokens=64] [--temperature=1 --top_p=0.95] [--seed=0]
                        [--scorer=JUDGE_RUN] [--embedder=DIR] [--mauve_seeds=0,1,2] [--samples_out=FILE] [--json]
@@ -25,6 +27,11 @@ them, each on its own exactly as lm-evaluation-harness's `loglikelihood_rolling`
 the start token the model was trained with (EOS) then the document's tokens, in windows of the run's sequence
 length. Bits per byte there use the documents' own UTF-8 bytes, so the shipped lm-eval task (TASKS_DIR) on the
 same jsonl gives the same number. --write_jsonl writes the run's held-out documents as such a jsonl.
+
+--tasks scores lm-evaluation-harness tasks (its registry, jaxlm/lm_eval_tasks, --include_path) with the run's own
+model on its mesh (jaxlm/harness.py), no export and no torch: lm-eval's flag names, its results table, and with
+--output_path its results JSON (and --log_samples its per-request samples) as `lm_eval` writes them. The numbers
+equal those the training loop logs for train.harness_tasks at the same step.
 
 --generate scores what the model writes (jaxlm/textgen.py), beside a human row: `heldout` cuts --num_prompts
 prompts of --prompt_tokens tokens from the held-out batches and keeps the next --max_tokens tokens as the human
@@ -304,6 +311,47 @@ def score_documents(workdir: str, texts: Sequence[str], *, step: int | None = No
   return result
 
 
+def harness_lm(workdir: str, *, step: int | None = None, weights: str = 'raw', batch_size: int | None = None):
+  """(a run's checkpoint as an lm-eval model (jaxlm/harness.py): its parameters on its mesh, its tokenizer; step)."""
+  from jaxlm import harness  # pylint: disable=g-import-not-at-top  # lm_eval: --tasks only
+  path = rundir.step_dir(workdir, step)
+  cfg = rundir.read_config(path)
+  mesh = sharding.make_mesh(load_run.mesh_cfg(cfg))
+  with sharding.activate(mesh):
+    program, params = load_run.restore(path, cfg, mesh, weights)
+  # The run's batch size, as the training loop's harness hook uses: the same shapes, so the same numbers.
+  scoring = harness.Scoring(program.model.config, params, rundir.load_tokenizer(cfg, workdir), cfg.data.seq_len,
+                            mesh, batch_size or cfg.train.batch_size)
+  return harness.JaxlmLM(scoring), int(os.path.basename(path))
+
+
+def _tasks_main() -> None:
+  """--tasks: lm-eval's results table; with --output_path its results JSON (and samples) as lm_eval writes them."""
+  from jaxlm import harness  # pylint: disable=g-import-not-at-top  # lm_eval: --tasks only
+  from lm_eval import utils as lm_eval_utils  # pylint: disable=g-import-not-at-top
+  from lm_eval.loggers import EvaluationTracker  # pylint: disable=g-import-not-at-top
+  tasks = [t.strip() for t in FLAGS.tasks if t.strip()]
+  harness.check_tasks(tasks, FLAGS.include_path)  # before the checkpoint is read: a bad name fails in seconds
+  lm, step = harness_lm(FLAGS.workdir, step=FLAGS.step, weights=FLAGS.weights, batch_size=FLAGS.batch_size)
+  tracker = EvaluationTracker(output_path=FLAGS.output_path)
+  results = harness.evaluate(lm, tasks, include_path=FLAGS.include_path, num_fewshot=FLAGS.num_fewshot,
+                             limit=FLAGS.limit, apply_chat_template=FLAGS.apply_chat_template,
+                             log_samples=FLAGS.log_samples, tracker=tracker,
+                             model_args=f'pretrained={os.path.abspath(FLAGS.workdir)}/step_{step}')
+  samples = results.pop('samples', None)
+  if jax.process_index():  # every process scored the same requests as one SPMD program: process 0 reports
+    return
+  if FLAGS.output_path:
+    tracker.save_results_aggregated(results=results, samples=samples)
+    for task in (results['configs'] if samples else ()):
+      tracker.save_results_samples(task_name=task, samples=samples[task])
+  print(f'jaxlm ({FLAGS.workdir}, step {step}, weights {FLAGS.weights}), limit: {FLAGS.limit}, num_fewshot: '
+        f'{FLAGS.num_fewshot}, batch_size: {lm.scoring.batch_size}')
+  print(lm_eval_utils.make_table(results))
+  if 'groups' in results:
+    print(lm_eval_utils.make_table(results, 'groups'))
+
+
 def load_scorer(workdir: str, *, step: int | None = None, batch_size: int = 8) -> textgen.Scorer:
   """A run (or an import_llama import) as a textgen.Scorer: its checkpoint on its mesh, with its tokenizer."""
   path = rundir.step_dir(workdir, step)
@@ -443,6 +491,14 @@ def _define_flags() -> None:
   flags.DEFINE_list('mauve_seeds', ['0', '1', '2'], '--generate: k-means seeds MAUVE is averaged over.')
   flags.DEFINE_string('samples_out', None, '--generate: where the samples go (default '
                       '<workdir>/generations/step_<N>.jsonl).')
+  flags.DEFINE_list('tasks', [], 'lm-evaluation-harness tasks to score (comma-separated), jaxlm/harness.py.')
+  flags.DEFINE_string('include_path', None, '--tasks: more task YAML folders (comma-separated).')
+  flags.DEFINE_integer('num_fewshot', None, '--tasks: few-shot examples per request (default: each task\'s).')
+  flags.DEFINE_float('limit', None, '--tasks: examples per task (a fraction if below 1).')
+  flags.DEFINE_bool('apply_chat_template', False, '--tasks: render requests with the tokenizer\'s chat template.')
+  flags.DEFINE_string('output_path', None, '--tasks: folder (or .json file) for the results JSON.')
+  flags.DEFINE_bool('log_samples', False, '--tasks: also write every request and its response (with '
+                    '--output_path).')
   flags.DEFINE_string('write_jsonl', None, 'Write the run\'s held-out documents to this jsonl ({"text": ...} per '
                       'line, what the shipped lm-eval task reads) and exit.')
 
@@ -459,6 +515,9 @@ def main(argv):
       return
     if FLAGS.generate:
       _generate_main()
+      return
+    if FLAGS.tasks:
+      _tasks_main()
       return
     if FLAGS.documents:
       texts = read_documents(FLAGS.documents, text_field=FLAGS.text_field, txt_docs=FLAGS.txt_docs,

@@ -104,15 +104,34 @@ def generations(records: list[dict], samples: int = 3) -> str:
   return '\n'.join(lines)
 
 
+def harness_keys(evals: list[dict]) -> list[str]:
+  """The harness/<task>/<metric> keys the eval records carry (train.harness_tasks), in first-seen order."""
+  return list(dict.fromkeys(k for r in evals for k in r if k.startswith('harness/')))
+
+
+def harness(records: list[dict]) -> str:
+  """The Harness section (train.harness_tasks): each lm-eval metric by step; '' when the run logged none."""
+  evals = [r for r in _by_step(records, 'eval') if any(k.startswith('harness/') for k in r)]
+  keys = harness_keys(evals)
+  if not keys:
+    return ''
+  rows = [(str(r['step']), *('-' if r.get(k) is None else f'{r[k]:.4f}' for k in keys)) for r in evals]
+  header = ('step', *(k.removeprefix('harness/') for k in keys))
+  return '\n'.join(['Harness (train.harness_tasks; lm-eval tasks scored by the run itself):',
+                    metrics.format_table(rows, header=header, right=(True,) * len(header), rule=True)])
+
+
 def plot(records: list[dict], out: str) -> None:
-  """Writes a PNG of loss (with eval loss), learning rate, gradient norm and tokens/s over steps."""
+  """Writes a PNG of loss (with eval loss), learning rate, gradient norm and tokens/s over steps, and of the
+  harness metrics (train.harness_tasks) when the run logged any."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use('Agg')  # no display on a training host
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
 
   train, evals = _by_step(records, 'train'), _by_step(records, 'eval')
   steps = [r['step'] for r in train]
-  fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+  keys = harness_keys(evals)
+  fig, axes = plt.subplots(3 if keys else 2, 2, figsize=(11, 10.5 if keys else 7), sharex=True)
   panels = (('loss', 'loss'), ('lr', 'learning rate'), ('grad_norm', 'gradient norm'),
             ('tokens_per_s', 'tokens/s'))
   for ax, (key, title) in zip(axes.flat, panels):
@@ -122,7 +141,15 @@ def plot(records: list[dict], out: str) -> None:
   if evals:
     axes[0, 0].plot([r['step'] for r in evals], [r['eval_loss'] for r in evals], 'o-', label='eval')
   axes[0, 0].legend()
-  for ax in axes[1]:
+  for ax, bounded in zip(axes[2] if keys else (), (True, False)):  # scores in [0, 1] apart from perplexities
+    shown = [k for k in keys if all(0 <= r[k] <= 1 for r in evals if k in r) == bounded]
+    for k in shown:
+      ax.plot([r['step'] for r in evals if k in r], [r[k] for r in evals if k in r], 'o-', label=k[8:])
+    ax.set_title('harness scores' if bounded else 'harness (other)')
+    ax.grid(alpha=0.3)
+    if shown:
+      ax.legend(fontsize='small')
+  for ax in axes[-1]:
     ax.set_xlabel('step')
   fig.tight_layout()
   fig.savefig(out, dpi=100)
@@ -136,8 +163,9 @@ def report(workdir: str, out: str = '') -> str:
     raise rundir.RunDirError(f'no metrics.jsonl in {workdir}; give the --workdir of a run')
   records = read_metrics(workdir)
   print(summary_table(summarize(records)))
-  if section := generations(records):
-    print(section)
+  for section in (generations(records), harness(records)):
+    if section:
+      print(section)
   out = out or rundir.path(workdir, 'report.png')
   try:
     if storage.is_url(out):  # matplotlib writes local files: plot beside, then upload
