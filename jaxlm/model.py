@@ -21,6 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxlm import attention as attention_lib
 from jaxlm import lora as lora_lib
+from jaxlm import mla as mla_lib
 from jaxlm import moe as moe_lib
 from jaxlm import pipeline as pipeline_lib
 from jaxlm.blocks import (MLP_ACTIVATIONS, NORM_PLACEMENTS, AttentionConfig, MlpConfig,  # noqa: F401
@@ -83,19 +84,21 @@ class ModelConfig:
   mlp: MlpConfig = MlpConfig()  # model.mlp_activation
   moe: moe_lib.MoeConfig = moe_lib.MoeConfig()  # model.moe_*: read only when moe.experts > 0 (jaxlm/moe.py)
   lora: lora_lib.LoraConfig = lora_lib.LoraConfig()  # model.lora: read where a projection is made (`project`)
+  mla: mla_lib.MlaConfig = mla_lib.MlaConfig()  # model.kv_lora_rank > 0: multi-head latent attention (jaxlm/mla.py)
 
   @classmethod
   def from_config(cls, model_cfg) -> 'ModelConfig':
     """Builds the frozen config from `cfg.model`, filling the derived sizes (head_dim, mlp_dim, moe.mlp_dim)."""
     # .get: a config saved before a key existed (an old checkpoint's) means that key's default.
-    nested = {'attention', 'norms', 'mlp', 'moe', 'lora'}
+    nested = {'attention', 'norms', 'mlp', 'moe', 'lora', 'mla'}
     fields = {f.name: model_cfg.get(f.name, f.default) for f in dataclasses.fields(cls) if f.name not in nested}
     fields.update(head_dim=head_dim(model_cfg), mlp_dim=mlp_dim(model_cfg))
     moe = moe_lib.MoeConfig.from_config(model_cfg)
     fields.update(attention=AttentionConfig.from_config(model_cfg), norms=NormsConfig.from_config(model_cfg),
                   mlp=MlpConfig.from_config(model_cfg),
                   moe=dataclasses.replace(moe, mlp_dim=moe.mlp_dim or fields['mlp_dim']),
-                  lora=lora_lib.LoraConfig.from_config(model_cfg.get('lora')))
+                  lora=lora_lib.LoraConfig.from_config(model_cfg.get('lora')),
+                  mla=mla_lib.MlaConfig.from_config(model_cfg))
     return cls(**fields)
 
 
@@ -124,6 +127,7 @@ def param_count(m: ModelConfig, active: bool = False) -> int:
   """
   D, H, K, E, F, V, L = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim, m.vocab_size, m.num_layers
   attention = D * H * E + 2 * D * K * E + H * E * D + qk_norm_params(m)  # q, k, v, out, q/k norms
+  attention = mla_lib.attention_params(m) if m.mla.kv_lora_rank else attention
   mlp = 3 * D * F  # gate, up, down
   routed = m.moe.top_k if active else m.moe.experts
   moe = (D + 1) * m.moe.experts + 3 * D * m.moe.mlp_dim * (routed + m.moe.shared_experts)  # router + bias, experts
@@ -493,15 +497,21 @@ class Block(nn.Module):
     if m.parallel_block:
       # PaLM: y = x + Attn(LN(x)) + MLP(LN(x)); the two input matmuls can fuse (PaLM reports it faster at scale).
       h = gathered(Norm(m, rms=False, name='norm')(x))
-      attn, out = Attention(m, self.local, name='attention')(h, segment_ids, positions, local), mlp(h)
+      attn, out = self.attention()(h, segment_ids, positions, local), mlp(h)
       x = x + drop(to_residual(attn)) + drop(to_residual(out))
     else:
-      attention = lambda h: Attention(m, self.local, name='attention')(h, segment_ids, positions, local)  # noqa: E731
+      attention = lambda h: self.attention()(h, segment_ids, positions, local)  # noqa: E731
       x = x + drop(self.sublayer('attn', attention, x))
       x = nn.with_logical_constraint(x, RESIDUAL)
       x = x + drop(self.sublayer('mlp', mlp, x))
     x = nn.with_logical_constraint(x, RESIDUAL)
     return x, None  # (carry, output) as nn.scan wants
+
+  def attention(self):
+    """The layer's attention module: model.Attention, or multi-head latent attention (model.kv_lora_rank > 0)."""
+    if self.config.mla.kv_lora_rank:
+      return mla_lib.MLA(self.config, project, name='attention')
+    return Attention(self.config, self.local, name='attention')
 
   def sublayer(self, name: str, fn, x):
     """The sequential block's sublayer `fn` on the residual x, normed as model.norm_placement says (NormsConfig):
