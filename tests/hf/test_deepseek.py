@@ -1,0 +1,178 @@
+"""DeepSeek-V3 through import and export: multi-head latent attention (jaxlm/mla.py) and the DeepSeek mixture of
+experts; jaxlm's logits equal transformers' on a tiny random DeepseekV3ForCausalLM (float32, eager attention).
+
+The model has a query latent, decoupled RoPE (interleaved in the checkpoint), one dense layer then one MoE layer
+(first_k_dense_replace = 1) with a shared expert and group-limited routing. Norm scales are drawn away from 1 and
+the router's weights and selection bias are drawn large, so the k-th and (k+1)-th experts of a token are far apart
+(a tie broken differently would show as a logit difference, not hide in one).
+"""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jaxlm import config as config_lib
+from jaxlm import errors
+from jaxlm import mla as mla_lib
+from jaxlm import model as model_lib
+from jaxlm.hf import export
+from jaxlm.hf import import_llama as import_hf
+from tests.helpers import load_config, odd_config, random_batch
+from tests.hf.test_families import _logits, _torch_logits
+from tests.test_sharding import _two_steps
+
+SEQ = 24
+CONFIG = dict(vocab_size=97, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+              routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
+              qk_nope_head_dim=10, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
+              max_position_embeddings=64, initializer_range=0.1, rms_norm_eps=1e-6,
+              rope_parameters={'rope_type': 'default', 'rope_theta': 1000.0})
+MAX_ABS = {}
+
+
+@pytest.fixture(scope='module')
+def imported(tmp_path_factory):
+  """(transformers model, its directory, jaxlm run directory, ModelConfig, params, tokens, transformers' logits)."""
+  torch = pytest.importorskip('torch', reason='torch is not installed: pip install -e ".[test]"')
+  transformers = pytest.importorskip('transformers', reason='transformers is not installed: pip install -e ".[test]"')
+  torch.manual_seed(0)
+  config = transformers.DeepseekV3Config(**CONFIG)
+  config._attn_implementation = 'eager'  # pylint: disable=protected-access
+  original = transformers.DeepseekV3ForCausalLM(config).float().eval()
+  with torch.no_grad():
+    for name, p in original.named_parameters():
+      if name.endswith('norm.weight'):
+        p.copy_(torch.rand_like(p) + 0.5)
+      elif name.endswith('mlp.gate.weight'):  # large router logits: the chosen experts win by a wide margin
+        p.copy_(torch.randn_like(p))
+    for layer in original.model.layers[CONFIG['first_k_dense_replace']:]:
+      layer.mlp.gate.e_score_correction_bias.copy_(torch.rand(CONFIG['n_routed_experts']) * 0.2 - 0.1)
+  root = tmp_path_factory.mktemp('deepseek')
+  original.save_pretrained(str(root / 'hf'), safe_serialization=True)
+  result = import_hf.import_hf(str(root / 'hf'), str(root / 'run'))
+  cfg = export.read_config(result['checkpoint'])
+  cfg.model.dtype = 'float32'
+  m = model_lib.ModelConfig.from_config(cfg.model)
+  params = import_hf.from_hf(import_hf.read_safetensors(str(root / 'hf')), m, scan_layers=True)
+  tokens = np.random.default_rng(1).integers(3, 97, (2, SEQ)).astype(np.int32)
+  yield (transformers, root, m, params, tokens, _torch_logits((torch, transformers), original, tokens))
+  print('\nmax |logits difference|: ' + ', '.join(f'{k} {v:.2e}' for k, v in MAX_ABS.items()))
+
+
+def test_import_equals_transformers_and_rope_and_latent_norms_matter(imported, monkeypatch):
+  """An imported DeepSeek-V3's logits == transformers' (1e-4); the same weights without the decoupled RoPE
+  (positions all 0), with its rotary dims left interleaved, or without the latent norms move them by >= 1e-2."""
+  _, _, m, params, tokens, theirs = imported
+  assert m.mla.kv_lora_rank == 16 and m.moe.first_dense == 1 and m.moe.router == 'deepseek_v3'
+  assert 'dense_layers' in params and 'shared' in params['layers']['moe']
+  MAX_ABS['import'] = float(np.abs(_logits(model_lib.Decoder(m), params, tokens) - theirs).max())
+  assert MAX_ABS['import'] <= 1e-4
+  assert model_lib.param_count(m) == sum(np.size(x) for x in jax.tree.leaves(params))
+
+  no_rope = np.asarray(model_lib.Decoder(m).apply({'params': params}, tokens, np.ones_like(tokens),
+                                                  np.zeros_like(tokens)))
+  MAX_ABS['without RoPE'] = float(np.abs(no_rope - theirs).max())
+  interleaved = jax.tree_util.tree_map_with_path(  # the checkpoint's rotary order, not de-interleaved
+      lambda path, x: _reinterleave(x, m) if str(path[-1].key) in ('query_b', 'kv_a') else x, params)
+  MAX_ABS['rope interleaved'] = float(np.abs(_logits(model_lib.Decoder(m), interleaved, tokens) - theirs).max())
+  monkeypatch.setattr(mla_lib, '_rms', lambda module, name, x, m: x)
+  MAX_ABS['without latent norms'] = float(np.abs(_logits(model_lib.Decoder(m), params, tokens) - theirs).max())
+  for key in ('without RoPE', 'rope interleaved', 'without latent norms'):
+    assert MAX_ABS[key] >= 1e-2, key
+
+
+def _reinterleave(x, m):
+  """A query_b (…, H, En + Er) or kv_a (D, R + Er) weight with its rotary columns back in interleaved order."""
+  Er = m.mla.qk_rope_head_dim
+  x = np.array(x)
+  x[..., -Er:] = x[..., -Er:][..., np.argsort(np.concatenate([np.arange(0, Er, 2), np.arange(1, Er, 2)]))]
+  return x
+
+
+def test_export_round_trips_to_transformers(imported):
+  """The export writes the checkpoint's tensors bit for bit under the same names, and transformers reloads it as
+  DeepseekV3ForCausalLM with the original's logits (1e-4)."""
+  transformers, root, _, _, tokens, theirs = imported
+  import torch
+  summary = export.export(str(root / 'run'), str(root / 'back'))
+  assert summary['architecture'] == 'DeepseekV3ForCausalLM'
+  assert json.loads((root / 'back' / 'config.json').read_text())['model_type'] == 'deepseek_v3'
+  from safetensors.numpy import load_file
+  before, after = load_file(str(root / 'hf' / 'model.safetensors')), load_file(str(root / 'back' / 'model.safetensors'))
+  assert sorted(before) == sorted(after)
+  for name in before:
+    np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+  back = transformers.AutoModelForCausalLM.from_pretrained(str(root / 'back'), attn_implementation='eager')
+  assert type(back).__name__ == 'DeepseekV3ForCausalLM'
+  MAX_ABS['export'] = float(np.abs(_torch_logits((torch, transformers), back.float().eval(), tokens) - theirs).max())
+  assert MAX_ABS['export'] <= 1e-4
+
+
+def test_import_refuses_fields_jaxlm_does_not_handle():
+  """A config.json field jaxlm does not read, or one with a value it does not compute, is refused in one line that
+  names it; a plain query projection (q_lora_rank null, V2-Lite) is accepted as q_lora_rank=0."""
+  hf = dict(CONFIG, model_type='deepseek_v3', rope_interleave=True)
+  assert import_hf.model_overrides(dict(hf, q_lora_rank=None))['q_lora_rank'] == 0
+  for bad, match in [(dict(hf, attention_bias=True), 'attention_bias=True'),
+                     (dict(hf, scoring_func='softmax'), "scoring_func='softmax'"),
+                     (dict(hf, use_flux_capacitor=3), "field 'use_flux_capacitor'"),
+                     (dict(hf, rope_parameters={'rope_type': 'yarn', 'factor': 4.0, 'mscale_all_dim': 1.0,
+                                                'original_max_position_embeddings': 16}), 'mscale_all_dim')]:
+    with pytest.raises(import_hf.HFImportError, match=match) as e:
+      import_hf.model_overrides(bad)
+    assert '\n' not in str(e.value)
+
+
+@pytest.mark.parametrize('overrides, says', [
+    (dict(attention='splash'), 'model.attention=splash with MLA'),
+    (dict(qk_rope_head_dim=7), 'model.qk_rope_head_dim=7 must be even'),
+    (dict(v_head_dim=0), 'model.v_head_dim=0 must be > 0'),
+    (dict(attention_window=8), 'model.attention_window=8 with MLA'),
+])
+def test_validate_refuses_what_mla_cannot_run(overrides, says):
+  c = load_config('palm_tiny')
+  c.model.update(parallel_block=False, kv_lora_rank=16, **overrides)
+  with pytest.raises(errors.ConfigError, match=says):
+    config_lib.validate(c, num_devices=8)
+
+
+def _mla_config(q_lora_rank: int):
+  cfg = odd_config(parallel_block=False)
+  cfg.model.update(kv_lora_rank=12, q_lora_rank=q_lora_rank, qk_nope_head_dim=10, qk_rope_head_dim=6,
+                   v_head_dim=18)
+  return cfg
+
+
+@pytest.mark.parametrize('q_lora_rank', [0, 20])
+def test_sharded_mla_step_matches_single_device(q_lora_rank):
+  """Two training steps of an MLA model (plain query projection, or a query latent) on fsdp 4 × tensor 2 (heads
+  split) equal one device (1e-5) in loss and gradient norm; documents packed two to a row."""
+  cfg = _mla_config(q_lora_rank)
+  batch = random_batch(8, 24, cfg.model.vocab_size, docs=2)
+  reference, _ = _two_steps(cfg.copy_and_resolve_references(), (1, 1, 1), batch)
+  assert reference[1] < reference[0]  # the step did something
+  got, state = _two_steps(cfg, (1, 4, 2), batch)
+  np.testing.assert_allclose(got, reference, rtol=1e-5)
+  wq = state.params['layers']['attention']['query_b' if q_lora_rank else 'query']
+  assert 'tensor' in str(wq.sharding.spec)  # heads over tensor, not replicated
+
+
+def test_latent_cache_greedy_equals_full_recompute():
+  """Greedy decoding from the latent cache (R + Er numbers per token per layer) equals greedy by full recompute."""
+  from jaxlm import generate as generate_lib
+  import flax.linen as nn
+  m = dataclasses.replace(model_lib.ModelConfig.from_config(_mla_config(20).model), tie_embeddings=False)
+  dummy = np.zeros((1, 8), np.int32)
+  params = nn.unbox(model_lib.Decoder(m).init(jax.random.PRNGKey(3), dummy, dummy + 1, dummy)['params'])
+  rng = np.random.default_rng(4)
+  params = jax.tree.map(lambda x: x + 0.5 * rng.standard_normal(x.shape).astype(np.float32), params)
+  prompts = [list(rng.integers(1, 300, 9)), list(rng.integers(1, 300, 5))]
+  cached = generate_lib.generate(m, params, prompts, 10).tokens
+  np.testing.assert_array_equal(np.array(cached), generate_lib.generate_without_cache(m, params, prompts, 10))
+  assert len(set(cached[0])) > 3
+  cache = generate_lib.cache_shapes(generate_lib.inference_model(m), params, 2, 64)['layers']['attention']
+  assert cache['latent'].shape[-1] == 12 and cache['rope_key'].shape[-1] == 6 and 'key' not in cache
