@@ -160,7 +160,9 @@ def flops_per_token(m: ModelConfig, seq_len: int, causal: bool = False) -> float
   whole T×T square; `causal=True` halves that term, as only the lower triangle does useful work.
   """
   n = param_count(m, active=True) - (0 if m.tie_embeddings else m.vocab_size * m.d_model)
-  attention = 12 * m.num_layers * m.num_heads * m.head_dim * seq_len
+  c = m.mla  # MLA: queries and keys En + Er wide, values Ev (jaxlm/mla.py); else E each
+  widths = c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim if c.kv_lora_rank else 2 * m.head_dim
+  attention = 6 * m.num_layers * m.num_heads * widths * seq_len
   return 6 * n + (attention / 2 if causal else attention)
 
 

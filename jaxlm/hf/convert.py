@@ -351,6 +351,8 @@ def from_hf(tensors: dict[str, np.ndarray], m: model_lib.ModelConfig, *, scan_la
   """jaxlm params (float32 numpy) of a Hugging Face Llama state dict: the inverse of export.to_hf."""
   D, H, K, E, L = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.num_layers
   tensors = {k.removeprefix('model.'): v for k, v in tensors.items()}
+  if m.mla.kv_lora_rank:
+    deepseek.refuse_mtp_layers(tensors, L)
 
   def get(name, shape=None):
     if name not in tensors:

@@ -63,6 +63,16 @@ def rope_order(m, interleave: bool = True) -> np.ndarray:
   return np.concatenate([np.arange(c.qk_nope_head_dim), c.qk_nope_head_dim + rot])
 
 
+def refuse_mtp_layers(tensors: dict, num_layers: int) -> None:
+  """An HFImportError if the checkpoint stores multi-token prediction layers after the last block (released
+  DeepSeek-V3 does, num_nextn_predict_layers): jaxlm has no MTP modules yet, and dropping them would lose them."""
+  extra = sorted(k for k in tensors if k.startswith(f'layers.{num_layers}.'))
+  if extra:
+    raise HFImportError(f'tensor {"model." + extra[0]!r} and {len(extra) - 1} more belong to a multi-token '
+                        f'prediction layer (num_nextn_predict_layers), which jaxlm does not import yet; remove them '
+                        f'from the safetensors files to import the main model alone.')
+
+
 def attention_from_hf(get, pre: str, m) -> dict:
   """One layer's MLA parameters (jaxlm/mla.py) from `pre`self_attn.* tensors (torch (out, in))."""
   c, D, H = m.mla, m.d_model, m.num_heads

@@ -32,6 +32,7 @@ CONFIG = dict(vocab_size=97, hidden_size=48, intermediate_size=64, moe_intermedi
               max_position_embeddings=64, initializer_range=0.1, rms_norm_eps=1e-6,
               rope_parameters={'rope_type': 'default', 'rope_theta': 1000.0})
 MAX_ABS = {}
+ORIGINAL = {}  # 'model': the fixture's transformers model
 
 
 @pytest.fixture(scope='module')
@@ -59,6 +60,7 @@ def imported(tmp_path_factory):
   m = model_lib.ModelConfig.from_config(cfg.model)
   params = import_hf.from_hf(import_hf.read_safetensors(str(root / 'hf')), m, scan_layers=True)
   tokens = np.random.default_rng(1).integers(3, 97, (2, SEQ)).astype(np.int32)
+  ORIGINAL['model'] = original  # for the generate test: the same model in transformers
   yield (transformers, root, m, params, tokens, _torch_logits((torch, transformers), original, tokens))
   print('\nmax |logits difference|: ' + ', '.join(f'{k} {v:.2e}' for k, v in MAX_ABS.items()))
 
@@ -176,3 +178,35 @@ def test_latent_cache_greedy_equals_full_recompute():
   assert len(set(cached[0])) > 3
   cache = generate_lib.cache_shapes(generate_lib.inference_model(m), params, 2, 64)['layers']['attention']
   assert cache['latent'].shape[-1] == 12 and cache['rope_key'].shape[-1] == 6 and 'key' not in cache
+
+
+def test_refuses_a_checkpoint_with_mtp_layers(imported):
+  """A DeepSeek-V3 checkpoint with a multi-token prediction layer after the last block (model.layers.L.*) is
+  refused by the tensor's name, not imported without it."""
+  _, root, m, _, _, _ = imported
+  tensors = import_hf.read_safetensors(str(root / 'hf'))
+  tensors['model.layers.2.eh_proj.weight'] = np.zeros((48, 96), np.float32)
+  with pytest.raises(import_hf.HFImportError, match="'model.layers.2.eh_proj.weight' and 0 more belong to a "
+                                                    "multi-token prediction layer"):
+    import_hf.from_hf(tensors, m, scan_layers=True)
+
+
+def test_greedy_from_the_latent_cache_equals_transformers_generate(imported):
+  """jaxlm.generate (latent cache, ragged prompts left-padded in one batch) continues each prompt token for token
+  as transformers' generate does; each decode step's logits equal the full forward's on the same tokens (1e-5)."""
+  import torch
+  from jaxlm import generate as generate_lib
+  _, _, m, params, _, _ = imported
+  original = ORIGINAL['model']
+  original.generation_config.eos_token_id = None  # random weights: never stop early
+  prompts = [[10, 11, 12, 13, 14, 15, 16, 17], [40, 7, 90, 3, 50]]
+  out = generate_lib.generate(m, params, prompts, 12, return_logits=True)
+  for prompt, got in zip(prompts, out.tokens):
+    with torch.no_grad():
+      want = original.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+    assert got == want.tolist()
+  assert len(set(out.tokens[0])) > 3  # not one token repeated
+  for row, (prompt, got) in enumerate(zip(prompts, out.tokens)):
+    full = _logits(model_lib.Decoder(m), params, np.array([prompt + got], np.int32))[0]  # (T, V)
+    steps = full[len(prompt) - 1:len(prompt) - 1 + len(got)]
+    np.testing.assert_allclose(out.logits[row, :len(got)], steps, atol=1e-5)
