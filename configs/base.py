@@ -62,6 +62,8 @@ def get_config() -> ml_collections.ConfigDict:
   m.qk_nope_head_dim = 128  # each head's query/key part without RoPE
   m.qk_rope_head_dim = 64  # the rotary part; the key's is one vector shared by every head (decoupled RoPE)
   m.v_head_dim = 128  # each head's value size (the output projection's input is num_heads × this)
+  m.mtp_depth = 0  # D multi-token prediction modules (DeepSeek-V3, jaxlm/mtp.py), training only; 0 = off
+  m.mtp_weight = 0.3  # λ: the training loss adds λ × the mean of the D depths' cross-entropies
   # Mixture of experts (jaxlm/moe.py); the moe_* keys below are read only when moe_experts > 0.
   m.moe_experts = 0  # X, routed experts per MoE layer; 0 = dense MLPs everywhere
   m.moe_top_k = 2  # k, experts each token is sent to

@@ -23,6 +23,7 @@ from jaxlm import attention as attention_lib
 from jaxlm import lora as lora_lib
 from jaxlm import mla as mla_lib
 from jaxlm import moe as moe_lib
+from jaxlm import mtp as mtp_lib
 from jaxlm import pipeline as pipeline_lib
 from jaxlm.blocks import (MLP_ACTIVATIONS, NORM_PLACEMENTS, AttentionConfig, MlpConfig,  # noqa: F401
                           NormsConfig, block_errors, is_local, ring_cached_attention, scores_config)
@@ -78,6 +79,8 @@ class ModelConfig:
   matmul_dtype: str = 'dtype'
   embed_scale: bool = False  # model.embed_scale: the looked-up embeddings times sqrt(D) (Gemma)
   final_softcap: float = 0.0  # model.final_softcap: logits -> cap·tanh(logits / cap) (Gemma 2); 0 = off
+  mtp_depth: int = 0  # model.mtp_depth: multi-token prediction modules in training (jaxlm/mtp.py); 0 = off
+  mtp_weight: float = 0.3  # model.mtp_weight: λ on the mean of their losses
   # Each feature's keys in its own small frozen config; cfg.model keeps them flat (`from_config` maps them).
   attention: AttentionConfig = AttentionConfig()  # model.attention, attention_block_q, qk_norm
   norms: NormsConfig = NormsConfig()  # model.norm_eps, norm_placement, norm_offset
@@ -137,6 +140,8 @@ def param_count(m: ModelConfig, active: bool = False) -> int:
   attention += H if m.attention.sinks else 0
   embeddings = V * D * (1 if m.tie_embeddings else 2)
   base = L * (attention + norms) + (L - moe_layers) * mlp + moe_layers * moe + D + embeddings  # + final norm
+  # Multi-token prediction (jaxlm/mtp.py), per depth: three norms, the (2D, D) projection and a dense layer.
+  base += m.mtp_depth * (3 * D + 2 * D * D + attention + norms + mlp)
   return base + lora_param_count(m)
 
 
@@ -618,20 +623,33 @@ class Decoder(nn.Module):
         x, _ = block(m, deterministic, moe=is_moe(m, i), local=bool(local[i]), name=f'layers_{i}')(
             x, segment_ids, positions, bool(local[i]))
 
-    return self.head(x, embedding)
+    depths = []
+    if m.mtp_depth and self.is_mutable_collection(mtp_lib.COLLECTION):  # training's extra predictions only
+      depths = mtp_lib.MTP(m, Block, Norm, name='mtp')(x, table, inputs, segment_ids, positions, deterministic)
+    logits = self.head(x, embedding, depths)
+    if depths:
+      self.sow(mtp_lib.COLLECTION, 'logits', jnp.stack(logits[1:]))  # (mtp_depth, B, T, V)
+    return logits[0]
 
-  def head(self, x, embedding):
-    """The final norm and the output projection: (B, T, D) -> logits (B, T, V), soft-capped if configured."""
+  def head(self, x, embedding, depths=()):
+    """The final norm and the output projection: [(B, T, V) logits of x, then of each of MTP's normed `depths`],
+    soft-capped if configured; the projection is shared (DeepSeek-V3's MTP output head)."""
+    m = self.config
+    x = Norm(m, rms=not m.parallel_block, name='final_norm')(x)
+    unembed = None if m.tie_embeddings else _param(self, 'unembed', ('embed', 'vocab'), (m.d_model, m.vocab_size),
+                                                    m.d_model ** -0.5, m)
+    return [self.project_out(gathered(h), embedding, unembed) for h in (x, *depths)]
+
+  def project_out(self, x, embedding, unembed):
+    """Normed (B, T, D) -> logits (B, T, V) by the (tied) output projection."""
     m = self.config
     D, V = m.d_model, m.vocab_size
-    x = gathered(Norm(m, rms=not m.parallel_block, name='final_norm')(x))
     B, T, _ = x.shape
     if m.tie_embeddings:
       # The 1/sqrt(D) goes on the (N, D) input, not the (N, V) logits: the same product, one pass fewer over
       # the largest activation (forward and backward).
       logits = dense(tokens(x) * (1 / math.sqrt(D)), embedding.astype(m.dtype).T, m.explicit_transpose_grads)  # (N, V)
     else:
-      unembed = _param(self, 'unembed', ('embed', 'vocab'), (D, V), D ** -0.5, m)
       logits = dense(tokens(x), unembed.astype(m.dtype), m.explicit_transpose_grads)
     if m.final_softcap:  # Gemma 2: logits bounded to (-cap, cap), in float32
       logits = (m.final_softcap * jnp.tanh(logits.astype(jnp.float32) / m.final_softcap)).astype(logits.dtype)

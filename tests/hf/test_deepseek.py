@@ -149,11 +149,13 @@ def _mla_config(q_lora_rank: int):
   return cfg
 
 
-@pytest.mark.parametrize('q_lora_rank', [0, 20])
-def test_sharded_mla_step_matches_single_device(q_lora_rank):
-  """Two training steps of an MLA model (plain query projection, or a query latent) on fsdp 4 × tensor 2 (heads
-  split) equal one device (1e-5) in loss and gradient norm; documents packed two to a row."""
+@pytest.mark.parametrize('q_lora_rank, mtp_depth', [(0, 0), (20, 2)])
+def test_sharded_mla_step_matches_single_device(q_lora_rank, mtp_depth):
+  """Two training steps of an MLA model (plain query projection; or a query latent with two multi-token
+  prediction depths, whose gradients join the norm) on fsdp 4 × tensor 2 (heads split) equal one device (1e-5)
+  in loss and gradient norm; documents packed two to a row."""
   cfg = _mla_config(q_lora_rank)
+  cfg.model.mtp_depth = mtp_depth
   batch = random_batch(8, 24, cfg.model.vocab_size, docs=2)
   reference, _ = _two_steps(cfg.copy_and_resolve_references(), (1, 1, 1), batch)
   assert reference[1] < reference[0]  # the step did something
