@@ -74,6 +74,9 @@ def _moe_architecture(m: model_lib.ModelConfig) -> str:
 
 def architecture(m: model_lib.ModelConfig) -> str:
   """The Hugging Face class that computes exactly this model, or an ExportError saying why there is none."""
+  if m.mtp_depth:  # refused rather than written without them
+    raise ExportError(f'model.mtp_depth={m.mtp_depth}: the multi-token prediction modules have no Hugging Face '
+                      f'export yet; export a copy of the run with model.mtp_depth=0 to write the main model alone.')
   if m.mla.kv_lora_rank:  # multi-head latent attention: DeepSeek-V3's class only (hf/deepseek.py)
     deepseek.check_exportable(m, features(m))
     return deepseek.ARCHITECTURE

@@ -114,6 +114,17 @@ def test_export_round_trips_to_transformers(imported):
   assert MAX_ABS['export'] <= 1e-4
 
 
+def test_export_refuses_what_deepseek_v3_does_not_compute(imported):
+  """MLA with tied embeddings, with another router, or with MTP modules (not exported yet) is refused by name."""
+  m = imported[2]
+  for changed, match in [(dataclasses.replace(m, tie_embeddings=True), 'tie_embeddings=True'),
+                         (dataclasses.replace(m, moe=dataclasses.replace(m.moe, router='mixtral')),
+                          'model.moe_router=mixtral'),
+                         (dataclasses.replace(m, mtp_depth=1), 'model.mtp_depth=1')]:
+    with pytest.raises(export.ExportError, match=match):
+      export.architecture(changed)
+
+
 def test_import_refuses_fields_jaxlm_does_not_handle():
   """A config.json field jaxlm does not read, or one with a value it does not compute, is refused in one line that
   names it; a plain query projection (q_lora_rank null, V2-Lite) is accepted as q_lora_rank=0."""
