@@ -125,7 +125,9 @@ class MLA(nn.Module):
       out = self.cached_attention(q, latent, k_rot, segment_ids, expand, scores)
     else:
       k, v = expand(latent, k_rot)
-      out = attention_lib.attention(q, k, v, segment_ids, m.attention.kernel, m.attention.block_q,
+      # auto would pick a fused kernel by the query's width alone; the values' differs (validation refuses the
+      # fused kernels by name), so MLA runs the xla kernel.
+      out = attention_lib.attention(q, k, v, segment_ids, 'xla', m.attention.block_q,
                                     scores_cfg=scores)  # (B, T, H, Ev)
     out = nn.with_logical_constraint(out, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
     wo = self._weight('out', ('heads', 'kv', 'embed'), (H, Ev, D), (H * Ev) ** -0.5)

@@ -160,10 +160,10 @@ def _mla_config(q_lora_rank: int):
   return cfg
 
 
-@pytest.mark.parametrize('q_lora_rank, mtp_depth', [(0, 0), (20, 2)])
+@pytest.mark.parametrize('q_lora_rank, mtp_depth', [(0, 0), (20, 1)])
 def test_sharded_mla_step_matches_single_device(q_lora_rank, mtp_depth):
-  """Two training steps of an MLA model (plain query projection; or a query latent with two multi-token
-  prediction depths, whose gradients join the norm) on fsdp 4 × tensor 2 (heads split) equal one device (1e-5)
+  """Two training steps of an MLA model (plain query projection; or a query latent with a multi-token
+  prediction depth, whose gradients join the norm) on fsdp 4 × tensor 2 (heads split) equal one device (1e-5)
   in loss and gradient norm; documents packed two to a row."""
   cfg = _mla_config(q_lora_rank)
   cfg.model.mtp_depth = mtp_depth
@@ -223,3 +223,16 @@ def test_greedy_from_the_latent_cache_equals_transformers_generate(imported):
     full = _logits(model_lib.Decoder(m), params, np.array([prompt + got], np.int32))[0]  # (T, V)
     steps = full[len(prompt) - 1:len(prompt) - 1 + len(got)]
     np.testing.assert_allclose(out.logits[row, :len(got)], steps, atol=1e-5)
+
+
+def test_presets_have_deepseek_sizes():
+  """configs/deepseek_v3.py without its MTP depth counts DeepSeek-V3's published 671B parameters, 37B active per
+  token; configs/deepseek_small.py is V2-Lite-sized (15.7B, 2.4B active)."""
+  v3 = model_lib.ModelConfig.from_config(load_config('deepseek_v3').model)
+  main = dataclasses.replace(v3, mtp_depth=0)
+  assert 670.5e9 < model_lib.param_count(main) < 671.5e9
+  assert 37.0e9 < model_lib.param_count(main, active=True) < 38.0e9
+  assert model_lib.param_count(v3) > model_lib.param_count(main)  # the MTP module counts
+  small = model_lib.ModelConfig.from_config(load_config('deepseek_small').model)
+  assert 15.0e9 < model_lib.param_count(small) < 16.5e9
+  assert 2.0e9 < model_lib.param_count(small, active=True) < 3.0e9
