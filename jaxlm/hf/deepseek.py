@@ -15,14 +15,15 @@ ARCHITECTURE, MODEL_TYPE = 'DeepseekV3ForCausalLM', 'deepseek_v3'
 # config.json keys with the one value jaxlm computes; anything else there is refused by name.
 _FIXED = {'attention_bias': (False, None), 'hidden_act': ('silu',), 'scoring_func': ('sigmoid', None),
           'topk_method': ('noaux_tc', None), 'moe_layer_freq': (1, None), 'quantization_config': (None,),
-          'pretraining_tp': (1, None), 'attention_dropout': (0.0, 0, None)}
+          'pretraining_tp': (1, None), 'attention_dropout': (0.0, 0, None),
+          'rope_interleave': (True, None)}  # the released layout, which attention_from_hf de-interleaves
 # Keys read below or without effect on the forward pass (training or bookkeeping).
 _KNOWN = {'architectures', 'model_type', 'vocab_size', 'hidden_size', 'intermediate_size', 'moe_intermediate_size',
           'num_hidden_layers', 'num_attention_heads', 'num_key_value_heads', 'n_shared_experts', 'n_routed_experts',
           'routed_scaling_factor', 'kv_lora_rank', 'q_lora_rank', 'qk_rope_head_dim', 'v_head_dim',
           'qk_nope_head_dim', 'n_group', 'topk_group', 'num_experts_per_tok', 'first_k_dense_replace',
           'norm_topk_prob', 'max_position_embeddings', 'rms_norm_eps', 'rope_parameters', 'rope_scaling',
-          'rope_theta', 'rope_interleave', 'tie_word_embeddings', 'num_nextn_predict_layers', 'qk_head_dim',
+          'rope_theta', 'tie_word_embeddings', 'num_nextn_predict_layers', 'qk_head_dim',
           'head_dim', 'initializer_range', 'use_cache', 'bos_token_id', 'eos_token_id', 'pad_token_id', 'dtype',
           'torch_dtype', 'transformers_version', 'output_router_logits', 'aux_loss_alpha', 'seq_aux', 'ep_size',
           'router_aux_loss_coef', '_name_or_path', *_FIXED}

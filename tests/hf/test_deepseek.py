@@ -132,6 +132,7 @@ def test_import_refuses_fields_jaxlm_does_not_handle():
   assert import_hf.model_overrides(dict(hf, q_lora_rank=None))['q_lora_rank'] == 0
   for bad, match in [(dict(hf, attention_bias=True), 'attention_bias=True'),
                      (dict(hf, scoring_func='softmax'), "scoring_func='softmax'"),
+                     (dict(hf, rope_interleave=False), 'rope_interleave=False'),
                      (dict(hf, use_flux_capacitor=3), "field 'use_flux_capacitor'"),
                      (dict(hf, rope_parameters={'rope_type': 'yarn', 'factor': 4.0, 'mscale_all_dim': 1.0,
                                                 'original_max_position_embeddings': 16}), 'mscale_all_dim')]:
