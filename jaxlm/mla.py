@@ -1,4 +1,5 @@
-"""Multi-head latent attention (DeepSeek-V2 §2.1, used by DeepSeek-V3): the training form, and a cache of latents.
+"""Multi-head latent attention (DeepSeek-V2 §2.1, used by DeepSeek-V3): the training form, and decoding from a cache
+of latents in the absorbed form.
 
 Keys and values come from one small latent per token: c = RMSNorm(x·W_dkv) (R = kv_lora_rank numbers), up-projected
 per head to a key part without positions (En = qk_nope_head_dim) and a value (Ev = v_head_dim). Position enters
@@ -121,8 +122,8 @@ class MLA(nn.Module):
       return k, nn.with_logical_constraint(kv[..., En:], ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
 
     scores = blocks.scores_config(m, False)
-    if self.is_mutable_collection('cache'):  # decoding (jaxlm/generate.py): the cache holds latents only
-      out = self.cached_attention(q, latent, k_rot, segment_ids, expand, scores)
+    if self.is_mutable_collection('cache'):  # decoding (jaxlm/generate.py): latents cached, attended absorbed
+      out = self.cached_attention(q, latent, k_rot, segment_ids, w_up, scores)
     else:
       k, v = expand(latent, k_rot)
       # auto would pick a fused kernel by the query's width alone; the values' differs (validation refuses the
@@ -133,13 +134,19 @@ class MLA(nn.Module):
     wo = self._weight('out', ('heads', 'kv', 'embed'), (H, Ev, D), (H * Ev) ** -0.5)
     return proj(out.reshape(B * T, H * Ev), wo.reshape(H * Ev, D), 'out').reshape(B, T, D)
 
-  def cached_attention(self, q, latent, k_rot, segment_ids, expand, scores):
+  def cached_attention(self, q, latent, k_rot, segment_ids, w_up, scores):
     """q (B, T, H, En + Er) over this layer's cache of R + Er numbers per token (the normed latent and the rotated
-    shared key), written at its next T slots; keys and values are up-projected from the whole cache each call
-    (the absorbed form of DeepSeek-V2 §2.1.3, attending in the latent space, is not built yet)."""
+    shared key), written at its next T slots, in the latent space (DeepSeek-V2 §2.1.3): W_uk is absorbed into the
+    query and W_uv applied after, so no per-head key or value is ever formed and the cache does not grow with H.
+
+    score_h(s) = q_nope_h·(W_uk_h c_s) + q_rot_h·k_rot_s = (W_uk_hᵀ q_nope_h)·c_s + q_rot_h·k_rot_s: one key head
+    [c_s, k_rot_s] of R + Er numbers shared by every query head (multi-query attention), its value c_s itself.
+    """
+    m, c = self.config, self.config.mla
     B, T, R = latent.shape
+    En, Er = c.qk_nope_head_dim, c.qk_rope_head_dim
     cache = {name: self.variable('cache', name, jnp.zeros, shape, dtype) for name, shape, dtype in (
-        ('latent', (B, T, R), latent.dtype), ('rope_key', (B, T, 1, k_rot.shape[-1]), k_rot.dtype),
+        ('latent', (B, T, R), latent.dtype), ('rope_key', (B, T, 1, Er), k_rot.dtype),
         ('segment_ids', (B, T), jnp.int32))}
     index = self.variable('cache', 'index', lambda: jnp.zeros((), jnp.int32))
     i = index.value
@@ -147,7 +154,14 @@ class MLA(nn.Module):
       v = cache[name]
       v.value = jax.lax.dynamic_update_slice(v.value, new.astype(v.value.dtype), (0, i) + (0,) * (new.ndim - 2))
     index.value = i + T
-    k, v = expand(cache['latent'].value, cache['rope_key'].value)
-    S = k.shape[1]
-    return attention_lib.attention(q, k, v, segment_ids, kv_segment_ids=cache['segment_ids'].value,
-                                   order=i + jnp.arange(T), kv_order=jnp.arange(S), scores_cfg=scores)
+    w_uk, w_uv = w_up[..., :En], w_up[..., En:]  # (R, H, En), (R, H, Ev)
+    q_latent = jnp.einsum('BTHn,RHn->BTHR', q[..., :En], w_uk)  # (B, T, H, R)
+    keys = jnp.concatenate([cache['latent'].value[:, :, None], cache['rope_key'].value.astype(latent.dtype)], -1)
+    S = keys.shape[1]
+    # The scores keep the full head's scale, 1/sqrt(En + Er), not that of the R + Er wide latent query.
+    scores = dataclasses.replace(scores, scale=scores.scale or (En + Er) ** -0.5)
+    out = attention_lib.attention(jnp.concatenate([q_latent, q[..., En:]], -1), keys,
+                                  cache['latent'].value[:, :, None], segment_ids,
+                                  kv_segment_ids=cache['segment_ids'].value, order=i + jnp.arange(T),
+                                  kv_order=jnp.arange(S), scores_cfg=scores)  # (B, T, H, R)
+    return jnp.einsum('BTHR,RHv->BTHv', out, w_uv)  # (B, T, H, Ev)
