@@ -178,7 +178,8 @@ def test_sharded_mla_step_matches_single_device(q_lora_rank, mtp_depth):
 
 
 def test_latent_cache_greedy_equals_full_recompute():
-  """Greedy decoding from the latent cache (R + Er numbers per token per layer) equals greedy by full recompute."""
+  """Greedy decoding from the latent cache (R + Er numbers per token per layer) equals greedy by full recompute,
+  and the sampler's cache figure is those bytes."""
   from jaxlm import generate as generate_lib
   import flax.linen as nn
   m = dataclasses.replace(model_lib.ModelConfig.from_config(_mla_config(20).model), tie_embeddings=False)
@@ -192,6 +193,8 @@ def test_latent_cache_greedy_equals_full_recompute():
   assert len(set(cached[0])) > 3
   cache = generate_lib.cache_shapes(generate_lib.inference_model(m), params, 2, 64)['layers']['attention']
   assert cache['latent'].shape[-1] == 12 and cache['rope_key'].shape[-1] == 6 and 'key' not in cache
+  # Per token and layer: R + Er float32 numbers and an int32 segment id, whatever the number of heads.
+  assert generate_lib.cache_bytes_per_token(m, params) == m.num_layers * ((12 + 6) * 4 + 4)
 
 
 def test_refuses_a_checkpoint_with_mtp_layers(imported):
