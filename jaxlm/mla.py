@@ -142,7 +142,7 @@ class MLA(nn.Module):
     score_h(s) = q_nope_h·(W_uk_h c_s) + q_rot_h·k_rot_s = (W_uk_hᵀ q_nope_h)·c_s + q_rot_h·k_rot_s: one key head
     [c_s, k_rot_s] of R + Er numbers shared by every query head (multi-query attention), its value c_s itself.
     """
-    m, c = self.config, self.config.mla
+    c = self.config.mla
     B, T, R = latent.shape
     En, Er = c.qk_nope_head_dim, c.qk_rope_head_dim
     cache = {name: self.variable('cache', name, jnp.zeros, shape, dtype) for name, shape, dtype in (
