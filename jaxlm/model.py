@@ -167,7 +167,7 @@ def flops_per_token(m: ModelConfig, seq_len: int, causal: bool = False) -> float
   n = param_count(m, active=True) - (0 if m.tie_embeddings else m.vocab_size * m.d_model)
   c = m.mla  # MLA: queries and keys En + Er wide, values Ev (jaxlm/mla.py); else E each
   widths = c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim if c.kv_lora_rank else 2 * m.head_dim
-  attention = 6 * m.num_layers * m.num_heads * widths * seq_len
+  attention = 6 * (m.num_layers + m.mtp_depth) * m.num_heads * widths * seq_len  # + MTP depths (training)
   return 6 * n + (attention / 2 if causal else attention)
 
 
