@@ -56,6 +56,14 @@ def get_config() -> ml_collections.ConfigDict:
   m.norm_offset = False  # RMSNorm scales by (1 + w), w starting at 0 (Gemma)
   m.mlp_activation = 'swiglu'  # dense MLP gate: swiglu (silu) | geglu (tanh-approximated gelu: Gemma)
   m.embed_scale = False  # multiply the embeddings by sqrt(d_model) (Gemma)
+  # Multi-head latent attention (jaxlm/mla.py, DeepSeek-V2/V3); the keys below kv_lora_rank are read only when it is > 0.
+  m.kv_lora_rank = 0  # R: keys and values up-projected from one RMS-normed latent this wide per token; 0 = off
+  m.q_lora_rank = 0  # queries through their own normed latent this wide; 0 = a plain query projection (V2-Lite)
+  m.qk_nope_head_dim = 128  # each head's query/key part without RoPE
+  m.qk_rope_head_dim = 64  # the rotary part; the key's is one vector shared by every head (decoupled RoPE)
+  m.v_head_dim = 128  # each head's value size (the output projection's input is num_heads × this)
+  m.mtp_depth = 0  # D multi-token prediction modules (DeepSeek-V3, jaxlm/mtp.py), training only; 0 = off
+  m.mtp_weight = 0.3  # λ: the training loss adds λ × the mean of the D depths' cross-entropies
   # Mixture of experts (jaxlm/moe.py); the moe_* keys below are read only when moe_experts > 0.
   m.moe_experts = 0  # X, routed experts per MoE layer; 0 = dense MLPs everywhere
   m.moe_top_k = 2  # k, experts each token is sent to

@@ -123,8 +123,9 @@ def _scores_attention(q, k, v, segment_ids, order, kv_segment_ids, kv_order, sco
     sink = jnp.broadcast_to(c.sinks.astype(jnp.float32).reshape(1, K, 1, G, 1), (B, K, T, G, 1))
     probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :S]
   probs = probs.astype(v.dtype).reshape(B, K, T * G, S)
-  out = jnp.einsum('BKMS,BKSE->BKME', probs, v)  # (B, K, M, E)
-  return out.reshape(B, K, T, G, E).transpose(0, 2, 1, 3, 4).reshape(B, T, H, E)
+  out = jnp.einsum('BKMS,BKSE->BKME', probs, v)  # (B, K, M, Ev): values may be narrower than keys (MLA)
+  Ev = v.shape[-1]
+  return out.reshape(B, K, T, G, Ev).transpose(0, 2, 1, 3, 4).reshape(B, T, H, Ev)
 
 
 def xla_attention(q, k, v, segment_ids, order=None, block_q: int = 0, shards: int = 1, scores_cfg: Scores = PLAIN):
@@ -150,7 +151,7 @@ def xla_attention(q, k, v, segment_ids, order=None, block_q: int = 0, shards: in
   one = jax.checkpoint(lambda qb, sb, ob: _scores_attention(qb, k, v, sb, ob, segment_ids, order, scores_cfg))
   out = jax.lax.map(lambda xs: one(*xs), (split(q), split(segment_ids), q_order))  # (blocks, B, shards·block_q, ..)
   out = out.reshape(blocks, B, shards, block_q, *out.shape[3:])
-  return jnp.moveaxis(out, 0, 2).reshape(q.shape)
+  return jnp.moveaxis(out, 0, 2).reshape(*q.shape[:-1], v.shape[-1])
 
 
 def document_mask(segment_ids):

@@ -158,6 +158,15 @@ def cache_shapes(model, params, batch: int, length: int):
   return variables['cache']
 
 
+def cache_bytes_per_token(model_cfg: model_lib.ModelConfig, params) -> int:
+  """Bytes the decode cache holds per token of a row, all layers: keys and values per kv head, or MLA's latent and
+  rotary key (jaxlm/mla.py), plus each slot's segment id. From two cache shapes, no FLOPs spent; a local layer's
+  ring counts while the sequence is shorter than its window."""
+  model = inference_model(model_cfg)
+  size = lambda n: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache_shapes(model, params, 1, n)))  # noqa: E731
+  return (size(16) - size(8)) // 8
+
+
 def _constrain(cache, shardings):
   return cache if shardings is None else jax.lax.with_sharding_constraint(cache, shardings)
 

@@ -21,7 +21,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxlm import attention as attention_lib
 from jaxlm import lora as lora_lib
+from jaxlm import mla as mla_lib
 from jaxlm import moe as moe_lib
+from jaxlm import mtp as mtp_lib
 from jaxlm import pipeline as pipeline_lib
 from jaxlm.blocks import (MLP_ACTIVATIONS, NORM_PLACEMENTS, AttentionConfig, MlpConfig,  # noqa: F401
                           NormsConfig, block_errors, is_local, ring_cached_attention, scores_config)
@@ -77,25 +79,29 @@ class ModelConfig:
   matmul_dtype: str = 'dtype'
   embed_scale: bool = False  # model.embed_scale: the looked-up embeddings times sqrt(D) (Gemma)
   final_softcap: float = 0.0  # model.final_softcap: logits -> cap·tanh(logits / cap) (Gemma 2); 0 = off
+  mtp_depth: int = 0  # model.mtp_depth: multi-token prediction modules in training (jaxlm/mtp.py); 0 = off
+  mtp_weight: float = 0.3  # model.mtp_weight: λ on the mean of their losses
   # Each feature's keys in its own small frozen config; cfg.model keeps them flat (`from_config` maps them).
   attention: AttentionConfig = AttentionConfig()  # model.attention, attention_block_q, qk_norm
   norms: NormsConfig = NormsConfig()  # model.norm_eps, norm_placement, norm_offset
   mlp: MlpConfig = MlpConfig()  # model.mlp_activation
   moe: moe_lib.MoeConfig = moe_lib.MoeConfig()  # model.moe_*: read only when moe.experts > 0 (jaxlm/moe.py)
   lora: lora_lib.LoraConfig = lora_lib.LoraConfig()  # model.lora: read where a projection is made (`project`)
+  mla: mla_lib.MlaConfig = mla_lib.MlaConfig()  # model.kv_lora_rank > 0: multi-head latent attention (jaxlm/mla.py)
 
   @classmethod
   def from_config(cls, model_cfg) -> 'ModelConfig':
     """Builds the frozen config from `cfg.model`, filling the derived sizes (head_dim, mlp_dim, moe.mlp_dim)."""
     # .get: a config saved before a key existed (an old checkpoint's) means that key's default.
-    nested = {'attention', 'norms', 'mlp', 'moe', 'lora'}
+    nested = {'attention', 'norms', 'mlp', 'moe', 'lora', 'mla'}
     fields = {f.name: model_cfg.get(f.name, f.default) for f in dataclasses.fields(cls) if f.name not in nested}
     fields.update(head_dim=head_dim(model_cfg), mlp_dim=mlp_dim(model_cfg))
     moe = moe_lib.MoeConfig.from_config(model_cfg)
     fields.update(attention=AttentionConfig.from_config(model_cfg), norms=NormsConfig.from_config(model_cfg),
                   mlp=MlpConfig.from_config(model_cfg),
                   moe=dataclasses.replace(moe, mlp_dim=moe.mlp_dim or fields['mlp_dim']),
-                  lora=lora_lib.LoraConfig.from_config(model_cfg.get('lora')))
+                  lora=lora_lib.LoraConfig.from_config(model_cfg.get('lora')),
+                  mla=mla_lib.MlaConfig.from_config(model_cfg))
     return cls(**fields)
 
 
@@ -124,6 +130,7 @@ def param_count(m: ModelConfig, active: bool = False) -> int:
   """
   D, H, K, E, F, V, L = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim, m.vocab_size, m.num_layers
   attention = D * H * E + 2 * D * K * E + H * E * D + qk_norm_params(m)  # q, k, v, out, q/k norms
+  attention = mla_lib.attention_params(m) if m.mla.kv_lora_rank else attention
   mlp = 3 * D * F  # gate, up, down
   routed = m.moe.top_k if active else m.moe.experts
   moe = (D + 1) * m.moe.experts + 3 * D * m.moe.mlp_dim * (routed + m.moe.shared_experts)  # router + bias, experts
@@ -133,6 +140,8 @@ def param_count(m: ModelConfig, active: bool = False) -> int:
   attention += H if m.attention.sinks else 0
   embeddings = V * D * (1 if m.tie_embeddings else 2)
   base = L * (attention + norms) + (L - moe_layers) * mlp + moe_layers * moe + D + embeddings  # + final norm
+  # Multi-token prediction (jaxlm/mtp.py), per depth: three norms, the (2D, D) projection and a dense layer.
+  base += m.mtp_depth * (3 * D + 2 * D * D + attention + norms + mlp)
   return base + lora_param_count(m)
 
 
@@ -156,7 +165,9 @@ def flops_per_token(m: ModelConfig, seq_len: int, causal: bool = False) -> float
   whole T×T square; `causal=True` halves that term, as only the lower triangle does useful work.
   """
   n = param_count(m, active=True) - (0 if m.tie_embeddings else m.vocab_size * m.d_model)
-  attention = 12 * m.num_layers * m.num_heads * m.head_dim * seq_len
+  c = m.mla  # MLA: queries and keys En + Er wide, values Ev (jaxlm/mla.py); else E each
+  widths = c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim if c.kv_lora_rank else 2 * m.head_dim
+  attention = 6 * (m.num_layers + m.mtp_depth) * m.num_heads * widths * seq_len  # + MTP depths (training)
   return 6 * n + (attention / 2 if causal else attention)
 
 
@@ -493,15 +504,21 @@ class Block(nn.Module):
     if m.parallel_block:
       # PaLM: y = x + Attn(LN(x)) + MLP(LN(x)); the two input matmuls can fuse (PaLM reports it faster at scale).
       h = gathered(Norm(m, rms=False, name='norm')(x))
-      attn, out = Attention(m, self.local, name='attention')(h, segment_ids, positions, local), mlp(h)
+      attn, out = self.attention()(h, segment_ids, positions, local), mlp(h)
       x = x + drop(to_residual(attn)) + drop(to_residual(out))
     else:
-      attention = lambda h: Attention(m, self.local, name='attention')(h, segment_ids, positions, local)  # noqa: E731
+      attention = lambda h: self.attention()(h, segment_ids, positions, local)  # noqa: E731
       x = x + drop(self.sublayer('attn', attention, x))
       x = nn.with_logical_constraint(x, RESIDUAL)
       x = x + drop(self.sublayer('mlp', mlp, x))
     x = nn.with_logical_constraint(x, RESIDUAL)
     return x, None  # (carry, output) as nn.scan wants
+
+  def attention(self):
+    """The layer's attention module: model.Attention, or multi-head latent attention (model.kv_lora_rank > 0)."""
+    if self.config.mla.kv_lora_rank:
+      return mla_lib.MLA(self.config, project, name='attention')
+    return Attention(self.config, self.local, name='attention')
 
   def sublayer(self, name: str, fn, x):
     """The sequential block's sublayer `fn` on the residual x, normed as model.norm_placement says (NormsConfig):
@@ -606,20 +623,33 @@ class Decoder(nn.Module):
         x, _ = block(m, deterministic, moe=is_moe(m, i), local=bool(local[i]), name=f'layers_{i}')(
             x, segment_ids, positions, bool(local[i]))
 
-    return self.head(x, embedding)
+    depths = []
+    if m.mtp_depth and self.is_mutable_collection(mtp_lib.COLLECTION):  # training's extra predictions only
+      depths = mtp_lib.MTP(m, Block, Norm, name='mtp')(x, table, inputs, segment_ids, positions, deterministic)
+    logits = self.head(x, embedding, depths)
+    if depths:
+      self.sow(mtp_lib.COLLECTION, 'logits', jnp.stack(logits[1:]))  # (mtp_depth, B, T, V)
+    return logits[0]
 
-  def head(self, x, embedding):
-    """The final norm and the output projection: (B, T, D) -> logits (B, T, V), soft-capped if configured."""
+  def head(self, x, embedding, depths=()):
+    """The final norm and the output projection: [(B, T, V) logits of x, then of each of MTP's normed `depths`],
+    soft-capped if configured; the projection is shared (DeepSeek-V3's MTP output head)."""
+    m = self.config
+    x = Norm(m, rms=not m.parallel_block, name='final_norm')(x)
+    unembed = None if m.tie_embeddings else _param(self, 'unembed', ('embed', 'vocab'), (m.d_model, m.vocab_size),
+                                                    m.d_model ** -0.5, m)
+    return [self.project_out(gathered(h), embedding, unembed) for h in (x, *depths)]
+
+  def project_out(self, x, embedding, unembed):
+    """Normed (B, T, D) -> logits (B, T, V) by the (tied) output projection."""
     m = self.config
     D, V = m.d_model, m.vocab_size
-    x = gathered(Norm(m, rms=not m.parallel_block, name='final_norm')(x))
     B, T, _ = x.shape
     if m.tie_embeddings:
       # The 1/sqrt(D) goes on the (N, D) input, not the (N, V) logits: the same product, one pass fewer over
       # the largest activation (forward and backward).
       logits = dense(tokens(x) * (1 / math.sqrt(D)), embedding.astype(m.dtype).T, m.explicit_transpose_grads)  # (N, V)
     else:
-      unembed = _param(self, 'unembed', ('embed', 'vocab'), (D, V), D ** -0.5, m)
       logits = dense(tokens(x), unembed.astype(m.dtype), m.explicit_transpose_grads)
     if m.final_softcap:  # Gemma 2: logits bounded to (-cap, cap), in float32
       logits = (m.final_softcap * jnp.tanh(logits.astype(jnp.float32) / m.final_softcap)).astype(logits.dtype)

@@ -461,7 +461,9 @@ def per_layer(stats, every: int, marker: str = 'load', first: int = 0) -> list[t
     if path[0] == 'layers':  # scanned: split the leading unit axis
       j = int(path[1].split('_')[1]) if path[1].startswith('block_') else every - 1
       units = node[marker].shape[0]
-      out += [(first + u * every + j, {k: v[u] for k, v in node.items()}) for u in range(units)]
+      # tree.map: a parameter node holds subtrees too (the shared experts' `shared` SwiGLU)
+      out += [(first + u * every + j, {k: jax.tree.map(lambda x, u=u: x[u], v) for k, v in node.items()})
+              for u in range(units)]
     else:
       out.append((int(path[0].split('_')[1]), dict(node)))
   return sorted(out, key=lambda item: item[0])

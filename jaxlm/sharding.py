@@ -53,6 +53,7 @@ RULES = (
     ('experts', None),  # a mixture of experts' stacked weights (X, D, F): every device holds every expert
     ('layers', None),  # the scanned layer axis: every device holds its slice of every layer
   ('lora_rank', None),  # a LoRA adapter's rank r (model.adapter): small, never split
+    ('latent', None),  # multi-head latent attention's latent ranks (jaxlm/mla.py): small, never split
     # Activations.
     ('act_batch', ('data', 'fsdp')),
     ('act_seq', 'context'),

@@ -19,6 +19,7 @@ from jaxlm import distill as distill_lib
 from jaxlm import lora as lora_lib
 from jaxlm import model as model_lib
 from jaxlm import moe as moe_lib
+from jaxlm import mtp as mtp_lib
 from jaxlm import optimizer as optimizer_lib
 from jaxlm import pipeline as pipeline_lib
 from jaxlm import preference as preference_lib
@@ -208,12 +209,17 @@ def _loss_fn(loss: _Loss, state, batch: dict, microbatches: int, scale, with_tra
     num_pairs = jnp.maximum(preference_lib.count_pairs(batch), 1.0)
     ref_params = preference_lib.reference_params(loss.ref_kind, state.params, state.reference)
 
+  # Multi-token prediction (jaxlm/mtp.py) joins the language-model loss, each depth over its own target count.
+  mtp = bool(m.mtp_depth) and loss.pref_cfg is None and loss.objective is None
+  if mtp:
+    mtp_denominators = jnp.maximum(mtp_lib.target_weights(batch, m.mtp_depth).sum((1, 2)), 1.0)
+  collections = [moe_lib.STATS] * moe + [mtp_lib.COLLECTION] * mtp
+
   def loss_of(variables, mb, mb_rng):
     variables = dict(variables, params=with_trainable(state.params, variables['params']))
     logits = model.apply(variables, mb['inputs'], mb['segment_ids'], mb['positions'],
-                         deterministic=loss.deterministic, rngs={'dropout': mb_rng},
-                         mutable=[moe_lib.STATS] if moe else False)
-    logits, stats = logits if moe else (logits, None)
+                         deterministic=loss.deterministic, rngs={'dropout': mb_rng}, mutable=collections or False)
+    logits, stats = logits if collections else (logits, None)
     if loss.pref_cfg is not None:
       ref = reference_logps(model, loss.ref_kind, ref_params, mb)
       total, aux = preference_lib.loss(logits, mb, ref, loss.pref_cfg, num_pairs)
@@ -223,6 +229,9 @@ def _loss_fn(loss: _Loss, state, batch: dict, microbatches: int, scale, with_tra
       total, aux = loss.objective.loss(logits, mb)
     else:
       total, aux = model_lib.loss_fn(logits, mb['targets'], mb['weights'], m.z_loss, denominator)
+    if mtp:
+      extra, depths = mtp_lib.loss(stats[mtp_lib.COLLECTION]['logits'][0], mb, m.mtp_weight, mtp_denominators)
+      total, aux = total + extra, dict(aux, **depths)
     if moe:
       total = total + moe_lib.loss(stats[moe_lib.STATS], m.moe, moe_tokens, moe_loads)
       aux = dict(aux, moe=stats[moe_lib.STATS])

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from jaxlm import model as model_lib
+from jaxlm.hf import deepseek
 from jaxlm.hf.families import (FAMILY_BLOCKS, FAMILY_MODEL_TYPES, ExportError, HFImportError,  # noqa: F401
                                family_architecture, family_config, family_overrides, features, norm_names)
 
@@ -73,6 +74,12 @@ def _moe_architecture(m: model_lib.ModelConfig) -> str:
 
 def architecture(m: model_lib.ModelConfig) -> str:
   """The Hugging Face class that computes exactly this model, or an ExportError saying why there is none."""
+  if m.mtp_depth:  # refused rather than written without them
+    raise ExportError(f'model.mtp_depth={m.mtp_depth}: the multi-token prediction modules have no Hugging Face '
+                      f'export yet; export a copy of the run with model.mtp_depth=0 to write the main model alone.')
+  if m.mla.kv_lora_rank:  # multi-head latent attention: DeepSeek-V3's class only (hf/deepseek.py)
+    deepseek.check_exportable(m, features(m))
+    return deepseek.ARCHITECTURE
   if m.moe.experts:
     if features(m):
       raise ExportError(f'{", ".join(features(m))} on a mixture of experts has no Hugging Face export yet.')
@@ -107,15 +114,18 @@ def to_hf(params: dict, m: model_lib.ModelConfig) -> dict[str, np.ndarray]:
   for i, p in enumerate(layer_params(params, m)):
     pre = f'model.layers.{i}.'
     a = p['attention']
-    out[pre + 'self_attn.q_proj.weight'] = f32(a['query'])[:, :, rope_order].reshape(D, H * E).T
-    out[pre + 'self_attn.k_proj.weight'] = f32(a['key'])[:, :, rope_order].reshape(D, K * E).T
-    out[pre + 'self_attn.v_proj.weight'] = f32(a['value']).reshape(D, K * E).T
-    out[pre + 'self_attn.o_proj.weight'] = f32(a['out']).reshape(H * E, D).T
+    if m.mla.kv_lora_rank:
+      out.update(deepseek.attention_to_hf(a, pre, m))
+    else:
+      out[pre + 'self_attn.q_proj.weight'] = f32(a['query'])[:, :, rope_order].reshape(D, H * E).T
+      out[pre + 'self_attn.k_proj.weight'] = f32(a['key'])[:, :, rope_order].reshape(D, K * E).T
+      out[pre + 'self_attn.v_proj.weight'] = f32(a['value']).reshape(D, K * E).T
+      out[pre + 'self_attn.o_proj.weight'] = f32(a['out']).reshape(H * E, D).T
     if m.attention.qk_norm != 'none':
       out[pre + 'self_attn.q_norm.weight'] = f32(a['query_norm']['scale']).reshape(-1)
       out[pre + 'self_attn.k_norm.weight'] = f32(a['key_norm']['scale']).reshape(-1)
     if 'moe' in p:
-      out.update(_experts_to_hf(p['moe'], pre, m))
+      out.update(deepseek.moe_to_hf(p['moe'], pre, m) if m.mla.kv_lora_rank else _experts_to_hf(p['moe'], pre, m))
     else:
       mlp = p['mlp']
       out[pre + 'mlp.gate_proj.weight'] = f32(mlp['gate']).T  # (F, D)
@@ -187,7 +197,7 @@ def hf_config(m: model_lib.ModelConfig, *, max_positions: int, dtype: str, bos_i
       'bos_token_id': bos_id, 'eos_token_id': eos_id, 'pad_token_id': None, 'use_cache': True,
       'torch_dtype': dtype, 'dtype': dtype,
   }
-  if m.moe.experts:
+  if m.moe.experts and arch != deepseek.ARCHITECTURE:
     _, model_type, _ = MOE_ARCHITECTURES[m.moe.router]
     c.update(model_type=model_type, num_local_experts=m.moe.experts, num_experts=m.moe.experts,
              num_experts_per_tok=m.moe.top_k, norm_topk_prob=m.moe.norm_topk_prob, output_router_logits=False,
@@ -203,6 +213,8 @@ def hf_config(m: model_lib.ModelConfig, *, max_positions: int, dtype: str, bos_i
              tie_word_embeddings=False)
   if arch in FAMILY_MODEL_TYPES:
     c.update(family_config(m, arch, max_positions, rope_scaling_to_hf(m)))
+  if arch == deepseek.ARCHITECTURE:
+    c.update(deepseek.hf_config(m))
   return c
 
 
@@ -274,7 +286,7 @@ def _rope(hf: dict) -> dict:
 MOE_FAMILIES = {'mixtral': ('mixtral', 'none'), 'qwen3_moe': ('qwen3_moe', 'head'), 'olmoe': ('olmoe', 'full')}
 # Dense families: model_type -> QK-norm (Qwen3: Llama's block with a per-head RMSNorm on queries and keys).
 DENSE_FAMILIES = {'llama': 'none', 'qwen3': 'head'}
-IMPORTABLE = (*DENSE_FAMILIES, *MOE_FAMILIES, *FAMILY_BLOCKS)
+IMPORTABLE = (*DENSE_FAMILIES, *MOE_FAMILIES, *FAMILY_BLOCKS, deepseek.MODEL_TYPE)
 
 
 def _moe_overrides(hf: dict) -> dict:
@@ -307,6 +319,8 @@ def model_overrides(hf: dict) -> dict:
     raise HFImportError(f'{hf.get("architectures") or hf.get("model_type")} has a vision tower (vision_config): '
                         f'jaxlm imports text models only; import the text model (Gemma3ForCausalLM, model_type '
                         f'gemma3_text).')
+  if hf.get('model_type') == deepseek.MODEL_TYPE:  # multi-head latent attention: its own keys (hf/deepseek.py)
+    return deepseek.overrides(hf, _rope(hf))
   if hf.get('model_type') in FAMILY_BLOCKS:
     hf, family = family_overrides(hf)
   else:
@@ -340,6 +354,8 @@ def from_hf(tensors: dict[str, np.ndarray], m: model_lib.ModelConfig, *, scan_la
   """jaxlm params (float32 numpy) of a Hugging Face Llama state dict: the inverse of export.to_hf."""
   D, H, K, E, L = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.num_layers
   tensors = {k.removeprefix('model.'): v for k, v in tensors.items()}
+  if m.mla.kv_lora_rank:
+    deepseek.refuse_mtp_layers(tensors, L)
 
   def get(name, shape=None):
     if name not in tensors:
@@ -353,7 +369,7 @@ def from_hf(tensors: dict[str, np.ndarray], m: model_lib.ModelConfig, *, scan_la
   for i in range(L):
     pre = f'layers.{i}.'
     layer = {
-        'attention': {
+        'attention': deepseek.attention_from_hf(get, pre, m) if m.mla.kv_lora_rank else {
             'query': get(pre + 'self_attn.q_proj.weight', (H * E, D)).T.reshape(D, H, E),
             'key': get(pre + 'self_attn.k_proj.weight', (K * E, D)).T.reshape(D, K, E),
             'value': get(pre + 'self_attn.v_proj.weight', (K * E, D)).T.reshape(D, K, E),
@@ -365,6 +381,8 @@ def from_hf(tensors: dict[str, np.ndarray], m: model_lib.ModelConfig, *, scan_la
       layer['attention']['key_norm'] = {'scale': get(pre + 'self_attn.k_norm.weight').reshape(shapes[1])}
     if model_lib.is_moe(m, i):
       layer['moe'] = _experts_from_hf(tensors, get, pre, m)
+      if m.mla.kv_lora_rank:
+        layer['moe'] = deepseek.moe_from_hf(get, pre, m, layer['moe'])
     else:
       layer['mlp'] = {'gate': get(pre + 'mlp.gate_proj.weight').T, 'up': get(pre + 'mlp.up_proj.weight').T,
                       'down': get(pre + 'mlp.down_proj.weight').T}

@@ -113,6 +113,7 @@ def run(workdir: str, prompts: list, *, step: int | None = None, max_new_tokens:
   mesh = sharding.make_mesh(_mesh_cfg(cfg))
   with sharding.activate(mesh):
     program, params = load_run.restore(path, cfg, mesh)
+  print(f'decode cache: {generate_lib.cache_bytes_per_token(program.model.config, params):,} bytes per token')
   out = generate_lib.generate(program.model.config, params, [i for i in ids for _ in range(num_samples)],
                               max_new_tokens, sampling=sampling, seed=seed, eos_id=eos, mesh=mesh,
                               max_len=cfg.data.seq_len)

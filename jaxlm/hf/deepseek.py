@@ -1,0 +1,168 @@
+"""DeepSeek-V3 (DeepseekV3ForCausalLM) both directions side by side: config.json <-> cfg.model keys, and the tensors
+of multi-head latent attention (jaxlm/mla.py) and of the DeepSeek mixture of experts (shared experts, the
+expert-selection bias). convert.py keeps the tensors' mapping common to every family and calls these.
+
+RoPE: DeepSeek's checkpoints store the rotary dims of q_b_proj's and kv_a_proj_with_mqa's rows as interleaved
+pairs (2i, 2i+1) (config rope_interleave, on in the released ones); jaxlm rotates half-split pairs (i, i + Er/2),
+so those rows are permuted on the way in and back on the way out.
+"""
+
+import numpy as np
+
+from jaxlm.hf.families import ExportError, HFImportError
+
+ARCHITECTURE, MODEL_TYPE = 'DeepseekV3ForCausalLM', 'deepseek_v3'
+# config.json keys with the one value jaxlm computes; anything else there is refused by name.
+_FIXED = {'attention_bias': (False, None), 'hidden_act': ('silu',), 'scoring_func': ('sigmoid', None),
+          'topk_method': ('noaux_tc', None), 'moe_layer_freq': (1, None), 'quantization_config': (None,),
+          'pretraining_tp': (1, None), 'attention_dropout': (0.0, 0, None),
+          'rope_interleave': (True, None)}  # the released layout, which attention_from_hf de-interleaves
+# Keys read below or without effect on the forward pass (training or bookkeeping).
+_KNOWN = {'architectures', 'model_type', 'vocab_size', 'hidden_size', 'intermediate_size', 'moe_intermediate_size',
+          'num_hidden_layers', 'num_attention_heads', 'num_key_value_heads', 'n_shared_experts', 'n_routed_experts',
+          'routed_scaling_factor', 'kv_lora_rank', 'q_lora_rank', 'qk_rope_head_dim', 'v_head_dim',
+          'qk_nope_head_dim', 'n_group', 'topk_group', 'num_experts_per_tok', 'first_k_dense_replace',
+          'norm_topk_prob', 'max_position_embeddings', 'rms_norm_eps', 'rope_parameters', 'rope_scaling',
+          'rope_theta', 'tie_word_embeddings', 'num_nextn_predict_layers', 'qk_head_dim',
+          'head_dim', 'initializer_range', 'use_cache', 'bos_token_id', 'eos_token_id', 'pad_token_id', 'dtype',
+          'torch_dtype', 'transformers_version', 'output_router_logits', 'aux_loss_alpha', 'seq_aux', 'ep_size',
+          'router_aux_loss_coef', '_name_or_path', *_FIXED}
+
+
+def overrides(hf: dict, rope: dict) -> dict:
+  """cfg.model values for a DeepSeek-V3 config.json; `rope`: convert._rope's reading of its RoPE."""
+  for key, allowed in _FIXED.items():
+    if key in hf and hf[key] not in allowed:
+      raise HFImportError(f'{key}={hf[key]!r} is not supported for {MODEL_TYPE}: jaxlm computes {allowed[0]!r}.')
+  unknown = sorted(set(hf) - _KNOWN)
+  if unknown:
+    raise HFImportError(f'config.json field {unknown[0]!r} (={hf[unknown[0]]!r}) is not handled by jaxlm\'s '
+                        f'{MODEL_TYPE} import; remove it if it does not change the model.')
+  params = {**(hf.get('rope_parameters') or {}), **(hf.get('rope_scaling') or {})}
+  if rope['rope_scaling'] != 'none' and params.get('mscale_all_dim'):
+    raise HFImportError(f'rope mscale_all_dim={params["mscale_all_dim"]} is not supported yet: jaxlm does not '
+                        f'scale MLA\'s softmax by YaRN\'s mscale².')
+  H, En, Er = hf['num_attention_heads'], hf['qk_nope_head_dim'], hf['qk_rope_head_dim']
+  return dict(vocab_size=hf['vocab_size'], d_model=hf['hidden_size'], num_layers=hf['num_hidden_layers'],
+              num_heads=H, num_kv_heads=H, head_dim=En + Er, mlp_dim=hf['intermediate_size'], parallel_block=False,
+              tie_embeddings=False, norm_eps=float(hf.get('rms_norm_eps', 1e-6)), qk_norm='none', **rope,
+              kv_lora_rank=hf['kv_lora_rank'], q_lora_rank=hf.get('q_lora_rank') or 0, qk_nope_head_dim=En,
+              qk_rope_head_dim=Er, v_head_dim=hf['v_head_dim'], moe_experts=hf['n_routed_experts'],
+              moe_top_k=hf['num_experts_per_tok'], moe_mlp_dim=hf['moe_intermediate_size'],
+              moe_shared_experts=hf.get('n_shared_experts') or 0, moe_every=1,
+              moe_first_dense=hf.get('first_k_dense_replace') or 0, moe_router='deepseek_v3',
+              moe_groups=hf.get('n_group') or 1, moe_top_groups=hf.get('topk_group') or 1,
+              moe_norm_topk_prob=bool(hf.get('norm_topk_prob', True)),
+              moe_routed_scale=float(hf.get('routed_scaling_factor', 1.0)))
+
+
+def rope_order(m, interleave: bool = True) -> np.ndarray:
+  """Per head, the HF rows that become jaxlm's En + Er query/key columns: the rope part de-interleaved."""
+  c = m.mla
+  Er = c.qk_rope_head_dim
+  rot = np.concatenate([np.arange(0, Er, 2), np.arange(1, Er, 2)]) if interleave else np.arange(Er)
+  return np.concatenate([np.arange(c.qk_nope_head_dim), c.qk_nope_head_dim + rot])
+
+
+def refuse_mtp_layers(tensors: dict, num_layers: int) -> None:
+  """An HFImportError if the checkpoint stores multi-token prediction layers after the last block (released
+  DeepSeek-V3 does, num_nextn_predict_layers): jaxlm has no MTP modules yet, and dropping them would lose them."""
+  extra = sorted(k for k in tensors if k.startswith(f'layers.{num_layers}.'))
+  if extra:
+    raise HFImportError(f'tensor {"model." + extra[0]!r} and {len(extra) - 1} more belong to a multi-token '
+                        f'prediction layer (num_nextn_predict_layers), which jaxlm does not import yet; remove them '
+                        f'from the safetensors files to import the main model alone.')
+
+
+def attention_from_hf(get, pre: str, m) -> dict:
+  """One layer's MLA parameters (jaxlm/mla.py) from `pre`self_attn.* tensors (torch (out, in))."""
+  c, D, H = m.mla, m.d_model, m.num_heads
+  R, En, Er, Ev = c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+  order = rope_order(m)
+  a = pre + 'self_attn.'
+  out = {}
+  if c.q_lora_rank:
+    out['query_a'] = get(a + 'q_a_proj.weight', (c.q_lora_rank, D)).T
+    out['query_norm'] = get(a + 'q_a_layernorm.weight', (c.q_lora_rank,))
+    out['query_b'] = get(a + 'q_b_proj.weight', (H * (En + Er), c.q_lora_rank)).T.reshape(-1, H, En + Er)[..., order]
+  else:
+    out['query'] = get(a + 'q_proj.weight', (H * (En + Er), D)).T.reshape(D, H, En + Er)[..., order]
+  kv_a = get(a + 'kv_a_proj_with_mqa.weight', (R + Er, D)).T  # (D, R + Er)
+  out['kv_a'] = np.concatenate([kv_a[:, :R], kv_a[:, R:][:, order[En:] - En]], 1)
+  out['kv_norm'] = get(a + 'kv_a_layernorm.weight', (R,))
+  out['kv_b'] = get(a + 'kv_b_proj.weight', (H * (En + Ev), R)).T.reshape(R, H, En + Ev)
+  out['out'] = get(a + 'o_proj.weight', (D, H * Ev)).T.reshape(H, Ev, D)
+  return out
+
+
+def attention_to_hf(p: dict, pre: str, m) -> dict:
+  """The inverse of attention_from_hf: one layer's self_attn.* tensors (float32, torch (out, in))."""
+  c, D, H = m.mla, m.d_model, m.num_heads
+  back = np.argsort(rope_order(m))
+  f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+  a, out = pre + 'self_attn.', {}
+  if c.q_lora_rank:
+    out[a + 'q_a_proj.weight'] = f32(p['query_a']).T
+    out[a + 'q_a_layernorm.weight'] = f32(p['query_norm'])
+    out[a + 'q_b_proj.weight'] = f32(p['query_b'])[..., back].reshape(c.q_lora_rank, -1).T
+  else:
+    out[a + 'q_proj.weight'] = f32(p['query'])[..., back].reshape(D, -1).T
+  R, En = c.kv_lora_rank, c.qk_nope_head_dim
+  kv_a = f32(p['kv_a'])
+  out[a + 'kv_a_proj_with_mqa.weight'] = np.concatenate([kv_a[:, :R], kv_a[:, R:][:, back[En:] - En]], 1).T
+  out[a + 'kv_a_layernorm.weight'] = f32(p['kv_norm'])
+  out[a + 'kv_b_proj.weight'] = f32(p['kv_b']).reshape(R, -1).T
+  out[a + 'o_proj.weight'] = f32(p['out']).reshape(H * c.v_head_dim, D).T
+  return out
+
+
+def moe_from_hf(get, pre: str, m, experts: dict) -> dict:
+  """A MoE layer's parameters: the routed `experts` (convert's reading) plus the selection bias and the shared
+  experts (one SwiGLU, jaxlm's `shared`)."""
+  X, D, F = m.moe.experts, m.d_model, m.moe.mlp_dim * m.moe.shared_experts
+  out = dict(experts, bias=get(pre + 'mlp.gate.e_score_correction_bias', (X,)))
+  if m.moe.shared_experts:
+    s = pre + 'mlp.shared_experts.'
+    out['shared'] = {'gate': get(s + 'gate_proj.weight', (F, D)).T, 'up': get(s + 'up_proj.weight', (F, D)).T,
+                     'down': get(s + 'down_proj.weight', (D, F)).T}
+  return out
+
+
+def moe_to_hf(p: dict, pre: str, m) -> dict:
+  """A MoE layer's tensors in the per-expert layout transformers' save_pretrained writes."""
+  f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+  out = {pre + 'mlp.gate.weight': f32(p['router']).T, pre + 'mlp.gate.e_score_correction_bias': f32(p['bias'])}
+  for key in ('gate', 'up', 'down'):
+    for e in range(m.moe.experts):
+      out[f'{pre}mlp.experts.{e}.{key}_proj.weight'] = f32(p[key][e]).T
+    if 'shared' in p:
+      out[f'{pre}mlp.shared_experts.{key}_proj.weight'] = f32(p['shared'][key]).T
+  return out
+
+
+def check_exportable(m, features: list[str]) -> None:
+  """An ExportError unless DeepseekV3ForCausalLM computes `m` (an MLA model)."""
+  moe = m.moe
+  problems = list(features)
+  if m.parallel_block or m.attention.qk_norm != 'none':
+    problems.append(f'parallel_block={m.parallel_block}, qk_norm={m.attention.qk_norm}')
+  if moe.experts and (moe.router != 'deepseek_v3' or moe.every != 1):
+    problems.append(f'model.moe_router={moe.router}, moe_every={moe.every}')
+  if not moe.experts or m.tie_embeddings:
+    problems.append(f'moe_experts={moe.experts}, tie_embeddings={m.tie_embeddings}')
+  if problems:
+    raise ExportError(f'{"; ".join(problems)}: {ARCHITECTURE} (the one class with MLA) computes the sequential '
+                      f'pre-norm block with deepseek_v3 routing in every layer after moe_first_dense and an untied '
+                      f'head; change those keys to export.')
+
+
+def hf_config(m) -> dict:
+  """config.json's DeepSeek-V3 keys for `m` (beside convert.hf_config's common ones)."""
+  c, moe = m.mla, m.moe
+  return {'model_type': MODEL_TYPE, 'kv_lora_rank': c.kv_lora_rank, 'q_lora_rank': c.q_lora_rank or None,
+          'qk_nope_head_dim': c.qk_nope_head_dim, 'qk_rope_head_dim': c.qk_rope_head_dim,
+          'v_head_dim': c.v_head_dim, 'head_dim': c.qk_rope_head_dim, 'rope_interleave': True,
+          'n_routed_experts': moe.experts, 'num_experts_per_tok': moe.top_k, 'moe_intermediate_size': moe.mlp_dim,
+          'n_shared_experts': moe.shared_experts, 'first_k_dense_replace': moe.first_dense, 'n_group': moe.groups,
+          'topk_group': moe.top_groups, 'norm_topk_prob': moe.norm_topk_prob,
+          'routed_scaling_factor': moe.routed_scale, 'num_nextn_predict_layers': 0}

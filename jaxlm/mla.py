@@ -1,0 +1,167 @@
+"""Multi-head latent attention (DeepSeek-V2 §2.1, used by DeepSeek-V3): the training form, and decoding from a cache
+of latents in the absorbed form.
+
+Keys and values come from one small latent per token: c = RMSNorm(x·W_dkv) (R = kv_lora_rank numbers), up-projected
+per head to a key part without positions (En = qk_nope_head_dim) and a value (Ev = v_head_dim). Position enters
+through a separate rotary key of Er = qk_rope_head_dim numbers, x·W_kr, shared by all heads ("decoupled RoPE":
+RoPE on the up-projected key would stop W_uk from being absorbed into the query at decode time). Queries go
+through their own latent (q_lora_rank > 0, with its norm) or a plain projection (q_lora_rank = 0, V2-Lite).
+Head h scores [q_nope_h, rope(q_rot_h)]·[k_nope_h, rope(k_rot)] / sqrt(En + Er).
+
+Letters beyond model.py's: R kv latent (kv_lora_rank), Rq query latent (q_lora_rank), En, Er, Ev as above.
+`m` below is a model.ModelConfig (read by field: this module sits below model.py and does not import it).
+"""
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxlm import attention as attention_lib
+from jaxlm import blocks
+from jaxlm.rope import rope, rope_frequencies
+
+# MlaConfig's field -> its flat cfg.model key (the names DeepSeek's config.json uses).
+_KEYS = ('q_lora_rank', 'kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim')
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaConfig:
+  """model.kv_lora_rank > 0 turns a layer's attention into MLA; the other keys are read only then."""
+  q_lora_rank: int = 0  # Rq: the query latent; 0 = a plain query projection (DeepSeek-V2-Lite)
+  kv_lora_rank: int = 0  # R: the key/value latent; 0 = MLA off (model.Attention)
+  qk_nope_head_dim: int = 128  # En: each head's key/query part without RoPE
+  qk_rope_head_dim: int = 64  # Er: the rotary part; the key's is one vector shared by every head
+  v_head_dim: int = 128  # Ev: each head's value (and output) size
+
+  @classmethod
+  def from_config(cls, model_cfg) -> 'MlaConfig':
+    """From cfg.model's flat keys (a key a saved config lacks: its default)."""
+    return cls(**{k: model_cfg.get(k, getattr(cls, k)) for k in _KEYS})
+
+
+def mla_errors(model_cfg) -> list[str]:
+  """config.validate's checks of MLA's keys, each naming its field."""
+  g = lambda key: model_cfg.get(key, getattr(MlaConfig, key))  # noqa: E731  a saved config may predate a key
+  if not g('kv_lora_rank'):
+    return [] if g('kv_lora_rank') == 0 else [f'model.kv_lora_rank={g("kv_lora_rank")} must be >= 0 (0 = off).']
+  e = [f'model.{k}={g(k)} must be > 0 with model.kv_lora_rank > 0.' for k in _KEYS[1:] if g(k) <= 0]
+  if g('q_lora_rank') < 0:
+    e.append(f'model.q_lora_rank={g("q_lora_rank")} must be >= 0 (0 = a plain query projection).')
+  if g('qk_rope_head_dim') % 2:
+    e.append(f'model.qk_rope_head_dim={g("qk_rope_head_dim")} must be even (RoPE rotates pairs).')
+  if model_cfg.get('attention', 'xla') in ('cudnn', 'splash'):
+    e.append(f'model.attention={model_cfg.get("attention")} with MLA: queries and keys are En + Er wide and values '
+             f'Ev, which the fused kernels here do not take; set model.attention=xla.')
+  for key, off in (('attention_window', 0), ('attention_sinks', False), ('qk_norm', 'none')):
+    if model_cfg.get(key, off) != off:
+      e.append(f'model.{key}={model_cfg.get(key)} with MLA (model.kv_lora_rank > 0) is not supported; set it to {off!r}.')
+  if (model_cfg.get('lora') or {}).get('rank', 0):
+    e.append('model.lora with MLA (model.kv_lora_rank > 0): its projections take no adapters yet; set model.lora.rank=0.')
+  return e
+
+
+def attention_params(m) -> int:
+  """MLA's parameters per layer: the query and latent projections, their norms, the up-projections, the output."""
+  c, D, H = m.mla, m.d_model, m.num_heads
+  qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+  query = (D + 1) * c.q_lora_rank + c.q_lora_rank * H * qk if c.q_lora_rank else D * H * qk
+  latent = D * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank  # + its norm
+  return query + latent + c.kv_lora_rank * H * (c.qk_nope_head_dim + c.v_head_dim) + H * c.v_head_dim * D
+
+
+def _rms(module, name: str, x, m):
+  """A latent's RMSNorm (B, T, R) in float32, its (R,) scale plain w as DeepSeek's (model.norm_offset not read)."""
+  scale = module.param(name, nn.with_logical_partitioning(nn.initializers.ones, ('latent',)), (x.shape[-1],),
+                       jnp.dtype(m.param_dtype))
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + m.norms.eps)
+  return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+class MLA(nn.Module):
+  """Multi-head latent attention in place of model.Attention (same call); `project`: model.project, passed in
+  (this module does not import model.py) so fp8 matmuls apply to its projections as to the others."""
+  config: Any
+  project: Callable
+
+  def _weight(self, name, names, shape, std):
+    m = self.config
+    return self.param(name, nn.with_logical_partitioning(nn.initializers.normal(std), names), shape,
+                      jnp.dtype(m.lora.base_dtype if m.lora.rank else m.param_dtype)).astype(m.dtype)
+
+  @nn.compact
+  def __call__(self, x, segment_ids, positions, local=False):  # x: (B, T, D); `local` unused (validation)
+    m, c = self.config, self.config.mla
+    D, H, B, T = m.d_model, m.num_heads, x.shape[0], x.shape[1]
+    R, En, Er, Ev = c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+    proj = lambda h, w, name: self.project(h, w, name, m)  # noqa: E731
+    x = x.reshape(B * T, D)  # (N, D): one token axis for every weight matmul (model.tokens)
+    if c.q_lora_rank:
+      wa = self._weight('query_a', ('embed', 'latent'), (D, c.q_lora_rank), D ** -0.5)
+      q = _rms(self, 'query_norm', proj(x, wa, 'query_a'), m)  # (N, Rq)
+      wq = self._weight('query_b', ('latent', 'heads', 'kv'), (c.q_lora_rank, H, En + Er), c.q_lora_rank ** -0.5)
+    else:
+      q, wq = x, self._weight('query', ('embed', 'heads', 'kv'), (D, H, En + Er), D ** -0.5)
+    q = proj(q, wq.reshape(wq.shape[0], H * (En + Er)), 'query').reshape(B, T, H, En + Er)
+    ckv = proj(x, self._weight('kv_a', ('embed', 'latent'), (D, R + Er), D ** -0.5), 'kv_a')  # (N, R + Er)
+    latent = _rms(self, 'kv_norm', ckv[:, :R], m).reshape(B, T, R)
+    frequencies = None if m.rope_scaling == 'none' else rope_frequencies(dataclasses.replace(m, head_dim=Er))
+    k_rot = rope(ckv[:, R:].reshape(B, T, 1, Er), positions, m.rope_theta, frequencies)  # (B, T, 1, Er)
+    q = jnp.concatenate([q[..., :En], rope(q[..., En:], positions, m.rope_theta, frequencies)], -1)
+    q = nn.with_logical_constraint(q, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
+    w_up = self._weight('kv_b', ('latent', 'heads', 'kv'), (R, H, En + Ev), R ** -0.5)
+
+    def expand(latent, k_rot):  # (B, S, R), (B, S, 1, Er) -> keys (B, S, H, En + Er), values (B, S, H, Ev)
+      S = latent.shape[1]
+      kv = proj(latent.reshape(B * S, R), w_up.reshape(R, H * (En + Ev)), 'kv_b').reshape(B, S, H, En + Ev)
+      k = jnp.concatenate([kv[..., :En], jnp.broadcast_to(k_rot, (B, S, H, Er)).astype(kv.dtype)], -1)
+      k = nn.with_logical_constraint(k, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
+      return k, nn.with_logical_constraint(kv[..., En:], ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
+
+    scores = blocks.scores_config(m, False)
+    if self.is_mutable_collection('cache'):  # decoding (jaxlm/generate.py): latents cached, attended absorbed
+      out = self.cached_attention(q, latent, k_rot, segment_ids, w_up, scores)
+    else:
+      k, v = expand(latent, k_rot)
+      # auto would pick a fused kernel by the query's width alone; the values' differs (validation refuses the
+      # fused kernels by name), so MLA runs the xla kernel.
+      out = attention_lib.attention(q, k, v, segment_ids, 'xla', m.attention.block_q,
+                                    scores_cfg=scores)  # (B, T, H, Ev)
+    out = nn.with_logical_constraint(out, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
+    wo = self._weight('out', ('heads', 'kv', 'embed'), (H, Ev, D), (H * Ev) ** -0.5)
+    return proj(out.reshape(B * T, H * Ev), wo.reshape(H * Ev, D), 'out').reshape(B, T, D)
+
+  def cached_attention(self, q, latent, k_rot, segment_ids, w_up, scores):
+    """q (B, T, H, En + Er) over this layer's cache of R + Er numbers per token (the normed latent and the rotated
+    shared key), written at its next T slots, in the latent space (DeepSeek-V2 §2.1.3): W_uk is absorbed into the
+    query and W_uv applied after, so no per-head key or value is ever formed and the cache does not grow with H.
+
+    score_h(s) = q_nope_h·(W_uk_h c_s) + q_rot_h·k_rot_s = (W_uk_hᵀ q_nope_h)·c_s + q_rot_h·k_rot_s: one key head
+    [c_s, k_rot_s] of R + Er numbers shared by every query head (multi-query attention), its value c_s itself.
+    """
+    c = self.config.mla
+    B, T, R = latent.shape
+    En, Er = c.qk_nope_head_dim, c.qk_rope_head_dim
+    cache = {name: self.variable('cache', name, jnp.zeros, shape, dtype) for name, shape, dtype in (
+        ('latent', (B, T, R), latent.dtype), ('rope_key', (B, T, 1, Er), k_rot.dtype),
+        ('segment_ids', (B, T), jnp.int32))}
+    index = self.variable('cache', 'index', lambda: jnp.zeros((), jnp.int32))
+    i = index.value
+    for name, new in (('latent', latent), ('rope_key', k_rot), ('segment_ids', segment_ids.astype(jnp.int32))):
+      v = cache[name]
+      v.value = jax.lax.dynamic_update_slice(v.value, new.astype(v.value.dtype), (0, i) + (0,) * (new.ndim - 2))
+    index.value = i + T
+    w_uk, w_uv = w_up[..., :En], w_up[..., En:]  # (R, H, En), (R, H, Ev)
+    q_latent = jnp.einsum('BTHn,RHn->BTHR', q[..., :En], w_uk)  # (B, T, H, R)
+    keys = jnp.concatenate([cache['latent'].value[:, :, None], cache['rope_key'].value.astype(latent.dtype)], -1)
+    S = keys.shape[1]
+    # The scores keep the full head's scale, 1/sqrt(En + Er), not that of the R + Er wide latent query.
+    scores = dataclasses.replace(scores, scale=scores.scale or (En + Er) ** -0.5)
+    out = attention_lib.attention(jnp.concatenate([q_latent, q[..., En:]], -1), keys,
+                                  cache['latent'].value[:, :, None], segment_ids,
+                                  kv_segment_ids=cache['segment_ids'].value, order=i + jnp.arange(T),
+                                  kv_order=jnp.arange(S), scores_cfg=scores)  # (B, T, H, R)
+    return jnp.einsum('BTHR,RHv->BTHv', out, w_uv)  # (B, T, H, Ev)

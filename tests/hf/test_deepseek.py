@@ -1,0 +1,267 @@
+"""DeepSeek-V3 through import and export: multi-head latent attention (jaxlm/mla.py) and the DeepSeek mixture of
+experts; jaxlm's logits equal transformers' on a tiny random DeepseekV3ForCausalLM (float32, eager attention).
+
+The model has a query latent, decoupled RoPE (interleaved in the checkpoint), one dense layer then one MoE layer
+(first_k_dense_replace = 1) with a shared expert and group-limited routing. Norm scales are drawn away from 1 and
+the router's weights and selection bias are drawn large, so the k-th and (k+1)-th experts of a token are far apart
+(a tie broken differently would show as a logit difference, not hide in one).
+"""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jaxlm import config as config_lib
+from jaxlm import errors
+from jaxlm import mla as mla_lib
+from jaxlm import model as model_lib
+from jaxlm.hf import export
+from jaxlm.hf import import_llama as import_hf
+from tests.helpers import load_config, odd_config, random_batch
+from tests.hf.test_families import _logits, _torch_logits
+from tests.test_sharding import _two_steps
+
+SEQ = 24
+CONFIG = dict(vocab_size=97, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+              routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
+              qk_nope_head_dim=10, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
+              max_position_embeddings=64, initializer_range=0.1, rms_norm_eps=1e-6,
+              rope_parameters={'rope_type': 'default', 'rope_theta': 1000.0})
+MAX_ABS = {}
+ORIGINAL = {}  # 'model': the fixture's transformers model
+
+
+@pytest.fixture(scope='module')
+def imported(tmp_path_factory):
+  """(transformers model, its directory, jaxlm run directory, ModelConfig, params, tokens, transformers' logits)."""
+  torch = pytest.importorskip('torch', reason='torch is not installed: pip install -e ".[test]"')
+  transformers = pytest.importorskip('transformers', reason='transformers is not installed: pip install -e ".[test]"')
+  torch.manual_seed(0)
+  config = transformers.DeepseekV3Config(**CONFIG)
+  config._attn_implementation = 'eager'  # pylint: disable=protected-access
+  original = transformers.DeepseekV3ForCausalLM(config).float().eval()
+  with torch.no_grad():
+    for name, p in original.named_parameters():
+      if name.endswith('norm.weight'):
+        p.copy_(torch.rand_like(p) + 0.5)
+      elif name.endswith('mlp.gate.weight'):  # large router logits: the chosen experts win by a wide margin
+        p.copy_(torch.randn_like(p))
+    for layer in original.model.layers[CONFIG['first_k_dense_replace']:]:
+      layer.mlp.gate.e_score_correction_bias.copy_(torch.rand(CONFIG['n_routed_experts']) * 0.2 - 0.1)
+  root = tmp_path_factory.mktemp('deepseek')
+  original.save_pretrained(str(root / 'hf'), safe_serialization=True)
+  result = import_hf.import_hf(str(root / 'hf'), str(root / 'run'))
+  cfg = export.read_config(result['checkpoint'])
+  cfg.model.dtype = 'float32'
+  m = model_lib.ModelConfig.from_config(cfg.model)
+  params = import_hf.from_hf(import_hf.read_safetensors(str(root / 'hf')), m, scan_layers=True)
+  tokens = np.random.default_rng(1).integers(3, 97, (2, SEQ)).astype(np.int32)
+  ORIGINAL['model'] = original  # for the generate test: the same model in transformers
+  yield (transformers, root, m, params, tokens, _torch_logits((torch, transformers), original, tokens))
+  print('\nmax |logits difference|: ' + ', '.join(f'{k} {v:.2e}' for k, v in MAX_ABS.items()))
+
+
+def test_import_equals_transformers_and_rope_and_latent_norms_matter(imported, monkeypatch):
+  """An imported DeepSeek-V3's logits == transformers' (1e-4); the same weights without the decoupled RoPE
+  (positions all 0), with its rotary dims left interleaved, or without the latent norms move them by >= 1e-2."""
+  _, _, m, params, tokens, theirs = imported
+  assert m.mla.kv_lora_rank == 16 and m.moe.first_dense == 1 and m.moe.router == 'deepseek_v3'
+  assert 'dense_layers' in params and 'shared' in params['layers']['moe']
+  MAX_ABS['import'] = float(np.abs(_logits(model_lib.Decoder(m), params, tokens) - theirs).max())
+  assert MAX_ABS['import'] <= 1e-4
+  assert model_lib.param_count(m) == sum(np.size(x) for x in jax.tree.leaves(params))
+
+  no_rope = np.asarray(model_lib.Decoder(m).apply({'params': params}, tokens, np.ones_like(tokens),
+                                                  np.zeros_like(tokens)))
+  MAX_ABS['without RoPE'] = float(np.abs(no_rope - theirs).max())
+  interleaved = jax.tree_util.tree_map_with_path(  # the checkpoint's rotary order, not de-interleaved
+      lambda path, x: _reinterleave(x, m) if str(path[-1].key) in ('query_b', 'kv_a') else x, params)
+  MAX_ABS['rope interleaved'] = float(np.abs(_logits(model_lib.Decoder(m), interleaved, tokens) - theirs).max())
+  monkeypatch.setattr(mla_lib, '_rms', lambda module, name, x, m: x)
+  MAX_ABS['without latent norms'] = float(np.abs(_logits(model_lib.Decoder(m), params, tokens) - theirs).max())
+  for key in ('without RoPE', 'rope interleaved', 'without latent norms'):
+    assert MAX_ABS[key] >= 1e-2, key
+
+
+def _reinterleave(x, m):
+  """A query_b (…, H, En + Er) or kv_a (D, R + Er) weight with its rotary columns back in interleaved order."""
+  Er = m.mla.qk_rope_head_dim
+  x = np.array(x)
+  x[..., -Er:] = x[..., -Er:][..., np.argsort(np.concatenate([np.arange(0, Er, 2), np.arange(1, Er, 2)]))]
+  return x
+
+
+def test_export_round_trips_to_transformers(imported):
+  """The export writes the checkpoint's tensors bit for bit under the same names, and transformers reloads it as
+  DeepseekV3ForCausalLM with the original's logits (1e-4)."""
+  transformers, root, _, _, tokens, theirs = imported
+  import torch
+  summary = export.export(str(root / 'run'), str(root / 'back'))
+  assert summary['architecture'] == 'DeepseekV3ForCausalLM'
+  assert json.loads((root / 'back' / 'config.json').read_text())['model_type'] == 'deepseek_v3'
+  from safetensors.numpy import load_file
+  before, after = load_file(str(root / 'hf' / 'model.safetensors')), load_file(str(root / 'back' / 'model.safetensors'))
+  assert sorted(before) == sorted(after)
+  for name in before:
+    np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+  back = transformers.AutoModelForCausalLM.from_pretrained(str(root / 'back'), attn_implementation='eager')
+  assert type(back).__name__ == 'DeepseekV3ForCausalLM'
+  MAX_ABS['export'] = float(np.abs(_torch_logits((torch, transformers), back.float().eval(), tokens) - theirs).max())
+  assert MAX_ABS['export'] <= 1e-4
+
+
+def test_export_refuses_what_deepseek_v3_does_not_compute(imported):
+  """MLA with tied embeddings, with another router, or with MTP modules (not exported yet) is refused by name."""
+  m = imported[2]
+  for changed, match in [(dataclasses.replace(m, tie_embeddings=True), 'tie_embeddings=True'),
+                         (dataclasses.replace(m, moe=dataclasses.replace(m.moe, router='mixtral')),
+                          'model.moe_router=mixtral'),
+                         (dataclasses.replace(m, mtp_depth=1), 'model.mtp_depth=1')]:
+    with pytest.raises(export.ExportError, match=match):
+      export.architecture(changed)
+
+
+def test_import_refuses_fields_jaxlm_does_not_handle():
+  """A config.json field jaxlm does not read, or one with a value it does not compute, is refused in one line that
+  names it; a plain query projection (q_lora_rank null, V2-Lite) is accepted as q_lora_rank=0."""
+  hf = dict(CONFIG, model_type='deepseek_v3', rope_interleave=True)
+  assert import_hf.model_overrides(dict(hf, q_lora_rank=None))['q_lora_rank'] == 0
+  for bad, match in [(dict(hf, attention_bias=True), 'attention_bias=True'),
+                     (dict(hf, scoring_func='softmax'), "scoring_func='softmax'"),
+                     (dict(hf, rope_interleave=False), 'rope_interleave=False'),
+                     (dict(hf, use_flux_capacitor=3), "field 'use_flux_capacitor'"),
+                     (dict(hf, rope_parameters={'rope_type': 'yarn', 'factor': 4.0, 'mscale_all_dim': 1.0,
+                                                'original_max_position_embeddings': 16}), 'mscale_all_dim')]:
+    with pytest.raises(import_hf.HFImportError, match=match) as e:
+      import_hf.model_overrides(bad)
+    assert '\n' not in str(e.value)
+
+
+@pytest.mark.parametrize('overrides, says', [
+    (dict(attention='splash'), 'model.attention=splash with MLA'),
+    (dict(qk_rope_head_dim=7), 'model.qk_rope_head_dim=7 must be even'),
+    (dict(v_head_dim=0), 'model.v_head_dim=0 must be > 0'),
+    (dict(attention_window=8), 'model.attention_window=8 with MLA'),
+])
+def test_validate_refuses_what_mla_cannot_run(overrides, says):
+  c = load_config('palm_tiny')
+  c.model.update(parallel_block=False, kv_lora_rank=16, **overrides)
+  with pytest.raises(errors.ConfigError, match=says):
+    config_lib.validate(c, num_devices=8)
+
+
+def _mla_config(q_lora_rank: int):
+  cfg = odd_config(parallel_block=False)
+  cfg.model.update(kv_lora_rank=12, q_lora_rank=q_lora_rank, qk_nope_head_dim=10, qk_rope_head_dim=6,
+                   v_head_dim=18)
+  return cfg
+
+
+def test_sharded_mla_step_matches_single_device():
+  """Two training steps of an MLA model (plain query projection) on fsdp 4 × tensor 2 (heads split) equal one
+  device (1e-5) in loss and gradient norm; documents packed two to a row."""
+  q_lora_rank = 0
+  cfg = _mla_config(q_lora_rank)
+  batch = random_batch(8, 24, cfg.model.vocab_size, docs=2)
+  reference, _ = _two_steps(cfg.copy_and_resolve_references(), (1, 1, 1), batch)
+  assert reference[1] < reference[0]  # the step did something
+  got, state = _two_steps(cfg, (1, 4, 2), batch)
+  np.testing.assert_allclose(got, reference, rtol=1e-5)
+  wq = state.params['layers']['attention']['query_b' if q_lora_rank else 'query']
+  assert 'tensor' in str(wq.sharding.spec)  # heads over tensor, not replicated
+
+
+def test_latent_cache_greedy_equals_full_recompute():
+  """Greedy decoding from the latent cache (R + Er numbers per token per layer) equals greedy by full recompute,
+  and the sampler's cache figure is those bytes."""
+  from jaxlm import generate as generate_lib
+  import flax.linen as nn
+  m = dataclasses.replace(model_lib.ModelConfig.from_config(_mla_config(20).model), tie_embeddings=False)
+  dummy = np.zeros((1, 8), np.int32)
+  params = nn.unbox(model_lib.Decoder(m).init(jax.random.PRNGKey(3), dummy, dummy + 1, dummy)['params'])
+  rng = np.random.default_rng(4)
+  params = jax.tree.map(lambda x: x + 0.5 * rng.standard_normal(x.shape).astype(np.float32), params)
+  prompts = [list(rng.integers(1, 300, 9)), list(rng.integers(1, 300, 5))]
+  cached = generate_lib.generate(m, params, prompts, 10).tokens
+  np.testing.assert_array_equal(np.array(cached), generate_lib.generate_without_cache(m, params, prompts, 10))
+  assert len(set(cached[0])) > 3
+  cache = generate_lib.cache_shapes(generate_lib.inference_model(m), params, 2, 64)['layers']['attention']
+  assert cache['latent'].shape[-1] == 12 and cache['rope_key'].shape[-1] == 6 and 'key' not in cache
+  # Per token and layer: R + Er float32 numbers and an int32 segment id, whatever the number of heads.
+  assert generate_lib.cache_bytes_per_token(m, params) == m.num_layers * ((12 + 6) * 4 + 4)
+
+
+def test_refuses_a_checkpoint_with_mtp_layers(imported):
+  """A DeepSeek-V3 checkpoint with a multi-token prediction layer after the last block (model.layers.L.*) is
+  refused by the tensor's name, not imported without it."""
+  _, root, m, _, _, _ = imported
+  tensors = import_hf.read_safetensors(str(root / 'hf'))
+  tensors['model.layers.2.eh_proj.weight'] = np.zeros((48, 96), np.float32)
+  with pytest.raises(import_hf.HFImportError, match="'model.layers.2.eh_proj.weight' and 0 more belong to a "
+                                                    "multi-token prediction layer"):
+    import_hf.from_hf(tensors, m, scan_layers=True)
+
+
+def test_greedy_from_the_latent_cache_equals_transformers_generate(imported):
+  """jaxlm.generate (latent cache, ragged prompts left-padded in one batch) continues each prompt token for token
+  as transformers' generate does; each decode step's logits equal the full forward's on the same tokens (1e-5)."""
+  import torch
+  from jaxlm import generate as generate_lib
+  _, _, m, params, _, _ = imported
+  original = ORIGINAL['model']
+  original.generation_config.eos_token_id = None  # random weights: never stop early
+  prompts = [[10, 11, 12, 13, 14, 15, 16, 17], [40, 7, 90, 3, 50]]
+  out = generate_lib.generate(m, params, prompts, 12, return_logits=True)
+  for prompt, got in zip(prompts, out.tokens):
+    with torch.no_grad():
+      want = original.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+    assert got == want.tolist()
+  assert len(set(out.tokens[0])) > 3  # not one token repeated
+  for row, (prompt, got) in enumerate(zip(prompts, out.tokens)):
+    full = _logits(model_lib.Decoder(m), params, np.array([prompt + got], np.int32))[0]  # (T, V)
+    steps = full[len(prompt) - 1:len(prompt) - 1 + len(got)]
+    np.testing.assert_allclose(out.logits[row, :len(got)], steps, atol=1e-5)
+
+
+def test_presets_have_deepseek_sizes():
+  """configs/deepseek_v3.py without its MTP depth counts DeepSeek-V3's published 671B parameters, 37B active per
+  token; configs/deepseek_small.py is V2-Lite-sized (15.7B, 2.4B active)."""
+  v3 = model_lib.ModelConfig.from_config(load_config('deepseek_v3').model)
+  main = dataclasses.replace(v3, mtp_depth=0)
+  assert 670.5e9 < model_lib.param_count(main) < 671.5e9
+  assert 37.0e9 < model_lib.param_count(main, active=True) < 38.0e9
+  assert model_lib.param_count(v3) > model_lib.param_count(main)  # the MTP module counts
+  small = model_lib.ModelConfig.from_config(load_config('deepseek_small').model)
+  assert 15.0e9 < model_lib.param_count(small) < 16.5e9
+  assert 2.0e9 < model_lib.param_count(small, active=True) < 3.0e9
+
+
+def _steps_with_experts(cfg, mesh_shape, batch):
+  """[loss 1, loss 2, grad norm, MTP loss] of two steps on a (data, fsdp, tensor, expert) mesh."""
+  from jaxlm import sharding, train
+  from tests.helpers import plain_program
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, cfg.mesh.expert = mesh_shape
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:int(np.prod(mesh_shape))])
+  program = plain_program(cfg, mesh, steps=10)
+  state = program.init()
+  b = train.global_batch(batch, program.batch_sharding)
+  state, m1 = program.train_step(state, b)
+  state, m2 = program.train_step(state, b)
+  return [float(m1['loss']), float(m2['loss']), float(m1['grad_norm']), float(m1['mtp_loss_1'])]
+
+
+def test_sharded_deepseek_step_with_expert_axis_matches_single_device():
+  """DeepSeek-V3's whole block: MLA with a query latent, a dense first layer then a MoE layer (sigmoid routing
+  over 2 groups, a shared expert, the selection bias updating) and one MTP depth: two steps on fsdp 2 × tensor 2 ×
+  expert 2 equal one device (1e-5) in both losses, gradient norm and the MTP depth's loss."""
+  cfg = _mla_config(20)
+  cfg.model.update(moe_experts=4, moe_top_k=2, moe_mlp_dim=24, moe_shared_experts=1, moe_first_dense=1,
+                   moe_router='deepseek_v3', moe_groups=2, moe_top_groups=1, moe_routed_scale=2.5, mtp_depth=1)
+  batch = random_batch(8, 24, cfg.model.vocab_size, docs=2)
+  reference = _steps_with_experts(cfg.copy_and_resolve_references(), (1, 1, 1, 1), batch)
+  assert reference[1] < reference[0]
+  np.testing.assert_allclose(_steps_with_experts(cfg, (1, 2, 2, 2), batch), reference, rtol=1e-5)
