@@ -75,6 +75,7 @@ def _original(hf, family: str, path: str, **overrides):
   config_cls, model_cls, kwargs = FAMILIES[family]
   config = getattr(transformers, config_cls)(**{**kwargs, **overrides})
   config._attn_implementation = 'eager'  # pylint: disable=protected-access  (Gemma 2's soft-cap needs it)
+  torch.manual_seed(0)  # the same random model whatever ran before in this process (test order, xdist)
   model = getattr(transformers, model_cls)(config).float().eval()
   with torch.no_grad():
     for name, p in model.named_parameters():
