@@ -27,6 +27,7 @@ def test_entry_points_fail_with_one_line_and_their_code(module, args, code, says
 def test_a_fatal_signal_dumps_the_signalled_thread_only(tmp_path):
   """faulthandler walking other threads' frames while they run can crash inside an abort's dump (and the process
   then dies of SIGSEGV, not the SIGABRT its watcher maps to a restart): a command dumps its own thread only."""
+  import os
   import subprocess
   import sys
   script = tmp_path / 'aborts.py'
@@ -40,7 +41,8 @@ def test_a_fatal_signal_dumps_the_signalled_thread_only(tmp_path):
       '  time.sleep(0.1)',
       '  os.abort()',
       'cli.run(main)']))
-  out = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+  out = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, 'PYTHONPATH': str(ROOT)})  # the checkout's jaxlm, installed or not
   assert out.returncode == -6, (out.returncode, out.stderr[-2000:])  # SIGABRT, as the watcher expects
   assert 'Fatal Python error: Aborted' in out.stderr and 'in main' in out.stderr, out.stderr[-2000:]
   assert 'in busy' not in out.stderr, out.stderr[-2000:]  # the other thread is not walked
