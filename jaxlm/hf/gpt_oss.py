@@ -75,7 +75,8 @@ def attention_from_hf(get, pre: str, m) -> dict:
 def attention_to_hf(p: dict, pre: str, m) -> dict:
   """The inverse of attention_from_hf: one layer's self_attn biases and sinks (float32)."""
   f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
-  a, out = pre + 'self_attn.', {a + 'sinks': f32(p['sinks'])}
+  a = pre + 'self_attn.'
+  out = {a + 'sinks': f32(p['sinks'])}
   if m.attention.bias:
     for name, proj in (('query', 'q'), ('key', 'k'), ('value', 'v'), ('out', 'o')):
       out[f'{a}{proj}_proj.bias'] = f32(p[f'{name}_bias']).reshape(-1)
