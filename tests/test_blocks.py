@@ -115,6 +115,8 @@ def test_scanned_layers_equal_unrolled_and_sinks_matter():
     (dict(norm_placement='middle'), {}, "model.norm_placement='middle' is unknown"),
     (dict(mlp_activation='geglu', moe_experts=4), {}, 'model.mlp_activation=geglu'),
     (dict(attention_window=-1), {}, 'model.attention_window=-1 must be >= 0'),
+    (dict(mlp_activation='clamped', mlp_swiglu_limit=0.0), {}, 'model.mlp_swiglu_limit=0.0 and'),
+    (dict(attention_bias=True, kv_lora_rank=16), {}, 'model.attention_bias=True with MLA'),
 ])
 def test_validate_refuses_paths_that_cannot_honour_the_features(overrides, mesh, says):
   c = load_config('palm_tiny')
