@@ -32,8 +32,8 @@ def overrides(hf: dict, rope: dict) -> dict:
   """cfg.model values for a gpt-oss config.json; `rope`: convert._rope's reading of its RoPE."""
   for key, allowed in _FIXED.items():
     if key in hf and hf[key] not in allowed:
-      raise HFImportError(f'{key}={hf[key]!r} is not supported for {MODEL_TYPE}: jaxlm computes {allowed[0]!r} '
-                          f'(a quantised checkpoint: dequantise it to bfloat16 first).')
+      hint = ' (a quantised checkpoint: import a bfloat16 copy)' if key == 'quantization_config' else ''
+      raise HFImportError(f'{key}={hf[key]!r} is not supported for {MODEL_TYPE}: jaxlm computes {allowed[0]!r}{hint}.')
   unknown = sorted(set(hf) - _KNOWN)
   if unknown:
     raise HFImportError(f'config.json field {unknown[0]!r} (={hf[unknown[0]]!r}) is not handled by jaxlm\'s '
