@@ -27,7 +27,7 @@ CONFIG = dict(vocab_size=211, hidden_size=48, intermediate_size=20, num_hidden_l
                                'truncate': False, 'original_max_position_embeddings': 16, 'rope_theta': 1000.0})
 # Turning one gpt-oss feature off (cfg.model key -> its off value) must move the logits by at least 1e-2.
 FEATURES = dict(mlp_swiglu_limit=1e9, attention_bias=False, moe_expert_bias=False, moe_router_bias=False,
-                attention_sinks=False, rope_scaling='none', attention_window=0)
+                attention_sinks=False, rope_scaling='none')  # the window's own test: tests/hf/test_families.py
 MAX_ABS = {}  # 'import' / 'export' -> max |logit difference| (printed with pytest -s)
 MOVED = {}  # FEATURES key -> max |logit difference| with it off
 
@@ -79,7 +79,7 @@ def _imported(root, result):
 
 def test_import_equals_transformers_and_each_feature_matters(gpt_oss):
   """The import's flags name every gpt-oss feature; its logits equal transformers' (1e-4); turning any feature
-  off (the clamp, each bias, the sinks, YaRN, the window) moves them by >= 1e-2."""
+  off (the clamp, each bias, the sinks, YaRN) moves them by >= 1e-2."""
   *_, root, result, tokens, theirs = gpt_oss
   o = result['overrides']
   assert (o['moe_router'], o['mlp_activation'], o['attention_window'], o['attention_global_every']) == (
