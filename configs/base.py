@@ -50,11 +50,14 @@ def get_config() -> ml_collections.ConfigDict:
   m.rope_local_theta = 0.0  # RoPE base of the local layers (Gemma 3: 10k beside 1M); 0 = rope_theta everywhere
   m.attention_softcap = 0.0  # attention scores -> cap·tanh(score / cap) (Gemma 2: 50); 0 = off
   m.attention_sinks = False  # a learned per-head logit joins each softmax's denominator (gpt-oss)
+  m.attention_bias = False  # biases on the q, k, v and output projections (gpt-oss)
   m.query_pre_attn_scalar = 0.0  # scores scaled by this^-1/2 instead of head_dim^-1/2 (Gemma 2/3); 0 = head_dim
   m.final_softcap = 0.0  # logits -> cap·tanh(logit / cap) (Gemma 2: 30); 0 = off
   m.norm_placement = 'pre'  # pre (Llama) | sandwich (norm before and after each sublayer: Gemma) | post (after: OLMo 2)
   m.norm_offset = False  # RMSNorm scales by (1 + w), w starting at 0 (Gemma)
-  m.mlp_activation = 'swiglu'  # dense MLP gate: swiglu (silu) | geglu (tanh-approximated gelu: Gemma)
+  m.mlp_activation = 'swiglu'  # MLP gate: swiglu (silu) | geglu (tanh-approx. gelu: Gemma, dense only) | clamped (gpt-oss)
+  m.mlp_swiglu_limit = 7.0  # clamped: gate clamped above at this, up to [-this, this]
+  m.mlp_swiglu_alpha = 1.702  # clamped: gate·sigmoid(alpha·gate)·(up + 1)
   m.embed_scale = False  # multiply the embeddings by sqrt(d_model) (Gemma)
   # Multi-head latent attention (jaxlm/mla.py, DeepSeek-V2/V3); the keys below kv_lora_rank are read only when it is > 0.
   m.kv_lora_rank = 0  # R: keys and values up-projected from one RMS-normed latent this wide per token; 0 = off
@@ -71,7 +74,8 @@ def get_config() -> ml_collections.ConfigDict:
   m.moe_shared_experts = 0  # experts every token goes through besides its k (DeepSeek), as one SwiGLU that wide
   m.moe_every = 1  # every n-th layer is MoE (layers n-1, 2n-1, ... after moe_first_dense), the rest dense; divides the rest
   m.moe_first_dense = 0  # k: the first k layers dense MLPs (DeepSeek's first_k_dense_replace), then moe_every's pattern
-  m.moe_router = 'mixtral'  # mixtral | qwen3_moe | olmoe (softmax, top-k) | deepseek_v3 (sigmoid, biased choice)
+  # mixtral | qwen3_moe | olmoe (softmax, top-k) | deepseek_v3 (sigmoid, biased choice) | gpt_oss (top-k, softmax over k)
+  m.moe_router = 'mixtral'
   m.moe_groups = 1  # deepseek_v3's n_group: experts in this many equal groups for group-limited routing; 1 = none
   m.moe_top_groups = 1  # deepseek_v3's topk_group: top-k chosen inside this many best groups (ranked by top-2 sum)
   m.moe_norm_topk_prob = True  # qwen3_moe/olmoe/deepseek_v3: renormalise the k weights to sum to 1 (mixtral always)
@@ -82,6 +86,8 @@ def get_config() -> ml_collections.ConfigDict:
   m.moe_bias_rate = 1e-3  # auxiliary-loss-free balancing (the default): selection-bias step per update; 0 = off
   m.moe_impl = 'ragged'  # ragged (tokens sorted by expert, grouped GEMMs) | dense (every expert on every token: tests)
   m.moe_transport = 'auto'  # mesh.expert > 1: all_to_all (ragged, GPU/TPU) | gather (all-gather + reduce-scatter, any) | auto
+  m.moe_expert_bias = False  # biases on each expert's gate, up and down projections (gpt-oss)
+  m.moe_router_bias = False  # a learned bias on the router's logits (gpt-oss)
   m.moe_buffer_factor = 0.0  # all_to_all receive buffer, × the balanced rows (N·k/expert); 0 = the worst case (never overflows)
   # LoRA (jaxlm/model.py `adapter`): low-rank adapters beside the projections; only they train, the base is frozen.
   m.lora = ml_collections.ConfigDict()

@@ -5,21 +5,23 @@ Functions here take a model.ModelConfig `m` by field (this module sits beside mo
 """
 
 import dataclasses
+import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jaxlm import attention as attention_lib
 
 NORM_PLACEMENTS = ('pre', 'sandwich', 'post')  # model.norm_placement (Block)
-MLP_ACTIVATIONS = ('swiglu', 'geglu')  # model.mlp_activation (SwiGLU)
+MLP_ACTIVATIONS = ('swiglu', 'geglu', 'clamped')  # model.mlp_activation (SwiGLU, MoE experts: `activation`)
 
 
 # AttentionConfig's field -> its flat cfg.model key.
 _ATTENTION_KEYS = {'kernel': 'attention', 'block_q': 'attention_block_q', 'qk_norm': 'qk_norm',
                    'window': 'attention_window', 'global_every': 'attention_global_every',
                    'local_rope_theta': 'rope_local_theta', 'softcap': 'attention_softcap',
-                   'sinks': 'attention_sinks', 'query_scalar': 'query_pre_attn_scalar'}
+                   'sinks': 'attention_sinks', 'query_scalar': 'query_pre_attn_scalar', 'bias': 'attention_bias'}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +41,7 @@ class AttentionConfig:
   softcap: float = 0.0  # model.attention_softcap: scores -> cap·tanh(scores / cap); 0 = off
   sinks: bool = False  # model.attention_sinks: a learned per-head logit in each softmax's denominator (gpt-oss)
   query_scalar: float = 0.0  # model.query_pre_attn_scalar: scores scaled by its -1/2 power; 0 = head dim
+  bias: bool = False  # model.attention_bias: q, k, v and output projections with biases (gpt-oss; `biases`)
 
   @classmethod
   def from_config(cls, model_cfg) -> 'AttentionConfig':
@@ -69,13 +72,50 @@ class NormsConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MlpConfig:
-  """model.mlp_activation: the dense MLP's gate, silu (SwiGLU) or tanh-approximated gelu (GeGLU, Gemma)."""
+  """model.mlp_activation: the MLP's gate (dense and experts alike; `activation`).
+
+  swiglu   silu(g)·u (Shazeer 2020).
+  geglu    gelu(g)·u, gelu tanh-approximated (Gemma).
+  clamped  gpt-oss's: g clamped above at `limit`, u to [-limit, limit], then g·sigmoid(alpha·g)·(u + 1).
+  """
   activation: str = 'swiglu'
+  limit: float = 7.0  # model.mlp_swiglu_limit: clamped only
+  alpha: float = 1.702  # model.mlp_swiglu_alpha: clamped only (1.702: sigmoid(1.702·g)·g ≈ gelu(g))
 
   @classmethod
   def from_config(cls, model_cfg) -> 'MlpConfig':
     """From cfg.model's flat keys (a key a saved config lacks: its default)."""
-    return cls(activation=model_cfg.get('mlp_activation', cls.activation))
+    return cls(activation=model_cfg.get('mlp_activation', cls.activation),
+               limit=model_cfg.get('mlp_swiglu_limit', cls.limit), alpha=model_cfg.get('mlp_swiglu_alpha', cls.alpha))
+
+
+def clamped_swiglu(g, u, limit: float, alpha: float):
+  """gpt-oss's expert gate: the clamps bound what one token can put through an expert (its activations stay
+  finite in low precision). The `+ 1` on u is part of the released weights' function, not a bias jaxlm adds."""
+  g = jnp.minimum(g, jnp.asarray(limit, g.dtype))
+  u = jnp.clip(u, -limit, limit)
+  return g * jax.nn.sigmoid(g * jnp.asarray(alpha, g.dtype)) * (u + 1)
+
+
+def activation(c: MlpConfig, swiglu):
+  """The MLP's gate (g, u) -> h (N, F) for model.mlp_activation; `swiglu`: model.swiglu (its lean backward)."""
+  if c.activation == 'geglu':
+    return lambda g, u: jax.nn.gelu(g, approximate=True) * u
+  if c.activation == 'clamped':
+    return functools.partial(clamped_swiglu, limit=c.limit, alpha=c.alpha)
+  return swiglu
+
+
+def biases(module, m, dtype) -> dict | None:
+  """model.attention_bias: the query, key, value (per head) and output biases of `module`'s attention, zeros at
+  init (gpt-oss); None when off. Added after each projection, in the compute dtype."""
+  if not m.attention.bias:
+    return None
+  H, K, E, D = m.num_heads, m.num_kv_heads, m.head_dim, m.d_model
+  shapes = {'query': ((H, E), ('heads', 'kv')), 'key': ((K, E), ('kv_heads', 'kv')),
+            'value': ((K, E), ('kv_heads', 'kv')), 'out': ((D,), ('embed',))}
+  return {name: module.param(f'{name}_bias', nn.with_logical_partitioning(nn.initializers.zeros, names), shape,
+                             dtype) for name, (shape, names) in shapes.items()}
 
 
 def is_local(m, layer: int) -> bool:
@@ -105,8 +145,12 @@ def block_errors(model_cfg, context: int = 1, stages: int = 1) -> list[str]:
     e.append(f'model.norm_placement={g("norm_placement")} needs the sequential block; set model.parallel_block=False.')
   if g('mlp_activation', 'swiglu') not in MLP_ACTIVATIONS:
     e.append(f'model.mlp_activation={g("mlp_activation")!r} is unknown; use one of {", ".join(MLP_ACTIVATIONS)}.')
-  elif g('mlp_activation', 'swiglu') != 'swiglu' and g('moe_experts'):
+  elif g('mlp_activation', 'swiglu') == 'geglu' and g('moe_experts'):
     e.append('model.mlp_activation=geglu: the experts of a mixture of experts are SwiGLU; set model.moe_experts=0.')
+  clamp = (g('mlp_swiglu_limit', 7.0), g('mlp_swiglu_alpha', 1.702))
+  if g('mlp_activation', 'swiglu') == 'clamped' and not (clamp[0] > 0 and clamp[1] > 0):
+    e.append(f'model.mlp_swiglu_limit={g("mlp_swiglu_limit", 7.0)} and model.mlp_swiglu_alpha='
+             f'{g("mlp_swiglu_alpha", 1.702)} must be positive under mlp_activation=clamped (gpt-oss: 7 and 1.702).')
   masked = [f'model.{k}' for k in ('attention_window', 'attention_softcap', 'attention_sinks') if g(k) > 0]
   if masked and g('attention', 'xla') in ('cudnn', 'splash'):
     e.append(f'{", ".join(masked)} need the masks of xla attention, and model.attention={g("attention")} has none '

@@ -55,7 +55,8 @@ def mla_errors(model_cfg) -> list[str]:
   if model_cfg.get('attention', 'xla') in ('cudnn', 'splash'):
     e.append(f'model.attention={model_cfg.get("attention")} with MLA: queries and keys are En + Er wide and values '
              f'Ev, which the fused kernels here do not take; set model.attention=xla.')
-  for key, off in (('attention_window', 0), ('attention_sinks', False), ('qk_norm', 'none')):
+  for key, off in (('attention_window', 0), ('attention_sinks', False), ('qk_norm', 'none'),
+                   ('attention_bias', False)):
     if model_cfg.get(key, off) != off:
       e.append(f'model.{key}={model_cfg.get(key)} with MLA (model.kv_lora_rank > 0) is not supported; set it to {off!r}.')
   if (model_cfg.get('lora') or {}).get('rank', 0):

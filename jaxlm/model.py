@@ -26,7 +26,8 @@ from jaxlm import moe as moe_lib
 from jaxlm import mtp as mtp_lib
 from jaxlm import pipeline as pipeline_lib
 from jaxlm.blocks import (MLP_ACTIVATIONS, NORM_PLACEMENTS, AttentionConfig, MlpConfig,  # noqa: F401
-                          NormsConfig, block_errors, is_local, ring_cached_attention, scores_config)
+                          NormsConfig, activation, biases, block_errors, is_local, ring_cached_attention,
+                          scores_config)
 from jaxlm.rope import ROPE_SCALINGS, layer_frequencies, rope, rope_frequencies  # noqa: F401  (callers' names)
 
 
@@ -84,7 +85,7 @@ class ModelConfig:
   # Each feature's keys in its own small frozen config; cfg.model keeps them flat (`from_config` maps them).
   attention: AttentionConfig = AttentionConfig()  # model.attention, attention_block_q, qk_norm
   norms: NormsConfig = NormsConfig()  # model.norm_eps, norm_placement, norm_offset
-  mlp: MlpConfig = MlpConfig()  # model.mlp_activation
+  mlp: MlpConfig = MlpConfig()  # model.mlp_activation, mlp_swiglu_limit, mlp_swiglu_alpha
   moe: moe_lib.MoeConfig = moe_lib.MoeConfig()  # model.moe_*: read only when moe.experts > 0 (jaxlm/moe.py)
   lora: lora_lib.LoraConfig = lora_lib.LoraConfig()  # model.lora: read where a projection is made (`project`)
   mla: mla_lib.MlaConfig = mla_lib.MlaConfig()  # model.kv_lora_rank > 0: multi-head latent attention (jaxlm/mla.py)
@@ -134,10 +135,12 @@ def param_count(m: ModelConfig, active: bool = False) -> int:
   mlp = 3 * D * F  # gate, up, down
   routed = m.moe.top_k if active else m.moe.experts
   moe = (D + 1) * m.moe.experts + 3 * D * m.moe.mlp_dim * (routed + m.moe.shared_experts)  # router + bias, experts
+  moe += moe_lib.bias_params(m.moe, D, routed)  # gpt-oss: the experts' and the router's biases
   moe_layers = sum(is_moe(m, i) for i in range(L))
   # one shared LayerNorm vs two RMSNorms per layer (pre or post), four when they sandwich the sublayers
   norms = D if m.parallel_block else (4 if m.norms.placement == 'sandwich' else 2) * D
   attention += H if m.attention.sinks else 0
+  attention += (H + 2 * K) * E + D if m.attention.bias else 0  # gpt-oss: q, k, v, out biases
   embeddings = V * D * (1 if m.tie_embeddings else 2)
   base = L * (attention + norms) + (L - moe_layers) * mlp + moe_layers * moe + D + embeddings  # + final norm
   # Multi-token prediction (jaxlm/mtp.py), per depth: three norms, the (2D, D) projection and a dense layer.
@@ -327,9 +330,10 @@ def tokens(x):
 
 
 class Attention(nn.Module):
-  """Multi-query / grouped-query self-attention with rotary positions, no biases; `local`: a sliding-window
-  layer (model.attention_window), a bool or, for scanned layers, a traced one. `static_local`: known to be local
-  when the model is built (unrolled layers, or all of them local): its decoding cache is then a ring buffer."""
+  """Multi-query / grouped-query self-attention with rotary positions, biases only with model.attention_bias;
+  `local`: a sliding-window layer (model.attention_window), a bool or, for scanned layers, a traced one.
+  `static_local`: known to be local when the model is built (unrolled layers, or all of them local): its decoding
+  cache is then a ring buffer."""
   config: ModelConfig
   static_local: bool | None = None
 
@@ -353,6 +357,9 @@ class Attention(nn.Module):
     q = project(x, wq.astype(dt).reshape(D, H * E), 'query', m, lora['query']).reshape(B, T, H, E)
     k = project(x, wk.astype(dt).reshape(D, K * E), 'key', m, lora['key']).reshape(B, T, K, E)
     v = project(x, wv.astype(dt).reshape(D, K * E), 'value', m, lora['value']).reshape(B, T, K, E)
+    bias = biases(self, m, storage_dtype(m))  # gpt-oss: q, k, v and output biases (model.attention_bias)
+    if bias is not None:
+      q, k, v = (y + bias[n].astype(dt) for y, n in ((q, 'query'), (k, 'key'), (v, 'value')))
     q = nn.with_logical_constraint(q, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
     if m.attention.qk_norm != 'none':
       q, k = QKNorm(m, 'heads', name='query_norm')(q), QKNorm(m, 'kv_heads', name='key_norm')(k)
@@ -374,8 +381,8 @@ class Attention(nn.Module):
     out = nn.with_logical_constraint(out, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
     # Named so the `attn_out` remat policy can keep it instead of recomputing the whole attention.
     out = checkpoint_name(out, 'attn_out')
-    return project(out.reshape(B * T, H * E), wo.astype(dt).reshape(H * E, D), 'out', m,
-                   lora['out']).reshape(B, T, D)
+    out = project(out.reshape(B * T, H * E), wo.astype(dt).reshape(H * E, D), 'out', m, lora['out'])
+    return (out if bias is None else out + bias['out'].astype(dt)).reshape(B, T, D)
 
   def cached_attention(self, q, k, v, segment_ids, scores=attention_lib.PLAIN):
     """q (B, T, H, E) over this layer's KV cache after writing k, v (B, T, K, E) at its next T slots.
@@ -401,7 +408,8 @@ class Attention(nn.Module):
 
 class SwiGLU(nn.Module):
   """MLP: down(silu(gate(x)) * up(x)) (Shazeer 2020, used by PaLM), no biases; with model.mlp_activation=geglu
-  down(gelu(gate(x)) * up(x)), gelu tanh-approximated as Gemma's (transformers' gelu_pytorch_tanh)."""
+  down(gelu(gate(x)) * up(x)), gelu tanh-approximated as Gemma's (transformers' gelu_pytorch_tanh); clamped:
+  gpt-oss's gate (blocks.clamped_swiglu)."""
   config: ModelConfig
 
   @nn.compact
@@ -418,7 +426,7 @@ class SwiGLU(nn.Module):
         ('down', ((F, 'mlp'),), ((D, 'embed'),)))}
     B, T, _ = x.shape
     x = tokens(x)  # (N, D)
-    gate = swiglu if m.mlp.activation == 'swiglu' else lambda g, u: jax.nn.gelu(g, approximate=True) * u
+    gate = activation(m.mlp, swiglu)
     h = gate(project(x, w_gate.astype(dt), 'gate', m, lora['gate']),
              project(x, w_up.astype(dt), 'up', m, lora['up']))  # (N, F)
     h = nn.with_logical_constraint(h.reshape(B, T, F), ('act_batch', 'act_seq', 'act_mlp'))
@@ -427,15 +435,15 @@ class SwiGLU(nn.Module):
 
 def moe_mlp(m: ModelConfig, **kwargs) -> moe_lib.MoE:
   """The mixture-of-experts MLP of model `m` (moe.MoE), given what it takes from the model: the widths and dtypes,
-  the SwiGLU activation, and the dense SwiGLU of its shared experts (DeepSeek's)."""
+  the gate (model.mlp_activation: SwiGLU, or gpt-oss's clamped one), and the dense MLP of its shared experts."""
   moe = dataclasses.replace(m.moe, mlp_dim=m.moe.mlp_dim or mlp_dim(m))
   shared = None
   if moe.shared_experts:  # one dense SwiGLU as wide as all of them, on every token
     # No LoRA adapters inside a mixture of experts (model.lora): its MLPs stay frozen.
     shared = functools.partial(SwiGLU, dataclasses.replace(m, mlp_dim=moe.shared_experts * moe.mlp_dim,
                                                            lora=lora_lib.LoraConfig()))
-  return moe_lib.MoE(moe, d_model=m.d_model, dtype=m.dtype, param_dtype=storage_dtype(m), activation=swiglu,
-                     shared=shared, **kwargs)
+  return moe_lib.MoE(moe, d_model=m.d_model, dtype=m.dtype, param_dtype=storage_dtype(m),
+                     activation=activation(m.mlp, swiglu), shared=shared, **kwargs)
 
 
 # The residual stream between layers, (B, T, D): its sequence split over context and tensor (sharding.RULES);

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlm import sharding
 
-ROUTERS = ('mixtral', 'qwen3_moe', 'olmoe', 'deepseek_v3')  # model.moe_router
+ROUTERS = ('mixtral', 'qwen3_moe', 'olmoe', 'deepseek_v3', 'gpt_oss')  # model.moe_router
 IMPLS = ('ragged', 'dense')  # model.moe_impl: sorted grouped GEMMs, or every expert on every token (reference)
 TRANSPORTS = ('auto', 'gather', 'all_to_all')  # model.moe_transport: how tokens reach their experts' devices
 STATS = 'moe_stats'  # the Flax collection each MoE layer writes its routing statistics into, when mutable
@@ -60,6 +60,8 @@ class MoeConfig:
   impl: str = 'ragged'  # IMPLS
   transport: str = 'auto'  # TRANSPORTS
   buffer_factor: float = 0.0  # all_to_all receive buffers (`buffer_rows`); 0: the worst case
+  expert_bias: bool = False  # gpt-oss: each expert's gate, up and down projections have biases
+  router_bias: bool = False  # gpt-oss: a learned bias on the router's logits (choice and weights alike)
 
   @classmethod
   def from_config(cls, model_cfg) -> 'MoeConfig':
@@ -76,6 +78,8 @@ def route(logits, preset: str, top_k: int, norm_topk_prob: bool, routed_scale: f
   olmoe        the same formula as qwen3_moe (OLMoE checkpoints leave norm_topk_prob off).
   deepseek_v3  sigmoid scores; the top-k chosen on scores + bias (the checkpoint's e_score_correction_bias),
                weighted by the unbiased scores, renormalised with norm_topk_prob, times routed_scale.
+  gpt_oss      top-k over the logits (+ bias), weighted by a softmax over the k chosen logits alone: mixtral's
+               weights in exact arithmetic, computed as gpt-oss does (scores stay the softmax over all X).
   `bias` (X,) shifts the choice only, never the weights (auxiliary-loss-free balancing, DeepSeek-V3 §2.1.2).
   groups > 1: DeepSeek-V3's group-limited routing (n_group, topk_group): the X experts in `groups` equal groups,
   each group scored by the sum of its two best (biased) scores, and the top-k chosen only inside the
@@ -84,12 +88,15 @@ def route(logits, preset: str, top_k: int, norm_topk_prob: bool, routed_scale: f
   """
   logits = logits.astype(jnp.float32)
   scores = jax.nn.sigmoid(logits) if preset == 'deepseek_v3' else jax.nn.softmax(logits, axis=-1)
-  choice = scores if bias is None else scores + bias
+  choice = logits if preset == 'gpt_oss' else scores
+  choice = choice if bias is None else choice + bias
   if top_groups < groups:
     choice = limit_groups(choice, groups, top_groups)
   _, experts = jax.lax.top_k(choice, top_k)
   weights = jnp.take_along_axis(scores, experts, axis=-1)
-  if preset == 'mixtral' or norm_topk_prob:
+  if preset == 'gpt_oss':
+    weights = jax.nn.softmax(jnp.take_along_axis(logits, experts, axis=-1), axis=-1)
+  elif preset == 'mixtral' or norm_topk_prob:
     weights = weights / (weights.sum(-1, keepdims=True) + (1e-20 if preset == 'deepseek_v3' else 0.0))
   if routed_scale != 1.0:
     weights = weights * routed_scale
@@ -177,25 +184,40 @@ def _combine(rows, order, inverse, weights, keep):
   return (y * jnp.where(keep, weights, 0.0).astype(y.dtype)[..., None]).sum(axis=1)
 
 
-def ragged_experts(x, weights, experts, keep, w_gate, w_up, w_down, swiglu):
+def ragged_experts(x, weights, experts, keep, w_gate, w_up, w_down, swiglu, biases=None):
   """Σ_k weight · expert(x) for each token, dropless: sort by expert, grouped GEMMs, unsort, reshape-sum.
 
   x (N, D); weights, experts, keep (N, k); w_gate, w_up (X, D, F); w_down (X, F, D). Assignments not kept
-  (padding, over capacity) sort past the last expert's rows, where ragged_dot writes zeros.
+  (padding, over capacity) sort past the last expert's rows, where ragged_dot writes zeros. `biases`: gpt-oss's
+  (gate (X, F), up (X, F), down (X, D)), each row getting its expert's (rows not kept: the last expert's, weighed 0).
   """
   xs, order, inverse, group_sizes = _sort_by_expert(x, experts, keep, w_gate.shape[0])  # (A, D) by expert
-  h = swiglu(jax.lax.ragged_dot(xs, w_gate, group_sizes), jax.lax.ragged_dot(xs, w_up, group_sizes))  # (A, F)
-  ys = jax.lax.ragged_dot(h, w_down, group_sizes)  # (A, D)
+  g, u = jax.lax.ragged_dot(xs, w_gate, group_sizes), jax.lax.ragged_dot(xs, w_up, group_sizes)  # (A, F)
+  if biases is not None:
+    row = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(xs.shape[0]), side='right')  # (A,) each row's expert
+    row = jnp.minimum(row, w_gate.shape[0] - 1)
+    g, u = g + biases[0][row], u + biases[1][row]
+  ys = jax.lax.ragged_dot(swiglu(g, u), w_down, group_sizes)  # (A, D)
+  if biases is not None:
+    ys = ys + biases[2][row]
   return _combine(ys, order, inverse, weights, keep)
 
 
-def dense_experts(x, weights, experts, keep, w_gate, w_up, w_down, swiglu):
+def dense_experts(x, weights, experts, keep, w_gate, w_up, w_down, swiglu, biases=None):
   """The same sum computed as every expert on every token, weighted by a one-hot combine: the test reference."""
   X = w_gate.shape[0]
   combine = (jax.nn.one_hot(experts, X, dtype=jnp.float32) * jnp.where(keep, weights, 0.0)[..., None]).sum(1)
-  h = swiglu(jnp.einsum('nd,xdf->nxf', x, w_gate), jnp.einsum('nd,xdf->nxf', x, w_up))  # (N, X, F)
-  y = jnp.einsum('nxf,xfd->nxd', h, w_down)  # (N, X, D)
+  g, u = jnp.einsum('nd,xdf->nxf', x, w_gate), jnp.einsum('nd,xdf->nxf', x, w_up)  # (N, X, F)
+  if biases is not None:
+    g, u = g + biases[0], u + biases[1]
+  y = jnp.einsum('nxf,xfd->nxd', swiglu(g, u), w_down)  # (N, X, D)
+  y = y if biases is None else y + biases[2]
   return jnp.einsum('nx,nxd->nd', combine.astype(y.dtype), y)
+
+
+def bias_params(m: MoeConfig, d_model: int, experts: int) -> int:
+  """gpt-oss's biases in one MoE layer with `experts` experts counted: (2F + D) each, and the router's X."""
+  return experts * (2 * m.mlp_dim + d_model) * m.expert_bias + m.experts * m.router_bias
 
 
 # Expert parallelism: the stacked experts split over the mesh's `expert` axis (sharding.EXPERT_RULES), each device
@@ -366,8 +388,8 @@ def expert_parallel(x, weights, experts, keep, w_gate, w_up, w_down, *, run, swi
 class MoE(nn.Module):
   """A routed SwiGLU MLP: a float32 router picks k of X experts per token, plus optional shared experts.
 
-  What it takes from the model comes from its caller (model.moe_mlp): the widths and dtypes, the SwiGLU
-  `activation` silu(g)·u, and `shared`, which makes the dense MLP of the shared experts (None without them).
+  What it takes from the model comes from its caller (model.moe_mlp): the widths and dtypes, the gate
+  `activation` (silu(g)·u, or gpt-oss's clamped one), and `shared`, which makes the dense MLP of the shared experts (None without them).
   When the STATS collection is mutable, the layer writes its routing statistics there as sums over its tokens
   (`statistics`), so microbatches and data shards add up to the whole batch's.
   """
@@ -396,11 +418,19 @@ class MoE(nn.Module):
     w_gate = param('gate', ('experts', 'embed', 'mlp'), (X, D, F), D ** -0.5)
     w_up = param('up', ('experts', 'embed', 'mlp'), (X, D, F), D ** -0.5)
     w_down = param('down', ('experts', 'mlp', 'embed'), (X, F, D), F ** -0.5)
+    zeros = lambda name, names, shape: self.param(  # noqa: E731  gpt-oss's biases, zeros at init
+        name, nn.with_logical_partitioning(nn.initializers.zeros, names), shape, self.param_dtype)
+    b = None
+    if m.expert_bias:
+      b = (zeros('gate_bias', ('experts', 'mlp'), (X, F)), zeros('up_bias', ('experts', 'mlp'), (X, F)),
+           zeros('down_bias', ('experts', 'embed'), (X, D)))
     B, T, _ = x.shape
     xt = x.reshape(B * T, D)  # (N, D): one token axis, as model.tokens
     valid = segment_ids.reshape(B * T) > 0  # (N,)
     # The router in float32 whatever the compute dtype: near-ties between experts decide the choice.
     logits = jnp.dot(xt.astype(jnp.float32), w_router.astype(jnp.float32))  # (N, X)
+    if m.router_bias:
+      logits = logits + zeros('router_bias', ('experts',), (X,)).astype(jnp.float32)
     weights, experts, scores = route(logits, m.router, k, m.norm_topk_prob, m.routed_scale,
                                      bias=jax.lax.stop_gradient(bias.astype(jnp.float32)), groups=m.groups,
                                      top_groups=m.top_groups)
@@ -408,13 +438,15 @@ class MoE(nn.Module):
     # Expert GEMMs stay in model.dtype: fp8's per-tensor scales do not cover X experts' grouped rows.
     run = ragged_experts if m.impl == 'ragged' else dense_experts
     w = (w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt))
-    if expert_ways() > 1 and xt.shape[0] % token_ways() == 0:  # experts split over the expert axis: tokens
-      # travel to them and back. A token count the mesh does not divide (init's dummy trace, a small sampling
-      # batch) runs in the global view below instead: the same result, XLA gathering what it needs.
+    b = None if b is None else tuple(a.astype(dt) for a in b)
+    # Experts split over the expert axis: tokens travel to them and back (config.validate refuses expert biases
+    # there: this dispatch does not carry them). A token count the mesh does not divide (init's dummy trace, a
+    # small sampling batch) runs in the global view below instead: the same result, XLA gathering what it needs.
+    if expert_ways() > 1 and xt.shape[0] % token_ways() == 0 and b is None:
       y, overflow = expert_parallel(xt, weights, experts, keep, *w, run=run, swiglu=self.activation,
                                     transport=transport(m.transport), buffer_factor=m.buffer_factor)
     else:
-      y, overflow = run(xt, weights, experts, keep, *w, self.activation), jnp.zeros((), jnp.float32)
+      y, overflow = run(xt, weights, experts, keep, *w, self.activation, b), jnp.zeros((), jnp.float32)
     if self.shared is not None:  # DeepSeek's shared experts: one dense SwiGLU as wide as all of them, on every token
       y = y + self.shared(name='shared')(x).reshape(B * T, D)
     if self.is_mutable_collection(STATS):

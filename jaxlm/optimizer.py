@@ -41,13 +41,15 @@ def _warmup_constant(peak: float, warmup: int) -> optax.Schedule:
 
 
 def decay_mask(logical_specs):
-  """True for parameters that get weight decay: matrices, not norm scales or other 1-D parameters.
+  """True for parameters that get weight decay: matrices, not norm scales, biases or other 1-D parameters.
 
   Decided from logical axis names rather than ndim, because scanned layers add a leading `layers` axis that
-  turns a norm's (D,) scale into an (L, D) array.
+  turns a norm's (D,) scale into an (L, D) array; biases (gpt-oss's `*_bias`, per head or per expert: 2-D) by name.
   """
-  return jax.tree.map(lambda spec: len([a for a in spec if a != 'layers']) >= 2, logical_specs,
-                      is_leaf=lambda x: isinstance(x, P))
+  def decays(path, spec):
+    name = str(getattr(path[-1], 'key', '')) if path else ''
+    return not name.endswith('bias') and len([a for a in spec if a != 'layers']) >= 2
+  return jax.tree_util.tree_map_with_path(decays, logical_specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def make_optimizer(optim_cfg, total_steps: int, mask, logical=None) -> optax.GradientTransformation:

@@ -115,6 +115,8 @@ def test_scanned_layers_equal_unrolled_and_sinks_matter():
     (dict(norm_placement='middle'), {}, "model.norm_placement='middle' is unknown"),
     (dict(mlp_activation='geglu', moe_experts=4), {}, 'model.mlp_activation=geglu'),
     (dict(attention_window=-1), {}, 'model.attention_window=-1 must be >= 0'),
+    (dict(mlp_activation='clamped', mlp_swiglu_limit=0.0), {}, 'model.mlp_swiglu_limit=0.0 and'),
+    (dict(attention_bias=True, kv_lora_rank=16), {}, 'model.attention_bias=True with MLA'),
 ])
 def test_validate_refuses_paths_that_cannot_honour_the_features(overrides, mesh, says):
   c = load_config('palm_tiny')
@@ -126,11 +128,11 @@ def test_validate_refuses_paths_that_cannot_honour_the_features(overrides, mesh,
 
 
 def test_sharded_step_with_sliding_window_matches_single_device():
-  """Two training steps of a local/global model with soft-caps, sinks and sandwich norms on fsdp 4 × tensor 2
-  equal one device (1e-5), in loss and gradient norm; documents are packed two to a row."""
+  """Two training steps of a local/global model with soft-caps, sinks, attention biases and sandwich norms on
+  fsdp 4 × tensor 2 equal one device (1e-5), in loss and gradient norm; documents are packed two to a row."""
   cfg = odd_config(parallel_block=False)
   cfg.model.update(attention_window=W, attention_global_every=2, attention_softcap=3.0, attention_sinks=True,
-                   norm_placement='sandwich', norm_offset=True, mlp_activation='geglu', embed_scale=True,
+                   attention_bias=True, norm_placement='sandwich', norm_offset=True, mlp_activation='geglu', embed_scale=True,
                    final_softcap=8.0, rope_local_theta=100.0)
   batch = random_batch(8, 24, cfg.model.vocab_size, docs=2)
   reference, _ = _two_steps(cfg.copy_and_resolve_references(), (1, 1, 1), batch)

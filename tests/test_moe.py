@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from jaxlm import blocks
 from jaxlm import model as model_lib
 from jaxlm import moe
 from jaxlm.hf import convert
@@ -38,7 +39,11 @@ def _params(**overrides):
   x, seg = _inputs()
   m = _cfg(**overrides)
   params = jax.jit(model_lib.moe_mlp(m).init)(jax.random.PRNGKey(1), x, seg)['params']
-  return jax.tree.map(lambda p: getattr(p, 'value', p), params, is_leaf=lambda p: hasattr(p, 'names'))
+  params = jax.tree.map(lambda p: getattr(p, 'value', p), params, is_leaf=lambda p: hasattr(p, 'names'))
+  # gpt-oss's biases start at zero: drawn here, so that each row must find its own expert's
+  return jax.tree_util.tree_map_with_path(
+      lambda path, p: jax.random.normal(jax.random.PRNGKey(len(p.shape) + p.size), p.shape)
+      if jax.tree_util.keystr(path).endswith("_bias']") else p, params)
 
 
 def _out_and_grads(impl, x, seg, **overrides):
@@ -58,6 +63,8 @@ _LAYER_CASES = {
     'qwen3-unnormalised': {'moe_router': 'qwen3_moe', 'moe_norm_topk_prob': False},
     'deepseek-shared': {'moe_router': 'deepseek_v3', 'moe_routed_scale': 2.5, 'moe_shared_experts': 1},
     'capacity1': {'moe_capacity_factor': 1.0},  # some assignments dropped
+    'gpt-oss': {'moe_router': 'gpt_oss', 'moe_expert_bias': True, 'moe_router_bias': True, 'mlp_activation': 'clamped',
+                'mlp_swiglu_limit': 0.5},  # biases per expert and on the logits; clamps that act
 }
 
 
@@ -73,7 +80,7 @@ def test_ragged_dot_path_equals_dense_reference(overrides):
   flat, flat_ref = jax.tree_util.tree_flatten_with_path(g)[0], jax.tree.leaves(g_ref)
   assert len(flat) == len(flat_ref) >= 6
   for (path, a), b in zip(flat, flat_ref):
-    if 'bias' in jax.tree_util.keystr(path):  # only top-k's choice reads the balancing bias: no gradient
+    if jax.tree_util.keystr(path).endswith("['bias']"):  # only top-k's choice reads the balancing bias: no gradient
       np.testing.assert_array_equal(a, 0.0)
     else:  # every other parameter (router included) and the input get a gradient
       assert float(jnp.abs(b).max()) > 0, path
@@ -97,6 +104,29 @@ def test_padding_tokens_are_routed_nowhere():
   np.testing.assert_array_equal(np.asarray(y2)[~pad], np.asarray(y)[~pad])
   for k, v in stats[moe.STATS].items():
     np.testing.assert_allclose(stats2[moe.STATS][k], v, rtol=1e-6, err_msg=k)
+
+
+def test_gpt_oss_router_and_clamped_gate_equal_transformers():
+  """moe_router=gpt_oss (top-k logits, softmax over k) and the clamped SwiGLU against transformers' gpt-oss
+  modules, on logits and gates wide enough that the clamps act."""
+  torch = pytest.importorskip('torch')
+  transformers = pytest.importorskip('transformers')
+  from transformers.models.gpt_oss import modeling_gpt_oss as hf_oss
+  config = transformers.GptOssConfig(hidden_size=D, num_local_experts=X, num_experts_per_tok=K, intermediate_size=F)
+  router = hf_oss.GptOssTopKRouter(config)
+  x = np.random.default_rng(0).normal(size=(13, D)).astype(np.float32)
+  with torch.no_grad():
+    router.weight.normal_()
+    router.bias.normal_()
+    _, want_w, want_e = router(torch.from_numpy(x))
+  logits = x @ router.weight.detach().numpy().T + router.bias.detach().numpy()
+  w, e, _ = moe.route(jnp.asarray(logits), 'gpt_oss', K, False, 1.0)
+  np.testing.assert_array_equal(e, want_e.numpy())
+  np.testing.assert_allclose(w, want_w.numpy(), rtol=1e-5, atol=1e-7)  # logits: numpy vs torch rounding
+  gate_up = np.random.default_rng(1).normal(size=(13, 2 * F)).astype(np.float32) * 10  # beyond the limit of 7
+  want = hf_oss.GptOssExperts(config)._apply_gate(torch.from_numpy(gate_up)).numpy()  # pylint: disable=protected-access
+  got = blocks.clamped_swiglu(gate_up[:, 0::2], gate_up[:, 1::2], config.swiglu_limit, config.swiglu_alpha)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 def test_route_presets_normalise_as_their_families():

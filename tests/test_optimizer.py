@@ -21,12 +21,14 @@ def test_schedule_warmup_peak_and_end():
   assert all(float(lr(s)) >= float(lr(s + 1)) for s in range(100, 1000, 50))
 
 
-def test_decay_mask_skips_norms_even_when_stacked():
+def test_decay_mask_skips_norms_and_biases_even_when_stacked():
   specs = {'embedding': P('vocab', 'embed'), 'layers': {'norm': {'scale': P('layers', 'embed')},
-                                                        'mlp': {'up': P('layers', 'embed', 'mlp')}},
+                                                        'mlp': {'up': P('layers', 'embed', 'mlp')},
+                                                        'moe': {'gate_bias': P('layers', 'experts', 'mlp')}},
            'final_norm': {'scale': P('embed')}}
   assert optimizer.decay_mask(specs) == {'embedding': True, 'layers': {'norm': {'scale': False},
-                                                                      'mlp': {'up': True}},
+                                                                      'mlp': {'up': True},
+                                                                      'moe': {'gate_bias': False}},
                                          'final_norm': {'scale': False}}
 
 

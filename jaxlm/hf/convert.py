@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from jaxlm import model as model_lib
-from jaxlm.hf import deepseek
+from jaxlm.hf import deepseek, gpt_oss
 from jaxlm.hf.families import (FAMILY_BLOCKS, FAMILY_MODEL_TYPES, ExportError, HFImportError,  # noqa: F401
                                family_architecture, family_config, family_overrides, features, norm_names)
 
@@ -59,6 +59,10 @@ def _moe_architecture(m: model_lib.ModelConfig) -> str:
   if moe.router not in MOE_ARCHITECTURES:
     raise ExportError(f'model.moe_router={moe.router} has no export; use mixtral, qwen3_moe or olmoe.')
   arch, _, qk_norm = MOE_ARCHITECTURES[moe.router]
+  if moe.expert_bias or moe.router_bias:
+    raise ExportError(f'model.moe_expert_bias={moe.expert_bias}, moe_router_bias={moe.router_bias}: {arch} has no '
+                      f'biases in its experts or router; use model.moe_router=gpt_oss (GptOssForCausalLM) or turn '
+                      f'them off.')
   if moe.first_dense and (moe.router != 'qwen3_moe' or moe.first_dense % moe.every):
     raise ExportError(f'model.moe_first_dense={moe.first_dense}: {arch} has no dense first layers'
                       f'{" but mlp_only_layers, whose pattern matches only when moe_every divides it" if moe.router == "qwen3_moe" else ""}'
@@ -80,6 +84,9 @@ def architecture(m: model_lib.ModelConfig) -> str:
   if m.mla.kv_lora_rank:  # multi-head latent attention: DeepSeek-V3's class only (hf/deepseek.py)
     deepseek.check_exportable(m, features(m))
     return deepseek.ARCHITECTURE
+  if m.moe.experts and m.moe.router == 'gpt_oss':  # attention sinks and biases, clamped experts (hf/gpt_oss.py)
+    gpt_oss.check_exportable(m, features(m))
+    return gpt_oss.ARCHITECTURE
   if m.moe.experts:
     if features(m):
       raise ExportError(f'{", ".join(features(m))} on a mixture of experts has no Hugging Face export yet.')
@@ -121,11 +128,15 @@ def to_hf(params: dict, m: model_lib.ModelConfig) -> dict[str, np.ndarray]:
       out[pre + 'self_attn.k_proj.weight'] = f32(a['key'])[:, :, rope_order].reshape(D, K * E).T
       out[pre + 'self_attn.v_proj.weight'] = f32(a['value']).reshape(D, K * E).T
       out[pre + 'self_attn.o_proj.weight'] = f32(a['out']).reshape(H * E, D).T
+    if m.attention.sinks or m.attention.bias:  # only gpt-oss's class has them (architecture() checked)
+      out.update(gpt_oss.attention_to_hf(a, pre, m))
     if m.attention.qk_norm != 'none':
       out[pre + 'self_attn.q_norm.weight'] = f32(a['query_norm']['scale']).reshape(-1)
       out[pre + 'self_attn.k_norm.weight'] = f32(a['key_norm']['scale']).reshape(-1)
     if 'moe' in p:
-      out.update(deepseek.moe_to_hf(p['moe'], pre, m) if m.mla.kv_lora_rank else _experts_to_hf(p['moe'], pre, m))
+      to = (deepseek.moe_to_hf if m.mla.kv_lora_rank else gpt_oss.moe_to_hf if m.moe.router == 'gpt_oss'
+            else _experts_to_hf)
+      out.update(to(p['moe'], pre, m))
     else:
       mlp = p['mlp']
       out[pre + 'mlp.gate_proj.weight'] = f32(mlp['gate']).T  # (F, D)
@@ -197,7 +208,7 @@ def hf_config(m: model_lib.ModelConfig, *, max_positions: int, dtype: str, bos_i
       'bos_token_id': bos_id, 'eos_token_id': eos_id, 'pad_token_id': None, 'use_cache': True,
       'torch_dtype': dtype, 'dtype': dtype,
   }
-  if m.moe.experts and arch != deepseek.ARCHITECTURE:
+  if m.moe.experts and arch not in (deepseek.ARCHITECTURE, gpt_oss.ARCHITECTURE):
     _, model_type, _ = MOE_ARCHITECTURES[m.moe.router]
     c.update(model_type=model_type, num_local_experts=m.moe.experts, num_experts=m.moe.experts,
              num_experts_per_tok=m.moe.top_k, norm_topk_prob=m.moe.norm_topk_prob, output_router_logits=False,
@@ -215,6 +226,8 @@ def hf_config(m: model_lib.ModelConfig, *, max_positions: int, dtype: str, bos_i
     c.update(family_config(m, arch, max_positions, rope_scaling_to_hf(m)))
   if arch == deepseek.ARCHITECTURE:
     c.update(deepseek.hf_config(m))
+  if arch == gpt_oss.ARCHITECTURE:
+    c.update(gpt_oss.hf_config(m, max_positions))
   return c
 
 
@@ -286,7 +299,7 @@ def _rope(hf: dict) -> dict:
 MOE_FAMILIES = {'mixtral': ('mixtral', 'none'), 'qwen3_moe': ('qwen3_moe', 'head'), 'olmoe': ('olmoe', 'full')}
 # Dense families: model_type -> QK-norm (Qwen3: Llama's block with a per-head RMSNorm on queries and keys).
 DENSE_FAMILIES = {'llama': 'none', 'qwen3': 'head'}
-IMPORTABLE = (*DENSE_FAMILIES, *MOE_FAMILIES, *FAMILY_BLOCKS, deepseek.MODEL_TYPE)
+IMPORTABLE = (*DENSE_FAMILIES, *MOE_FAMILIES, *FAMILY_BLOCKS, deepseek.MODEL_TYPE, gpt_oss.MODEL_TYPE)
 
 
 def _moe_overrides(hf: dict) -> dict:
@@ -321,6 +334,8 @@ def model_overrides(hf: dict) -> dict:
                         f'gemma3_text).')
   if hf.get('model_type') == deepseek.MODEL_TYPE:  # multi-head latent attention: its own keys (hf/deepseek.py)
     return deepseek.overrides(hf, _rope(hf))
+  if hf.get('model_type') == gpt_oss.MODEL_TYPE:  # sinks, biases, clamped experts: its own keys (hf/gpt_oss.py)
+    return gpt_oss.overrides(hf, _rope({**hf, 'rope_theta': hf.get('rope_theta') or gpt_oss.DEFAULT_THETA}))
   if hf.get('model_type') in FAMILY_BLOCKS:
     hf, family = family_overrides(hf)
   else:
@@ -375,11 +390,15 @@ def from_hf(tensors: dict[str, np.ndarray], m: model_lib.ModelConfig, *, scan_la
             'value': get(pre + 'self_attn.v_proj.weight', (K * E, D)).T.reshape(D, K, E),
             'out': get(pre + 'self_attn.o_proj.weight', (D, H * E)).T.reshape(H, E, D)},
         **{ours: {'scale': get(pre + theirs + '.weight', (D,))} for ours, theirs in norm_names(m).items()}}
+    if m.attention.sinks or m.attention.bias:
+      layer['attention'].update(gpt_oss.attention_from_hf(get, pre, m))
     if m.attention.qk_norm != 'none':  # Qwen3: one (E,) scale per q/k; OLMoE: over all heads, (H·E,) and (K·E,)
       shapes = ((E,), (E,)) if m.attention.qk_norm == 'head' else ((H, E), (K, E))
       layer['attention']['query_norm'] = {'scale': get(pre + 'self_attn.q_norm.weight').reshape(shapes[0])}
       layer['attention']['key_norm'] = {'scale': get(pre + 'self_attn.k_norm.weight').reshape(shapes[1])}
-    if model_lib.is_moe(m, i):
+    if model_lib.is_moe(m, i) and m.moe.router == 'gpt_oss':
+      layer['moe'] = gpt_oss.moe_from_hf(get, pre, m)
+    elif model_lib.is_moe(m, i):
       layer['moe'] = _experts_from_hf(tensors, get, pre, m)
       if m.mla.kv_lora_rank:
         layer['moe'] = deepseek.moe_from_hf(get, pre, m, layer['moe'])

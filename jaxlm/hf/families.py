@@ -38,7 +38,7 @@ def norm_names(m) -> dict[str, str]:
                    'mlp_post_norm': 'post_feedforward_layernorm'}}[m.norms.placement]
 
 
-def _pattern(hf: dict) -> dict:
+def pattern(hf: dict) -> dict:
   """attention_window and attention_global_every for config.json's layer_types and sliding_window."""
   L, window = hf['num_hidden_layers'], hf.get('sliding_window')
   types = hf.get('layer_types')
@@ -77,7 +77,7 @@ def _per_layer_rope(hf: dict) -> tuple[dict, dict]:
 def family_overrides(hf: dict) -> tuple[dict, dict]:
   """(config.json with the keys handled here cleared for convert's common checks, cfg.model block keys)."""
   kind = hf['model_type']
-  out = dict(FAMILY_BLOCKS[kind], **_pattern(hf))
+  out = dict(FAMILY_BLOCKS[kind], **pattern(hf))
   if kind.startswith('gemma'):
     act = hf.get('hidden_activation') or hf.get('hidden_act')
     if act not in GELU_TANH:
@@ -99,12 +99,14 @@ def family_overrides(hf: dict) -> tuple[dict, dict]:
 def _options(m) -> dict:
   a = m.attention
   return {'attention_window': a.window, 'attention_softcap': a.softcap, 'final_softcap': m.final_softcap,
-          'attention_sinks': a.sinks, 'query_pre_attn_scalar': a.query_scalar, 'rope_local_theta': a.local_rope_theta,
+          'attention_sinks': a.sinks, 'attention_bias': a.bias, 'query_pre_attn_scalar': a.query_scalar,
+          'rope_local_theta': a.local_rope_theta,
           'norm_placement': m.norms.placement, 'norm_offset': m.norms.offset, 'mlp_activation': m.mlp.activation,
           'embed_scale': m.embed_scale}
 
 
 _OFF = {'attention_window': 0, 'attention_softcap': 0.0, 'final_softcap': 0.0, 'attention_sinks': False,
+        'attention_bias': False,
         'query_pre_attn_scalar': 0.0, 'rope_local_theta': 0.0, 'norm_placement': 'pre', 'norm_offset': False,
         'mlp_activation': 'swiglu', 'embed_scale': False}
 
@@ -123,7 +125,7 @@ def family_architecture(m) -> str:
   o = _options(m)
   block = {k: o[k] for k in ('norm_placement', 'norm_offset', 'mlp_activation', 'embed_scale')}
   extra = lambda keys: [f'model.{k}={o[k]}' for k in keys if o[k] != _OFF[k]]  # noqa: E731
-  arch, problems = None, extra(['attention_sinks'])
+  arch, problems = None, extra(['attention_sinks', 'attention_bias'])
   if block == _GEMMA and m.attention.qk_norm in ('none', 'head'):
     arch = 'Gemma3ForCausalLM' if m.attention.qk_norm == 'head' else 'Gemma2ForCausalLM'
     if arch == 'Gemma2ForCausalLM' and o['rope_local_theta'] not in (0.0, m.rope_theta):

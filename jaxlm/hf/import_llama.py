@@ -1,8 +1,8 @@
 """Import a local Hugging Face checkpoint as a jaxlm warm start, for continued pre-training or fine-tuning.
 
 One command for every family jaxlm computes exactly (convert.IMPORTABLE): Llama, Qwen3 (dense, QK-norm), Mixtral,
-Qwen3-MoE, OLMoE, (hf/families.py) Gemma 2, Gemma 3 (text), Mistral, OLMo 2 and OLMo 3, and (hf/deepseek.py)
-DeepSeek-V3; config.json's model_type picks the mapping.
+Qwen3-MoE, OLMoE, (hf/families.py) Gemma 2, Gemma 3 (text), Mistral, OLMo 2 and OLMo 3, (hf/gpt_oss.py) gpt-oss,
+and (hf/deepseek.py) DeepSeek-V3; config.json's model_type picks the mapping.
 
   python -m jaxlm.hf.import_llama --hf_dir=path/to/llama --out=runs/llama_import [--config=configs/base.py]
 
@@ -15,8 +15,8 @@ prepare commands that tokenize with them and the config overrides that build the
 
 Only safetensors files are read: pickled PyTorch files (*.bin, *.pt) are refused, because unpickling one can run
 arbitrary code. Only what jaxlm's sequential block computes exactly is accepted: RoPE plain or scaled (linear,
-llama3, yarn: model.rope_scaling); a config with dynamic or longrope RoPE, attention or MLP biases, another
-activation, a layer type or window pattern jaxlm lacks, a vision tower, or quantisation is refused by name.
+llama3, yarn: model.rope_scaling); a config with dynamic or longrope RoPE, attention or MLP biases (but gpt-oss's),
+another activation, a layer type or window pattern jaxlm lacks, a vision tower, or quantisation is refused by name.
 Tied Hugging Face embeddings become untied jaxlm ones (jaxlm ties with a 1/sqrt(D) logit scale Llama lacks).
 """
 
