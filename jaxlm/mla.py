@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jaxlm import attention as attention_lib
 from jaxlm import blocks
-from jaxlm.rope import rope, rope_frequencies
+from jaxlm.rope import rope, rope_frequencies, softmax_mscale
 
 # MlaConfig's field -> its flat cfg.model key (the names DeepSeek's config.json uses).
 _KEYS = ('q_lora_rank', 'kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim')
@@ -123,6 +123,8 @@ class MLA(nn.Module):
       return k, nn.with_logical_constraint(kv[..., En:], ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
 
     scores = blocks.scores_config(m, False)
+    if softmax_mscale(m) != 1.0:  # DeepSeek's YaRN: the whole head's scale too (rope.softmax_mscale)
+      scores = dataclasses.replace(scores, scale=(scores.scale or (En + Er) ** -0.5) * softmax_mscale(m))
     if self.is_mutable_collection('cache'):  # decoding (jaxlm/generate.py): latents cached, attended absorbed
       out = self.cached_attention(q, latent, k_rot, segment_ids, w_up, scores)
     else:

@@ -70,6 +70,7 @@ class ModelConfig:
   rope_beta_slow: float = 1.0
   rope_attention_factor: float = 0.0
   rope_truncate: bool = True
+  rope_mscale_all_dim: float = 0.0  # see rope.softmax_mscale
   z_loss: float = 1e-4
   dropout_rate: float = 0.0
   dtype: str = 'bfloat16'

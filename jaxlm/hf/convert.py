@@ -251,6 +251,8 @@ def rope_scaling_to_hf(m: model_lib.ModelConfig) -> dict | None:
     out.update(beta_fast=m.rope_beta_fast, beta_slow=m.rope_beta_slow, truncate=m.rope_truncate,
                original_max_position_embeddings=m.rope_original_max_positions,
                attention_factor=model_lib.rope_frequencies(m)[1])  # explicit: readers need not re-derive it
+    if m.rope_mscale_all_dim:  # DeepSeek's softmax correction (rope.softmax_mscale)
+      out['mscale_all_dim'] = m.rope_mscale_all_dim
   return out
 
 

@@ -39,9 +39,12 @@ def overrides(hf: dict, rope: dict) -> dict:
     raise HFImportError(f'config.json field {unknown[0]!r} (={hf[unknown[0]]!r}) is not handled by jaxlm\'s '
                         f'{MODEL_TYPE} import; remove it if it does not change the model.')
   params = {**(hf.get('rope_parameters') or {}), **(hf.get('rope_scaling') or {})}
-  if rope['rope_scaling'] != 'none' and params.get('mscale_all_dim'):
-    raise HFImportError(f'rope mscale_all_dim={params["mscale_all_dim"]} is not supported yet: jaxlm does not '
-                        f'scale MLA\'s softmax by YaRN\'s mscale².')
+  mscale_all_dim = float(params.get('mscale_all_dim') or 0.0) if rope['rope_scaling'] != 'none' else 0.0
+  if mscale_all_dim and rope['rope_scaling'] != 'yarn':  # transformers would scale the softmax; jaxlm: yarn only
+    raise HFImportError(f'rope mscale_all_dim={mscale_all_dim} under rope_type={rope["rope_scaling"]} is not '
+                        f'supported: jaxlm applies DeepSeek\'s softmax mscale² with yarn only.')
+  if mscale_all_dim:  # YaRN's softmax correction (rope.softmax_mscale); the cos/sin ratio is in `rope` already
+    rope = dict(rope, rope_mscale_all_dim=mscale_all_dim)
   H, En, Er = hf['num_attention_heads'], hf['qk_nope_head_dim'], hf['qk_rope_head_dim']
   return dict(vocab_size=hf['vocab_size'], d_model=hf['hidden_size'], num_layers=hf['num_hidden_layers'],
               num_heads=H, num_kv_heads=H, head_dim=En + Er, mlp_dim=hf['intermediate_size'], parallel_block=False,

@@ -29,8 +29,14 @@ CONFIG = dict(vocab_size=97, hidden_size=48, intermediate_size=64, moe_intermedi
               num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
               routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
               qk_nope_head_dim=10, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
-              max_position_embeddings=64, initializer_range=0.1, rms_norm_eps=1e-6,
-              rope_parameters={'rope_type': 'default', 'rope_theta': 1000.0})
+              max_position_embeddings=640, initializer_range=0.1, rms_norm_eps=1e-6,
+              rope_parameters={'rope_type': 'yarn', 'rope_theta': 1000.0, 'factor': 40.0, 'mscale': 0.7,
+                               'mscale_all_dim': 1.0, 'original_max_position_embeddings': 16, 'beta_fast': 32,
+                               'beta_slow': 1})  # DeepSeek's YaRN, mscale != mscale_all_dim: both factors differ
+# The released DeepSeek-V3 config.json's own RoPE and MTP fields (4.x style rope_scaling), for the second case.
+RELEASED = dict(num_nextn_predict_layers=1, rope_theta=10000.0, max_position_embeddings=163840, rope_scaling={
+    'type': 'yarn', 'factor': 40, 'mscale': 1.0, 'mscale_all_dim': 1.0, 'original_max_position_embeddings': 4096,
+    'beta_fast': 32, 'beta_slow': 1})
 MAX_ABS = {}
 ORIGINAL = {}  # 'model': the fixture's transformers model
 
@@ -66,10 +72,14 @@ def imported(tmp_path_factory):
 
 
 def test_import_equals_transformers_and_rope_and_latent_norms_matter(imported, monkeypatch):
-  """An imported DeepSeek-V3's logits == transformers' (1e-4); the same weights without the decoupled RoPE
-  (positions all 0), with its rotary dims left interleaved, or without the latent norms move them by >= 1e-2."""
+  """An imported DeepSeek-V3's logits == transformers' (1e-4) under DeepSeek's YaRN (mscale != mscale_all_dim);
+  the same weights without the decoupled RoPE (positions all 0), with its rotary dims left interleaved, without
+  the latent norms or without YaRN's softmax correction (mscale_all_dim) move them by >= 1e-2."""
   _, _, m, params, tokens, theirs = imported
   assert m.mla.kv_lora_rank == 16 and m.moe.first_dense == 1 and m.moe.router == 'deepseek_v3'
+  assert m.rope_scaling == 'yarn' and m.rope_mscale_all_dim == 1.0 and m.rope_attention_factor != 1.0
+  no_mscale = dataclasses.replace(m, rope_mscale_all_dim=0.0)
+  MAX_ABS['without mscale_all_dim'] = float(np.abs(_logits(model_lib.Decoder(no_mscale), params, tokens) - theirs).max())
   assert 'dense_layers' in params and 'shared' in params['layers']['moe']
   MAX_ABS['import'] = float(np.abs(_logits(model_lib.Decoder(m), params, tokens) - theirs).max())
   assert MAX_ABS['import'] <= 1e-4
@@ -83,8 +93,27 @@ def test_import_equals_transformers_and_rope_and_latent_norms_matter(imported, m
   MAX_ABS['rope interleaved'] = float(np.abs(_logits(model_lib.Decoder(m), interleaved, tokens) - theirs).max())
   monkeypatch.setattr(mla_lib, '_rms', lambda module, name, x, m: x)
   MAX_ABS['without latent norms'] = float(np.abs(_logits(model_lib.Decoder(m), params, tokens) - theirs).max())
-  for key in ('without RoPE', 'rope interleaved', 'without latent norms'):
+  for key in ('without RoPE', 'rope interleaved', 'without latent norms', 'without mscale_all_dim'):
     assert MAX_ABS[key] >= 1e-2, key
+
+
+def test_released_rope_config_imports_with_transformers_logits(imported):
+  """The released config.json's RoPE (yarn, factor 40, mscale = mscale_all_dim = 1: cos/sin unscaled, the softmax
+  by (0.1·ln 40 + 1)²) and num_nextn_predict_layers import; on the same weights jaxlm's logits == transformers'."""
+  transformers, _, m, params, tokens, _ = imported
+  import torch
+  hf = dict(CONFIG, model_type='deepseek_v3', rope_interleave=True, **RELEASED)
+  del hf['rope_parameters']
+  rope = {k: v for k, v in import_hf.model_overrides(hf).items() if k.startswith('rope_')}
+  assert rope['rope_attention_factor'] == 1.0 and rope['rope_mscale_all_dim'] == 1.0
+  config = transformers.DeepseekV3Config(**{k: v for k, v in hf.items() if k != 'model_type'})
+  config._attn_implementation = 'eager'  # pylint: disable=protected-access
+  released = transformers.DeepseekV3ForCausalLM(config).float().eval()
+  released.load_state_dict(ORIGINAL['model'].state_dict())
+  theirs = _torch_logits((torch, transformers), released, tokens)
+  MAX_ABS['released rope'] = float(np.abs(_logits(model_lib.Decoder(dataclasses.replace(m, **rope)), params, tokens)
+                                          - theirs).max())
+  assert MAX_ABS['released rope'] <= 1e-4
 
 
 def _reinterleave(x, m):
@@ -134,8 +163,8 @@ def test_import_refuses_fields_jaxlm_does_not_handle():
                      (dict(hf, scoring_func='softmax'), "scoring_func='softmax'"),
                      (dict(hf, rope_interleave=False), 'rope_interleave=False'),
                      (dict(hf, use_flux_capacitor=3), "field 'use_flux_capacitor'"),
-                     (dict(hf, rope_parameters={'rope_type': 'yarn', 'factor': 4.0, 'mscale_all_dim': 1.0,
-                                                'original_max_position_embeddings': 16}), 'mscale_all_dim')]:
+                     (dict(hf, rope_parameters={'rope_type': 'linear', 'factor': 4.0, 'mscale_all_dim': 1.0}),
+                      'mscale_all_dim=1.0 under rope_type=linear')]:
     with pytest.raises(import_hf.HFImportError, match=match) as e:
       import_hf.model_overrides(bad)
     assert '\n' not in str(e.value)
@@ -146,6 +175,7 @@ def test_import_refuses_fields_jaxlm_does_not_handle():
     (dict(qk_rope_head_dim=7), 'model.qk_rope_head_dim=7 must be even'),
     (dict(v_head_dim=0), 'model.v_head_dim=0 must be > 0'),
     (dict(attention_window=8), 'model.attention_window=8 with MLA'),
+    (dict(rope_mscale_all_dim=1.0), 'model.rope_mscale_all_dim=1.0 must be >= 0 and is read only by'),
 ])
 def test_validate_refuses_what_mla_cannot_run(overrides, says):
   c = load_config('palm_tiny')
