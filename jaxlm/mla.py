@@ -6,7 +6,8 @@ per head to a key part without positions (En = qk_nope_head_dim) and a value (Ev
 through a separate rotary key of Er = qk_rope_head_dim numbers, x·W_kr, shared by all heads ("decoupled RoPE":
 RoPE on the up-projected key would stop W_uk from being absorbed into the query at decode time). Queries go
 through their own latent (q_lora_rank > 0, with its norm) or a plain projection (q_lora_rank = 0, V2-Lite).
-Head h scores [q_nope_h, rope(q_rot_h)]·[k_nope_h, rope(k_rot)] / sqrt(En + Er).
+Head h scores [q_nope_h, rope(q_rot_h)]·[k_nope_h, rope(k_rot)] / sqrt(En + Er), times DeepSeek's YaRN correction
+(rope.softmax_mscale, model.rope_mscale_all_dim) when set.
 
 Letters beyond model.py's: R kv latent (kv_lora_rank), Rq query latent (q_lora_rank), En, Er, Ev as above.
 `m` below is a model.ModelConfig (read by field: this module sits below model.py and does not import it).
