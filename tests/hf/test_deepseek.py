@@ -275,32 +275,37 @@ def test_presets_have_deepseek_sizes():
   assert 2.0e9 < model_lib.param_count(small, active=True) < 3.0e9
 
 
-def _steps_with_experts(cfg, mesh_shape, batch):
-  """[loss 1, loss 2, grad norm, MTP loss] of two steps on a (data, fsdp, tensor, expert) mesh."""
+def _steps_with_experts(cfg, mesh_shape, batch, microbatches: int = 1):
+  """[loss 1, loss 2, grad norm, MTP loss, MTP block's aux loss] of two steps on a (data, fsdp, tensor, expert)
+  mesh."""
   from jaxlm import sharding, train
   from tests.helpers import plain_program
   cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, cfg.mesh.expert = mesh_shape
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:int(np.prod(mesh_shape))])
-  program = plain_program(cfg, mesh, steps=10)
+  program = plain_program(cfg, mesh, steps=10, microbatches=microbatches)
   state = program.init()
   b = train.global_batch(batch, program.batch_sharding)
   state, m1 = program.train_step(state, b)
   state, m2 = program.train_step(state, b)
   assert 'moe/2/bias_norm' in m1  # the MTP depth's block routes too (layer L = 2), its selection bias balanced
-  return [float(m1['loss']), float(m2['loss']), float(m1['grad_norm']), float(m1['mtp_loss_1'])]
+  return [float(m1['loss']), float(m2['loss']), float(m1['grad_norm']), float(m1['mtp_loss_1']),
+          float(m1['moe/2/aux_loss'])]
 
 
 def test_sharded_deepseek_step_with_expert_axis_matches_single_device():
   """DeepSeek-V3's whole block: MLA with a query latent, a dense first layer then a MoE layer (sigmoid routing
-  over 2 groups, a shared expert, the selection bias updating) and one MTP depth: two steps on fsdp 2 × tensor 2 ×
-  expert 2 equal one device (1e-5) in both losses, gradient norm and the MTP depth's loss."""
+  over 2 groups, a shared expert, the selection bias updating, an auxiliary loss) and one MTP depth whose block is a
+  mixture of experts too: two steps on fsdp 2 × tensor 2 × expert 2 in two microbatches (the routing pass runs the
+  MTP block) equal one device, one batch (1e-5) in both losses, gradient norm, the MTP depth's loss and its
+  block's auxiliary loss."""
   cfg = _mla_config(20)
   cfg.model.update(moe_experts=4, moe_top_k=2, moe_mlp_dim=24, moe_shared_experts=1, moe_first_dense=1,
-                   moe_router='deepseek_v3', moe_groups=2, moe_top_groups=1, moe_routed_scale=2.5, mtp_depth=1)
+                   moe_router='deepseek_v3', moe_groups=2, moe_top_groups=1, moe_routed_scale=2.5, mtp_depth=1,
+                   moe_aux_loss=1e-2)
   batch = random_batch(8, 24, cfg.model.vocab_size, docs=2)
   reference = _steps_with_experts(cfg.copy_and_resolve_references(), (1, 1, 1, 1), batch)
   assert reference[1] < reference[0]
-  np.testing.assert_allclose(_steps_with_experts(cfg, (1, 2, 2, 2), batch), reference, rtol=1e-5)
+  np.testing.assert_allclose(_steps_with_experts(cfg, (1, 2, 2, 2), batch, microbatches=2), reference, rtol=1e-5)
 
 
 def _mtp_layer(root, rng):
