@@ -87,8 +87,9 @@ def refuse_mtp_layers(tensors: dict, first: int) -> None:
   extra = sorted(k for k in tensors if k.startswith('layers.') and int(k.split('.')[1]) >= first)
   if extra:
     raise HFImportError(f'tensor {"model." + extra[0]!r} and {len(extra) - 1} more belong to a multi-token '
-                        f'prediction layer beyond the model\'s {first} layers and MTP depths (model.mtp_depth), '
-                        f'which would be dropped; import with jaxlm.hf.import_llama (it keeps every stored one).')
+                        f'prediction layer or a layer past the model\'s {first} layers and MTP depths '
+                        f'(model.mtp_depth), which would be dropped; import the directory with '
+                        f'jaxlm.hf.import_llama (it keeps each stored layer with an eh_proj) or remove them.')
 
 
 def _mtp_shared(tensors: dict, pre: str) -> None:
