@@ -32,6 +32,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.rope_beta_slow = 1.0  # yarn: ... fewer than this often are interpolated (a linear ramp between)
   m.rope_attention_factor = 0.0  # yarn: cos/sin scale; 0 = the paper's 0.1·ln(factor) + 1
   m.rope_truncate = True  # yarn: round the ramp's ends to whole dimensions (transformers' default)
+  m.rope_mscale_all_dim = 0.0  # yarn + MLA (DeepSeek): softmax scale × (0.1·this·ln(rope_factor) + 1)²; 0 = off
   m.norm_eps = 1e-6  # epsilon of LayerNorm / RMSNorm
   m.z_loss = 1e-4  # coefficient of the z-loss (PaLM): keeps log Z near 0 so bf16 softmax stays stable
   m.dropout_rate = 0.0  # dropout on the attention and MLP outputs (PaLM used none)

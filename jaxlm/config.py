@@ -81,9 +81,13 @@ def _rope_errors(m) -> list[str]:
   kind = m.get('rope_scaling', 'none')
   if kind not in ROPE_SCALINGS:
     return [f'model.rope_scaling={kind!r} is unknown; use one of {", ".join(ROPE_SCALINGS)}.']
-  if kind == 'none':
-    return []
   e = []
+  mscale = m.get('rope_mscale_all_dim', 0.0)  # a saved config may predate the key
+  if mscale < 0 or (mscale and (kind != 'yarn' or not m.get('kv_lora_rank', 0))):
+    e.append(f'model.rope_mscale_all_dim={mscale} must be >= 0 and is read only by multi-head latent attention '
+             f'under yarn (DeepSeek); set model.rope_scaling=yarn and model.kv_lora_rank > 0, or it to 0.')
+  if kind == 'none':
+    return e
   if m.rope_factor < 1:
     e.append(f'model.rope_factor={m.rope_factor} must be >= 1 under rope_scaling={kind} (the new context is that '
              f'many times the original); set it, e.g. --config.model.rope_factor=8.')

@@ -6,7 +6,8 @@ per head to a key part without positions (En = qk_nope_head_dim) and a value (Ev
 through a separate rotary key of Er = qk_rope_head_dim numbers, x·W_kr, shared by all heads ("decoupled RoPE":
 RoPE on the up-projected key would stop W_uk from being absorbed into the query at decode time). Queries go
 through their own latent (q_lora_rank > 0, with its norm) or a plain projection (q_lora_rank = 0, V2-Lite).
-Head h scores [q_nope_h, rope(q_rot_h)]·[k_nope_h, rope(k_rot)] / sqrt(En + Er).
+Head h scores [q_nope_h, rope(q_rot_h)]·[k_nope_h, rope(k_rot)] / sqrt(En + Er), times DeepSeek's YaRN correction
+(rope.softmax_mscale, model.rope_mscale_all_dim) when set.
 
 Letters beyond model.py's: R kv latent (kv_lora_rank), Rq query latent (q_lora_rank), En, Er, Ev as above.
 `m` below is a model.ModelConfig (read by field: this module sits below model.py and does not import it).
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 
 from jaxlm import attention as attention_lib
 from jaxlm import blocks
-from jaxlm.rope import rope, rope_frequencies
+from jaxlm.rope import rope, rope_frequencies, softmax_mscale
 
 # MlaConfig's field -> its flat cfg.model key (the names DeepSeek's config.json uses).
 _KEYS = ('q_lora_rank', 'kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim')
@@ -123,6 +124,8 @@ class MLA(nn.Module):
       return k, nn.with_logical_constraint(kv[..., En:], ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
 
     scores = blocks.scores_config(m, False)
+    if softmax_mscale(m) != 1.0:  # DeepSeek's YaRN: the whole head's scale too (rope.softmax_mscale)
+      scores = dataclasses.replace(scores, scale=(scores.scale or (En + Er) ** -0.5) * softmax_mscale(m))
     if self.is_mutable_collection('cache'):  # decoding (jaxlm/generate.py): latents cached, attended absorbed
       out = self.cached_attention(q, latent, k_rot, segment_ids, w_up, scores)
     else:

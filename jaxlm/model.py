@@ -70,6 +70,7 @@ class ModelConfig:
   rope_beta_slow: float = 1.0
   rope_attention_factor: float = 0.0
   rope_truncate: bool = True
+  rope_mscale_all_dim: float = 0.0  # see rope.softmax_mscale
   z_loss: float = 1e-4
   dropout_rate: float = 0.0
   dtype: str = 'bfloat16'
@@ -143,8 +144,9 @@ def param_count(m: ModelConfig, active: bool = False) -> int:
   attention += (H + 2 * K) * E + D if m.attention.bias else 0  # gpt-oss: q, k, v, out biases
   embeddings = V * D * (1 if m.tie_embeddings else 2)
   base = L * (attention + norms) + (L - moe_layers) * mlp + moe_layers * moe + D + embeddings  # + final norm
-  # Multi-token prediction (jaxlm/mtp.py), per depth: three norms, the (2D, D) projection and a dense layer.
-  base += m.mtp_depth * (3 * D + 2 * D * D + attention + norms + mlp)
+  # Multi-token prediction (jaxlm/mtp.py), per depth: three norms, the (2D, D) projection and a layer of the
+  # last layer's kind (DeepSeek-V3's: a mixture of experts).
+  base += m.mtp_depth * (3 * D + 2 * D * D + attention + norms + (moe if is_moe(m, L - 1) else mlp))
   return base + lora_param_count(m)
 
 
@@ -633,7 +635,8 @@ class Decoder(nn.Module):
 
     depths = []
     if m.mtp_depth and self.is_mutable_collection(mtp_lib.COLLECTION):  # training's extra predictions only
-      depths = mtp_lib.MTP(m, Block, Norm, name='mtp')(x, table, inputs, segment_ids, positions, deterministic)
+      depths = mtp_lib.MTP(m, Block, Norm, moe=is_moe(m, m.num_layers - 1), name='mtp')(
+          x, table, inputs, segment_ids, positions, deterministic)
     logits = self.head(x, embedding, depths)
     if depths:
       self.sow(mtp_lib.COLLECTION, 'logits', jnp.stack(logits[1:]))  # (mtp_depth, B, T, V)

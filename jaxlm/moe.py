@@ -488,9 +488,11 @@ def per_layer(stats, every: int, marker: str = 'load', first: int = 0) -> list[t
   Scanned stacks hold one entry per unit on a leading axis (`layers/moe` or `layers/block_j/moe`, units of
   `every` layers, after the `first` dense layers of model.moe_first_dense); unrolled ones are `layers_i/moe`.
   """
-  out = []
+  out, mtp = [], []
   for path, node in _nodes(stats, marker):
-    if path[0] == 'layers':  # scanned: split the leading unit axis
+    if path[0] == 'mtp':  # a multi-token prediction depth's block (jaxlm/mtp.py): numbered after the layers below
+      mtp.append((int(path[1].split('_')[1]), dict(node)))
+    elif path[0] == 'layers':  # scanned: split the leading unit axis
       j = int(path[1].split('_')[1]) if path[1].startswith('block_') else every - 1
       units = node[marker].shape[0]
       # tree.map: a parameter node holds subtrees too (the shared experts' `shared` SwiGLU)
@@ -498,7 +500,8 @@ def per_layer(stats, every: int, marker: str = 'load', first: int = 0) -> list[t
               for u in range(units)]
     else:
       out.append((int(path[0].split('_')[1]), dict(node)))
-  return sorted(out, key=lambda item: item[0])
+  last = max((i for i, _ in out), default=first - 1)  # MTP's block is MoE when the last layer is: L - 1
+  return sorted(out, key=lambda item: item[0]) + [(last + k, s) for k, s in sorted(mtp, key=lambda item: item[0])]
 
 
 def aux_loss(layer: dict, tokens, top_k: int, load=None):

@@ -29,11 +29,13 @@ class MTP(nn.Module):
   """The D modules; returns each depth's normed hidden state (B, T, D) for the model's output projection.
 
   `block` and `norm`: model.Block and model.Norm, passed in (this module does not import model.py). Each depth's
-  block is a dense layer (DeepSeek-V3's is a mixture of experts: not built here).
+  block is of the last layer's kind, `moe` (DeepSeek-V3's, stored as layer L of its checkpoint, is a mixture of
+  experts); its routing statistics join the main layers' (moe.per_layer numbers depth k as layer L + k - 1).
   """
   config: Any
   block: Any
   norm: Any
+  moe: bool = False
 
   @nn.compact
   def __call__(self, h, table, inputs, segment_ids, positions, deterministic: bool = True):
@@ -51,7 +53,7 @@ class MTP(nn.Module):
       # name a mesh axis once.
       w = self.param(f'proj_{k}', init, (2 * D, D), jnp.dtype(m.param_dtype)).astype(m.dtype)
       h = jnp.einsum('BTI,ID->BTD', both, w)
-      h, _ = self.block(m, deterministic, name=f'block_{k}')(h, segment_ids, positions, False)
+      h, _ = self.block(m, deterministic, moe=self.moe, name=f'block_{k}')(h, segment_ids, positions, False)
       out.append(self.norm(m, rms=True, name=f'norm_{k}')(h))
     return out
 

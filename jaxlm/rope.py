@@ -51,6 +51,17 @@ def rope_frequencies(m) -> tuple[np.ndarray, float]:
   return inv_freq.astype(np.float32), float(scale)
 
 
+def softmax_mscale(m) -> float:
+  """The multiplier of MLA's softmax scale under DeepSeek's YaRN: (0.1·rope_mscale_all_dim·ln(factor) + 1)², 1.0
+  when model.rope_mscale_all_dim is 0 or the factor <= 1 (transformers' DeepseekV3 yarn_get_mscale).
+
+  DeepSeek splits YaRN's attention factor between the rotary dims (cos/sin by the ratio mscale / mscale_all_dim,
+  `rope_attention_factor`) and the whole head (this, on every score, including the non-rotary En dims)."""
+  if not m.rope_mscale_all_dim or m.rope_factor <= 1:
+    return 1.0
+  return (0.1 * m.rope_mscale_all_dim * math.log(m.rope_factor) + 1.0) ** 2
+
+
 def rope(x, positions, theta: float, frequencies: tuple[np.ndarray, float] | None = None):
   """Rotary embeddings, half-split layout (GPT-NeoX/Llama): dims [0, E/2) pair with [E/2, E).
 

@@ -203,14 +203,14 @@ def _loss_fn(loss: _Loss, state, batch: dict, microbatches: int, scale, with_tra
   # loads from a routing pass first), so they too add up over microbatches to the whole batch's.
   moe_tokens = jnp.maximum((batch['segment_ids'] > 0).sum(), 1).astype(jnp.float32) if moe else None
   moe_loads = None
+  mtp = bool(m.mtp_depth) and loss.pref_cfg is None and loss.objective is None
   if moe and m.moe.aux_loss and microbatches > 1:
-    moe_loads = routing_loads(model, variables_of(state), batch, rng, microbatches, loss.deterministic)
+    moe_loads = routing_loads(model, variables_of(state), batch, rng, microbatches, loss.deterministic, mtp)
   if loss.pref_cfg is not None:  # every microbatch divides by the whole batch's pair count
     num_pairs = jnp.maximum(preference_lib.count_pairs(batch), 1.0)
     ref_params = preference_lib.reference_params(loss.ref_kind, state.params, state.reference)
 
   # Multi-token prediction (jaxlm/mtp.py) joins the language-model loss, each depth over its own target count.
-  mtp = bool(m.mtp_depth) and loss.pref_cfg is None and loss.objective is None
   if mtp:
     mtp_denominators = jnp.maximum(mtp_lib.target_weights(batch, m.mtp_depth).sum((1, 2)), 1.0)
   collections = [moe_lib.STATS] * moe + [mtp_lib.COLLECTION] * mtp
@@ -424,12 +424,14 @@ def split_microbatches(batch: dict, microbatches: int) -> dict:
                       .swapaxes(0, 1), batch)
 
 
-def routing_loads(model, variables, batch: dict, rng, microbatches: int, deterministic: bool) -> list:
+def routing_loads(model, variables, batch: dict, rng, microbatches: int, deterministic: bool,
+                  mtp: bool = False) -> list:
   """Each MoE layer's load over the whole batch, from a forward pass over its microbatches (no gradients).
 
   The auxiliary loss weighs each expert's router probability by the whole batch's load; with the batch split,
   that load is known only after every microbatch, so it is counted first (one extra forward pass, only when
-  model.moe_aux_loss is on with train.microbatches > 1).
+  model.moe_aux_loss is on with train.microbatches > 1). `mtp`: the prediction depths run too (their blocks
+  route when the last layer does, jaxlm/mtp.py).
   """
   m = model.config
 
@@ -438,10 +440,11 @@ def routing_loads(model, variables, batch: dict, rng, microbatches: int, determi
     mb = {k: nn.with_logical_constraint(v, ('act_batch', 'act_seq')) for k, v in mb.items()}
     _, stats = model.apply(variables, mb['inputs'], mb['segment_ids'], mb['positions'],
                            deterministic=deterministic, rngs={'dropout': jax.random.fold_in(rng, i)},
-                           mutable=[moe_lib.STATS])
+                           mutable=[moe_lib.STATS] + [mtp_lib.COLLECTION] * mtp)
     return [a + b for a, b in zip(acc, moe_lib.loads(stats[moe_lib.STATS], m.moe.every))], None
 
   layers = sum(model_lib.is_moe(m, i) for i in range(m.num_layers))
+  layers += m.mtp_depth * model_lib.is_moe(m, m.num_layers - 1) if mtp else 0
   zeros = [jnp.zeros((m.moe.experts,), jnp.float32)] * layers
   loads, _ = jax.lax.scan(add, zeros, (split_microbatches(batch, microbatches), jnp.arange(microbatches)))
   return [jax.lax.stop_gradient(x) for x in loads]

@@ -78,9 +78,10 @@ def _moe_architecture(m: model_lib.ModelConfig) -> str:
 
 def architecture(m: model_lib.ModelConfig) -> str:
   """The Hugging Face class that computes exactly this model, or an ExportError saying why there is none."""
-  if m.mtp_depth:  # refused rather than written without them
-    raise ExportError(f'model.mtp_depth={m.mtp_depth}: the multi-token prediction modules have no Hugging Face '
-                      f'export yet; export a copy of the run with model.mtp_depth=0 to write the main model alone.')
+  if m.mtp_depth and not m.mla.kv_lora_rank:  # refused rather than written without them
+    raise ExportError(f'model.mtp_depth={m.mtp_depth}: the multi-token prediction modules have a Hugging Face '
+                      f'layout only in DeepSeek-V3 (MLA, model.kv_lora_rank > 0); export a copy of the run with '
+                      f'model.mtp_depth=0 to write the main model alone.')
   if m.mla.kv_lora_rank:  # multi-head latent attention: DeepSeek-V3's class only (hf/deepseek.py)
     deepseek.check_exportable(m, features(m))
     return deepseek.ARCHITECTURE
@@ -114,45 +115,54 @@ def architecture(m: model_lib.ModelConfig) -> str:
 def to_hf(params: dict, m: model_lib.ModelConfig) -> dict[str, np.ndarray]:
   """Hugging Face state dict (name -> float32 numpy) of jaxlm `params`."""
   cohere = architecture(m) == 'CohereForCausalLM'
-  D, H, K, E = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim
-  f32 = lambda x: np.asarray(x, np.float32)
-  rope_order = interleave_permutation(E) if cohere else np.arange(E)
+  f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
   out = {'model.embed_tokens.weight': f32(params['embedding'])}  # (V, D)
   for i, p in enumerate(layer_params(params, m)):
-    pre = f'model.layers.{i}.'
-    a = p['attention']
-    if m.mla.kv_lora_rank:
-      out.update(deepseek.attention_to_hf(a, pre, m))
-    else:
-      out[pre + 'self_attn.q_proj.weight'] = f32(a['query'])[:, :, rope_order].reshape(D, H * E).T
-      out[pre + 'self_attn.k_proj.weight'] = f32(a['key'])[:, :, rope_order].reshape(D, K * E).T
-      out[pre + 'self_attn.v_proj.weight'] = f32(a['value']).reshape(D, K * E).T
-      out[pre + 'self_attn.o_proj.weight'] = f32(a['out']).reshape(H * E, D).T
-    if m.attention.sinks or m.attention.bias:  # only gpt-oss's class has them (architecture() checked)
-      out.update(gpt_oss.attention_to_hf(a, pre, m))
-    if m.attention.qk_norm != 'none':
-      out[pre + 'self_attn.q_norm.weight'] = f32(a['query_norm']['scale']).reshape(-1)
-      out[pre + 'self_attn.k_norm.weight'] = f32(a['key_norm']['scale']).reshape(-1)
-    if 'moe' in p:
-      to = (deepseek.moe_to_hf if m.mla.kv_lora_rank else gpt_oss.moe_to_hf if m.moe.router == 'gpt_oss'
-            else _experts_to_hf)
-      out.update(to(p['moe'], pre, m))
-    else:
-      mlp = p['mlp']
-      out[pre + 'mlp.gate_proj.weight'] = f32(mlp['gate']).T  # (F, D)
-      out[pre + 'mlp.up_proj.weight'] = f32(mlp['up']).T
-      out[pre + 'mlp.down_proj.weight'] = f32(mlp['down']).T  # (D, F)
-    if cohere:
-      out[pre + 'input_layernorm.weight'] = f32(p['norm']['scale'])
-    else:
-      for ours, theirs in norm_names(m).items():
-        out[pre + theirs + '.weight'] = f32(p[ours]['scale'])
+    out.update(layer_to_hf(p, f'model.layers.{i}.', m, cohere))
   out['model.norm.weight'] = f32(params['final_norm']['scale'])
   if not m.tie_embeddings:
     out['lm_head.weight'] = f32(params['unembed']).T  # (V, D)
   elif not cohere:
-    out['lm_head.weight'] = out['model.embed_tokens.weight'] / np.float32(math.sqrt(D))
+    out['lm_head.weight'] = out['model.embed_tokens.weight'] / np.float32(math.sqrt(m.d_model))
+  if m.mtp_depth:  # DeepSeek-V3's layout: depth k as layer L + k - 1 (architecture() allows MTP there only)
+    out.update(deepseek.mtp_to_hf(params['mtp'], m, layer_to_hf, out))
   return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def layer_to_hf(p: dict, pre: str, m: model_lib.ModelConfig, cohere: bool = False) -> dict[str, np.ndarray]:
+  """One decoder layer's tensors under `pre` (model.layers.{i}.), float32 torch (out, in)."""
+  D, H, K, E = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim
+  f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+  rope_order = interleave_permutation(E) if cohere else np.arange(E)
+  out = {}
+  a = p['attention']
+  if m.mla.kv_lora_rank:
+    out.update(deepseek.attention_to_hf(a, pre, m))
+  else:
+    out[pre + 'self_attn.q_proj.weight'] = f32(a['query'])[:, :, rope_order].reshape(D, H * E).T
+    out[pre + 'self_attn.k_proj.weight'] = f32(a['key'])[:, :, rope_order].reshape(D, K * E).T
+    out[pre + 'self_attn.v_proj.weight'] = f32(a['value']).reshape(D, K * E).T
+    out[pre + 'self_attn.o_proj.weight'] = f32(a['out']).reshape(H * E, D).T
+  if m.attention.sinks or m.attention.bias:  # only gpt-oss's class has them (architecture() checked)
+    out.update(gpt_oss.attention_to_hf(a, pre, m))
+  if m.attention.qk_norm != 'none':
+    out[pre + 'self_attn.q_norm.weight'] = f32(a['query_norm']['scale']).reshape(-1)
+    out[pre + 'self_attn.k_norm.weight'] = f32(a['key_norm']['scale']).reshape(-1)
+  if 'moe' in p:
+    to = (deepseek.moe_to_hf if m.mla.kv_lora_rank else gpt_oss.moe_to_hf if m.moe.router == 'gpt_oss'
+          else _experts_to_hf)
+    out.update(to(p['moe'], pre, m))
+  else:
+    mlp = p['mlp']
+    out[pre + 'mlp.gate_proj.weight'] = f32(mlp['gate']).T  # (F, D)
+    out[pre + 'mlp.up_proj.weight'] = f32(mlp['up']).T
+    out[pre + 'mlp.down_proj.weight'] = f32(mlp['down']).T  # (D, F)
+  if cohere:
+    out[pre + 'input_layernorm.weight'] = f32(p['norm']['scale'])
+  else:
+    for ours, theirs in norm_names(m).items():
+      out[pre + theirs + '.weight'] = f32(p[ours]['scale'])
+  return out
 
 
 # LoRA (model.lora): jaxlm's projection names -> the Hugging Face module each adapts (Llama's and Cohere's alike).
@@ -251,6 +261,8 @@ def rope_scaling_to_hf(m: model_lib.ModelConfig) -> dict | None:
     out.update(beta_fast=m.rope_beta_fast, beta_slow=m.rope_beta_slow, truncate=m.rope_truncate,
                original_max_position_embeddings=m.rope_original_max_positions,
                attention_factor=model_lib.rope_frequencies(m)[1])  # explicit: readers need not re-derive it
+    if m.rope_mscale_all_dim:  # DeepSeek's softmax correction (rope.softmax_mscale)
+      out['mscale_all_dim'] = m.rope_mscale_all_dim
   return out
 
 
@@ -365,12 +377,20 @@ def model_overrides(hf: dict) -> dict:
               **_moe_overrides(hf), **family)
 
 
+def checkpoint_overrides(hf: dict, tensors: dict) -> dict:
+  """cfg.model values read from the tensors rather than config.json: DeepSeek-V3's stored MTP depth."""
+  if hf.get('model_type') != deepseek.MODEL_TYPE:
+    return {}
+  depth = deepseek.stored_mtp_depth(tensors, hf['num_hidden_layers'])
+  return {'mtp_depth': depth} if depth else {}
+
+
 def from_hf(tensors: dict[str, np.ndarray], m: model_lib.ModelConfig, *, scan_layers: bool) -> dict:
   """jaxlm params (float32 numpy) of a Hugging Face Llama state dict: the inverse of export.to_hf."""
-  D, H, K, E, L = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.num_layers
+  D, L = m.d_model, m.num_layers
   tensors = {k.removeprefix('model.'): v for k, v in tensors.items()}
-  if m.mla.kv_lora_rank:
-    deepseek.refuse_mtp_layers(tensors, L)
+  if m.mla.kv_lora_rank:  # DeepSeek-V3's multi-token prediction layers follow the last block
+    deepseek.refuse_mtp_layers(tensors, L + m.mtp_depth)
 
   def get(name, shape=None):
     if name not in tensors:
@@ -380,32 +400,7 @@ def from_hf(tensors: dict[str, np.ndarray], m: model_lib.ModelConfig, *, scan_la
       raise HFImportError(f'tensor {name!r} has shape {x.shape}, config.json implies {shape}.')
     return x
 
-  layers = []
-  for i in range(L):
-    pre = f'layers.{i}.'
-    layer = {
-        'attention': deepseek.attention_from_hf(get, pre, m) if m.mla.kv_lora_rank else {
-            'query': get(pre + 'self_attn.q_proj.weight', (H * E, D)).T.reshape(D, H, E),
-            'key': get(pre + 'self_attn.k_proj.weight', (K * E, D)).T.reshape(D, K, E),
-            'value': get(pre + 'self_attn.v_proj.weight', (K * E, D)).T.reshape(D, K, E),
-            'out': get(pre + 'self_attn.o_proj.weight', (D, H * E)).T.reshape(H, E, D)},
-        **{ours: {'scale': get(pre + theirs + '.weight', (D,))} for ours, theirs in norm_names(m).items()}}
-    if m.attention.sinks or m.attention.bias:
-      layer['attention'].update(gpt_oss.attention_from_hf(get, pre, m))
-    if m.attention.qk_norm != 'none':  # Qwen3: one (E,) scale per q/k; OLMoE: over all heads, (H·E,) and (K·E,)
-      shapes = ((E,), (E,)) if m.attention.qk_norm == 'head' else ((H, E), (K, E))
-      layer['attention']['query_norm'] = {'scale': get(pre + 'self_attn.q_norm.weight').reshape(shapes[0])}
-      layer['attention']['key_norm'] = {'scale': get(pre + 'self_attn.k_norm.weight').reshape(shapes[1])}
-    if model_lib.is_moe(m, i) and m.moe.router == 'gpt_oss':
-      layer['moe'] = gpt_oss.moe_from_hf(get, pre, m)
-    elif model_lib.is_moe(m, i):
-      layer['moe'] = _experts_from_hf(tensors, get, pre, m)
-      if m.mla.kv_lora_rank:
-        layer['moe'] = deepseek.moe_from_hf(get, pre, m, layer['moe'])
-    else:
-      layer['mlp'] = {'gate': get(pre + 'mlp.gate_proj.weight').T, 'up': get(pre + 'mlp.up_proj.weight').T,
-                      'down': get(pre + 'mlp.down_proj.weight').T}
-    layers.append(layer)
+  layers = [layer_from_hf(tensors, get, f'layers.{i}.', m, model_lib.is_moe(m, i)) for i in range(L)]
   embedding = get('embed_tokens.weight', (m.vocab_size, D))
   lm_head = tensors.get('lm_head.weight', embedding)  # absent when tied: the head is the embedding
   params = {'embedding': embedding, 'final_norm': {'scale': get('norm.weight', (D,))},
@@ -422,7 +417,37 @@ def from_hf(tensors: dict[str, np.ndarray], m: model_lib.ModelConfig, *, scan_la
     params['layers'] = stack(layers[first:])
   else:
     params.update({f'layers_{i}': p for i, p in enumerate(layers)})
+  if m.mla.kv_lora_rank and m.mtp_depth:
+    params['mtp'] = deepseek.mtp_from_hf(tensors, get, m, layer_from_hf, model_lib.is_moe(m, L - 1))
   return jax.tree.map(np.ascontiguousarray, params)
+
+
+def layer_from_hf(tensors: dict, get, pre: str, m: model_lib.ModelConfig, moe: bool) -> dict:
+  """One decoder layer's jaxlm parameters from the tensors under `pre` (layers.{i}.); `moe`: its MLP kind."""
+  D, H, K, E = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim
+  layer = {
+      'attention': deepseek.attention_from_hf(get, pre, m) if m.mla.kv_lora_rank else {
+          'query': get(pre + 'self_attn.q_proj.weight', (H * E, D)).T.reshape(D, H, E),
+          'key': get(pre + 'self_attn.k_proj.weight', (K * E, D)).T.reshape(D, K, E),
+          'value': get(pre + 'self_attn.v_proj.weight', (K * E, D)).T.reshape(D, K, E),
+          'out': get(pre + 'self_attn.o_proj.weight', (D, H * E)).T.reshape(H, E, D)},
+      **{ours: {'scale': get(pre + theirs + '.weight', (D,))} for ours, theirs in norm_names(m).items()}}
+  if m.attention.sinks or m.attention.bias:
+    layer['attention'].update(gpt_oss.attention_from_hf(get, pre, m))
+  if m.attention.qk_norm != 'none':  # Qwen3: one (E,) scale per q/k; OLMoE: over all heads, (H·E,) and (K·E,)
+    shapes = ((E,), (E,)) if m.attention.qk_norm == 'head' else ((H, E), (K, E))
+    layer['attention']['query_norm'] = {'scale': get(pre + 'self_attn.q_norm.weight').reshape(shapes[0])}
+    layer['attention']['key_norm'] = {'scale': get(pre + 'self_attn.k_norm.weight').reshape(shapes[1])}
+  if moe and m.moe.router == 'gpt_oss':
+    layer['moe'] = gpt_oss.moe_from_hf(get, pre, m)
+  elif moe:
+    layer['moe'] = _experts_from_hf(tensors, get, pre, m)
+    if m.mla.kv_lora_rank:
+      layer['moe'] = deepseek.moe_from_hf(get, pre, m, layer['moe'])
+  else:
+    layer['mlp'] = {'gate': get(pre + 'mlp.gate_proj.weight').T, 'up': get(pre + 'mlp.up_proj.weight').T,
+                    'down': get(pre + 'mlp.down_proj.weight').T}
+  return layer
 
 
 def _experts_from_hf(tensors: dict, get, pre: str, m: model_lib.ModelConfig) -> dict:

@@ -5,6 +5,10 @@ expert-selection bias). convert.py keeps the tensors' mapping common to every fa
 RoPE: DeepSeek's checkpoints store the rotary dims of q_b_proj's and kv_a_proj_with_mqa's rows as interleaved
 pairs (2i, 2i+1) (config rope_interleave, on in the released ones); jaxlm rotates half-split pairs (i, i + Er/2),
 so those rows are permuted on the way in and back on the way out.
+
+Multi-token prediction: a released checkpoint stores its num_nextn_predict_layers MTP layers after the last block
+(model.layers.61.* in V3), which transformers ignores; jaxlm imports them as its MTP depths (jaxlm/mtp.py, the
+block of the last layer's kind) and exports them back to the same names.
 """
 
 import numpy as np
@@ -39,9 +43,12 @@ def overrides(hf: dict, rope: dict) -> dict:
     raise HFImportError(f'config.json field {unknown[0]!r} (={hf[unknown[0]]!r}) is not handled by jaxlm\'s '
                         f'{MODEL_TYPE} import; remove it if it does not change the model.')
   params = {**(hf.get('rope_parameters') or {}), **(hf.get('rope_scaling') or {})}
-  if rope['rope_scaling'] != 'none' and params.get('mscale_all_dim'):
-    raise HFImportError(f'rope mscale_all_dim={params["mscale_all_dim"]} is not supported yet: jaxlm does not '
-                        f'scale MLA\'s softmax by YaRN\'s mscale².')
+  mscale_all_dim = float(params.get('mscale_all_dim') or 0.0) if rope['rope_scaling'] != 'none' else 0.0
+  if mscale_all_dim and rope['rope_scaling'] != 'yarn':  # transformers would scale the softmax; jaxlm: yarn only
+    raise HFImportError(f'rope mscale_all_dim={mscale_all_dim} under rope_type={rope["rope_scaling"]} is not '
+                        f'supported: jaxlm applies DeepSeek\'s softmax mscale² with yarn only.')
+  if mscale_all_dim:  # YaRN's softmax correction (rope.softmax_mscale); the cos/sin ratio is in `rope` already
+    rope = dict(rope, rope_mscale_all_dim=mscale_all_dim)
   H, En, Er = hf['num_attention_heads'], hf['qk_nope_head_dim'], hf['qk_rope_head_dim']
   return dict(vocab_size=hf['vocab_size'], d_model=hf['hidden_size'], num_layers=hf['num_hidden_layers'],
               num_heads=H, num_kv_heads=H, head_dim=En + Er, mlp_dim=hf['intermediate_size'], parallel_block=False,
@@ -64,14 +71,67 @@ def rope_order(m, interleave: bool = True) -> np.ndarray:
   return np.concatenate([np.arange(c.qk_nope_head_dim), c.qk_nope_head_dim + rot])
 
 
-def refuse_mtp_layers(tensors: dict, num_layers: int) -> None:
-  """An HFImportError if the checkpoint stores multi-token prediction layers after the last block (released
-  DeepSeek-V3 does, num_nextn_predict_layers): jaxlm has no MTP modules yet, and dropping them would lose them."""
-  extra = sorted(k for k in tensors if k.startswith(f'layers.{num_layers}.'))
+def stored_mtp_depth(tensors: dict, num_layers: int) -> int:
+  """How many multi-token prediction layers the checkpoint stores after its last block (a released DeepSeek-V3's
+  num_nextn_predict_layers, model.layers.{L + k - 1}.eh_proj, which transformers ignores): the model.mtp_depth
+  an import takes. A config's num_nextn_predict_layers without those tensors imports the main model alone."""
+  names, depth = {k.removeprefix('model.') for k in tensors}, 0
+  while f'layers.{num_layers + depth}.eh_proj.weight' in names:
+    depth += 1
+  return depth
+
+
+def refuse_mtp_layers(tensors: dict, first: int) -> None:
+  """An HFImportError if the checkpoint stores layers from `first` on (L + model.mtp_depth), which jaxlm would
+  drop: more multi-token prediction layers than the model keeps."""
+  extra = sorted(k for k in tensors if k.startswith('layers.') and int(k.split('.')[1]) >= first)
   if extra:
     raise HFImportError(f'tensor {"model." + extra[0]!r} and {len(extra) - 1} more belong to a multi-token '
-                        f'prediction layer (num_nextn_predict_layers), which jaxlm does not import yet; remove them '
-                        f'from the safetensors files to import the main model alone.')
+                        f'prediction layer or a layer past the model\'s {first} layers and MTP depths '
+                        f'(model.mtp_depth), which would be dropped; import the directory with '
+                        f'jaxlm.hf.import_llama (it keeps each stored layer with an eh_proj) or remove them.')
+
+
+def _mtp_shared(tensors: dict, pre: str) -> None:
+  """DeepSeek stores copies of the embedding and output head in each MTP layer; jaxlm shares the model's."""
+  for name, main in (('embed_tokens.weight', 'embed_tokens.weight'), ('shared_head.head.weight', 'lm_head.weight')):
+    if pre + name in tensors and not np.array_equal(tensors[pre + name], tensors.get(main)):
+      raise HFImportError(f'tensor {"model." + pre + name!r} differs from the model\'s {main!r}: jaxlm\'s '
+                          f'multi-token prediction shares the model\'s embedding and output head; make them equal.')
+
+
+def mtp_from_hf(tensors: dict, get, m, layer_from_hf, moe: bool) -> dict:
+  """jaxlm's MTP parameters (jaxlm/mtp.py) from the layers DeepSeek-V3 stores after its last block: depth k at
+  layers.{L + k - 1}: enorm, hnorm, eh_proj, a decoder layer (`moe`: the last layer's kind), shared_head.norm."""
+  D, out = m.d_model, {}
+  for k in range(1, m.mtp_depth + 1):
+    pre = f'layers.{m.num_layers + k - 1}.'
+    _mtp_shared(tensors, pre)
+    eh = get(pre + 'eh_proj.weight', (D, 2 * D))  # torch (out, in), in = [enorm(embedding), hnorm(hidden)]
+    out[f'proj_{k}'] = np.concatenate([eh[:, D:], eh[:, :D]], 1).T  # jaxlm's (2D, D) takes [hidden; embedding]
+    out[f'hidden_norm_{k}'] = {'scale': get(pre + 'hnorm.weight', (D,))}
+    out[f'embed_norm_{k}'] = {'scale': get(pre + 'enorm.weight', (D,))}
+    out[f'norm_{k}'] = {'scale': get(pre + 'shared_head.norm.weight', (D,))}
+    out[f'block_{k}'] = layer_from_hf(tensors, get, pre, m, moe)
+  return out
+
+
+def mtp_to_hf(p: dict, m, layer_to_hf, main: dict) -> dict:
+  """The inverse of mtp_from_hf, with the copies of the embedding and head (`main`: the model's tensors) that
+  the released checkpoints store in each MTP layer."""
+  D, out = m.d_model, {}
+  f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+  for k in range(1, m.mtp_depth + 1):
+    pre = f'model.layers.{m.num_layers + k - 1}.'
+    proj = f32(p[f'proj_{k}']).T  # (D, 2D): [hidden | embedding] columns
+    out[pre + 'eh_proj.weight'] = np.concatenate([proj[:, D:], proj[:, :D]], 1)
+    out[pre + 'hnorm.weight'] = f32(p[f'hidden_norm_{k}']['scale'])
+    out[pre + 'enorm.weight'] = f32(p[f'embed_norm_{k}']['scale'])
+    out[pre + 'shared_head.norm.weight'] = f32(p[f'norm_{k}']['scale'])
+    out[pre + 'embed_tokens.weight'] = main['model.embed_tokens.weight']
+    out[pre + 'shared_head.head.weight'] = main['lm_head.weight']
+    out.update(layer_to_hf(p[f'block_{k}'], pre, m))
+  return out
 
 
 def attention_from_hf(get, pre: str, m) -> dict:
@@ -165,4 +225,4 @@ def hf_config(m) -> dict:
           'n_routed_experts': moe.experts, 'num_experts_per_tok': moe.top_k, 'moe_intermediate_size': moe.mlp_dim,
           'n_shared_experts': moe.shared_experts, 'first_k_dense_replace': moe.first_dense, 'n_group': moe.groups,
           'topk_group': moe.top_groups, 'norm_topk_prob': moe.norm_topk_prob,
-          'routed_scaling_factor': moe.routed_scale, 'num_nextn_predict_layers': 0}
+          'routed_scaling_factor': moe.routed_scale, 'num_nextn_predict_layers': m.mtp_depth}

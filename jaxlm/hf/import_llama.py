@@ -33,7 +33,8 @@ from absl import flags
 from jaxlm import cli
 from jaxlm import model as model_lib
 from jaxlm.data import storage
-from jaxlm.hf.convert import TOKENIZER_FILES, HFImportError, from_hf, model_overrides  # noqa: F401
+from jaxlm.hf.convert import (TOKENIZER_FILES, HFImportError, checkpoint_overrides, from_hf,  # noqa: F401
+                              model_overrides)
 
 PICKLE_SUFFIXES = ('.bin', '.pt', '.pth', '.ckpt', '.pkl')
 # Keys that change what a Llama-family config computes; any of them set to something jaxlm cannot do is refused.
@@ -98,11 +99,12 @@ def import_hf(hf_dir: str, out: str, cfg: ml_collections.ConfigDict | None = Non
     raise HFImportError(f'{given} has no config.json; give a Hugging Face model directory.')
   with open(config_path) as f:
     hf = json.load(f)
-  overrides = model_overrides(hf)
+  tensors = read_safetensors(hf_dir)
+  overrides = {**model_overrides(hf), **checkpoint_overrides(hf, tensors)}
   cfg = (cfg or _default_config()).copy_and_resolve_references()
   cfg.model.update(**overrides)
   m = model_lib.ModelConfig.from_config(cfg.model)
-  params = from_hf(read_safetensors(hf_dir), m, scan_layers=cfg.model.scan_layers)
+  params = from_hf(tensors, m, scan_layers=cfg.model.scan_layers)
   params = jax.tree.map(lambda x: x.astype(np.dtype(m.param_dtype)), params)
   path = write_checkpoint(out, {'step': np.zeros((), np.int32), 'params': params}, cfg.to_dict(), step=0)
   flags_line = ' '.join(f'--config.model.{k}={v}' for k, v in overrides.items())

@@ -29,8 +29,14 @@ CONFIG = dict(vocab_size=97, hidden_size=48, intermediate_size=64, moe_intermedi
               num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
               routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
               qk_nope_head_dim=10, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
-              max_position_embeddings=64, initializer_range=0.1, rms_norm_eps=1e-6,
-              rope_parameters={'rope_type': 'default', 'rope_theta': 1000.0})
+              max_position_embeddings=640, initializer_range=0.1, rms_norm_eps=1e-6,
+              rope_parameters={'rope_type': 'yarn', 'rope_theta': 1000.0, 'factor': 40.0, 'mscale': 0.7,
+                               'mscale_all_dim': 1.0, 'original_max_position_embeddings': 16, 'beta_fast': 32,
+                               'beta_slow': 1})  # DeepSeek's YaRN, mscale != mscale_all_dim: both factors differ
+# The released DeepSeek-V3 config.json's own RoPE and MTP fields (4.x style rope_scaling), for the second case.
+RELEASED = dict(num_nextn_predict_layers=1, rope_theta=10000.0, max_position_embeddings=163840, rope_scaling={
+    'type': 'yarn', 'factor': 40, 'mscale': 1.0, 'mscale_all_dim': 1.0, 'original_max_position_embeddings': 4096,
+    'beta_fast': 32, 'beta_slow': 1})
 MAX_ABS = {}
 ORIGINAL = {}  # 'model': the fixture's transformers model
 
@@ -66,10 +72,15 @@ def imported(tmp_path_factory):
 
 
 def test_import_equals_transformers_and_rope_and_latent_norms_matter(imported, monkeypatch):
-  """An imported DeepSeek-V3's logits == transformers' (1e-4); the same weights without the decoupled RoPE
-  (positions all 0), with its rotary dims left interleaved, or without the latent norms move them by >= 1e-2."""
+  """An imported DeepSeek-V3's logits == transformers' (1e-4) under DeepSeek's YaRN (mscale != mscale_all_dim);
+  the same weights without the decoupled RoPE (positions all 0), with its rotary dims left interleaved, without
+  the latent norms or without YaRN's softmax correction (mscale_all_dim) move them by >= 1e-2."""
   _, _, m, params, tokens, theirs = imported
   assert m.mla.kv_lora_rank == 16 and m.moe.first_dense == 1 and m.moe.router == 'deepseek_v3'
+  assert m.rope_scaling == 'yarn' and m.rope_mscale_all_dim == 1.0 and m.rope_attention_factor != 1.0
+  no_mscale = dataclasses.replace(m, rope_mscale_all_dim=0.0)
+  MAX_ABS['without mscale_all_dim'] = float(np.abs(_logits(model_lib.Decoder(no_mscale), params, tokens)
+                                                   - theirs).max())
   assert 'dense_layers' in params and 'shared' in params['layers']['moe']
   MAX_ABS['import'] = float(np.abs(_logits(model_lib.Decoder(m), params, tokens) - theirs).max())
   assert MAX_ABS['import'] <= 1e-4
@@ -83,8 +94,27 @@ def test_import_equals_transformers_and_rope_and_latent_norms_matter(imported, m
   MAX_ABS['rope interleaved'] = float(np.abs(_logits(model_lib.Decoder(m), interleaved, tokens) - theirs).max())
   monkeypatch.setattr(mla_lib, '_rms', lambda module, name, x, m: x)
   MAX_ABS['without latent norms'] = float(np.abs(_logits(model_lib.Decoder(m), params, tokens) - theirs).max())
-  for key in ('without RoPE', 'rope interleaved', 'without latent norms'):
+  for key in ('without RoPE', 'rope interleaved', 'without latent norms', 'without mscale_all_dim'):
     assert MAX_ABS[key] >= 1e-2, key
+
+
+def test_released_rope_config_imports_with_transformers_logits(imported):
+  """The released config.json's RoPE (yarn, factor 40, mscale = mscale_all_dim = 1: cos/sin unscaled, the softmax
+  by (0.1·ln 40 + 1)²) and num_nextn_predict_layers import; on the same weights jaxlm's logits == transformers'."""
+  transformers, _, m, params, tokens, _ = imported
+  import torch
+  hf = dict(CONFIG, model_type='deepseek_v3', rope_interleave=True, **RELEASED)
+  del hf['rope_parameters']
+  rope = {k: v for k, v in import_hf.model_overrides(hf).items() if k.startswith('rope_')}
+  assert rope['rope_attention_factor'] == 1.0 and rope['rope_mscale_all_dim'] == 1.0
+  config = transformers.DeepseekV3Config(**{k: v for k, v in hf.items() if k != 'model_type'})
+  config._attn_implementation = 'eager'  # pylint: disable=protected-access
+  released = transformers.DeepseekV3ForCausalLM(config).float().eval()
+  released.load_state_dict(ORIGINAL['model'].state_dict())
+  theirs = _torch_logits((torch, transformers), released, tokens)
+  MAX_ABS['released rope'] = float(np.abs(_logits(model_lib.Decoder(dataclasses.replace(m, **rope)), params, tokens)
+                                          - theirs).max())
+  assert MAX_ABS['released rope'] <= 1e-4
 
 
 def _reinterleave(x, m):
@@ -115,12 +145,13 @@ def test_export_round_trips_to_transformers(imported):
 
 
 def test_export_refuses_what_deepseek_v3_does_not_compute(imported):
-  """MLA with tied embeddings, with another router, or with MTP modules (not exported yet) is refused by name."""
+  """MLA with tied embeddings or with another router, or MTP modules without MLA (their one Hugging Face layout
+  is DeepSeek-V3's), is refused by name."""
   m = imported[2]
   for changed, match in [(dataclasses.replace(m, tie_embeddings=True), 'tie_embeddings=True'),
                          (dataclasses.replace(m, moe=dataclasses.replace(m.moe, router='mixtral')),
                           'model.moe_router=mixtral'),
-                         (dataclasses.replace(m, mtp_depth=1), 'model.mtp_depth=1')]:
+                         (dataclasses.replace(m, mtp_depth=1, mla=mla_lib.MlaConfig()), 'model.mtp_depth=1')]:
     with pytest.raises(export.ExportError, match=match):
       export.architecture(changed)
 
@@ -134,8 +165,8 @@ def test_import_refuses_fields_jaxlm_does_not_handle():
                      (dict(hf, scoring_func='softmax'), "scoring_func='softmax'"),
                      (dict(hf, rope_interleave=False), 'rope_interleave=False'),
                      (dict(hf, use_flux_capacitor=3), "field 'use_flux_capacitor'"),
-                     (dict(hf, rope_parameters={'rope_type': 'yarn', 'factor': 4.0, 'mscale_all_dim': 1.0,
-                                                'original_max_position_embeddings': 16}), 'mscale_all_dim')]:
+                     (dict(hf, rope_parameters={'rope_type': 'linear', 'factor': 4.0, 'mscale_all_dim': 1.0}),
+                      'mscale_all_dim=1.0 under rope_type=linear')]:
     with pytest.raises(import_hf.HFImportError, match=match) as e:
       import_hf.model_overrides(bad)
     assert '\n' not in str(e.value)
@@ -146,6 +177,7 @@ def test_import_refuses_fields_jaxlm_does_not_handle():
     (dict(qk_rope_head_dim=7), 'model.qk_rope_head_dim=7 must be even'),
     (dict(v_head_dim=0), 'model.v_head_dim=0 must be > 0'),
     (dict(attention_window=8), 'model.attention_window=8 with MLA'),
+    (dict(rope_mscale_all_dim=1.0), 'model.rope_mscale_all_dim=1.0 must be >= 0 and is read only by'),
 ])
 def test_validate_refuses_what_mla_cannot_run(overrides, says):
   c = load_config('palm_tiny')
@@ -196,8 +228,8 @@ def test_latent_cache_greedy_equals_full_recompute():
 
 
 def test_refuses_a_checkpoint_with_mtp_layers(imported):
-  """A DeepSeek-V3 checkpoint with a multi-token prediction layer after the last block (model.layers.L.*) is
-  refused by the tensor's name, not imported without it."""
+  """A DeepSeek-V3 checkpoint with a multi-token prediction layer after the last block (model.layers.L.*) that the
+  model does not keep (model.mtp_depth=0) is refused by the tensor's name, not imported without it."""
   _, root, m, _, _, _ = imported
   tensors = import_hf.read_safetensors(str(root / 'hf'))
   tensors['model.layers.2.eh_proj.weight'] = np.zeros((48, 96), np.float32)
@@ -229,39 +261,165 @@ def test_greedy_from_the_latent_cache_equals_transformers_generate(imported):
 
 def test_presets_have_deepseek_sizes():
   """configs/deepseek_v3.py without its MTP depth counts DeepSeek-V3's published 671B parameters, 37B active per
-  token; configs/deepseek_small.py is V2-Lite-sized (15.7B, 2.4B active)."""
+  token, and its MTP depth the published 14B; configs/deepseek_small.py is V2-Lite-sized (15.7B, 2.4B active)."""
   v3 = model_lib.ModelConfig.from_config(load_config('deepseek_v3').model)
   main = dataclasses.replace(v3, mtp_depth=0)
   assert 670.5e9 < model_lib.param_count(main) < 671.5e9
   assert 37.0e9 < model_lib.param_count(main, active=True) < 38.0e9
-  assert model_lib.param_count(v3) > model_lib.param_count(main)  # the MTP module counts
+  # The MTP module (a MoE layer as V3's): the published 14B with the embedding and head copies the release
+  # stores in it (jaxlm shares them), 685B in all.
+  stored_copies = 2 * v3.vocab_size * v3.d_model
+  assert 13.0e9 < model_lib.param_count(v3) - model_lib.param_count(main) + stored_copies < 14.5e9
   small = model_lib.ModelConfig.from_config(load_config('deepseek_small').model)
   assert 15.0e9 < model_lib.param_count(small) < 16.5e9
   assert 2.0e9 < model_lib.param_count(small, active=True) < 3.0e9
 
 
-def _steps_with_experts(cfg, mesh_shape, batch):
-  """[loss 1, loss 2, grad norm, MTP loss] of two steps on a (data, fsdp, tensor, expert) mesh."""
+def _steps_with_experts(cfg, mesh_shape, batch, microbatches: int = 1):
+  """[loss 1, loss 2, grad norm, MTP loss, MTP block's aux loss] of two steps on a (data, fsdp, tensor, expert)
+  mesh."""
   from jaxlm import sharding, train
   from tests.helpers import plain_program
   cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, cfg.mesh.expert = mesh_shape
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:int(np.prod(mesh_shape))])
-  program = plain_program(cfg, mesh, steps=10)
+  program = plain_program(cfg, mesh, steps=10, microbatches=microbatches)
   state = program.init()
   b = train.global_batch(batch, program.batch_sharding)
   state, m1 = program.train_step(state, b)
   state, m2 = program.train_step(state, b)
-  return [float(m1['loss']), float(m2['loss']), float(m1['grad_norm']), float(m1['mtp_loss_1'])]
+  assert 'moe/2/bias_norm' in m1  # the MTP depth's block routes too (layer L = 2), its selection bias balanced
+  return [float(m1['loss']), float(m2['loss']), float(m1['grad_norm']), float(m1['mtp_loss_1']),
+          float(m1['moe/2/aux_loss'])]
 
 
 def test_sharded_deepseek_step_with_expert_axis_matches_single_device():
   """DeepSeek-V3's whole block: MLA with a query latent, a dense first layer then a MoE layer (sigmoid routing
-  over 2 groups, a shared expert, the selection bias updating) and one MTP depth: two steps on fsdp 2 × tensor 2 ×
-  expert 2 equal one device (1e-5) in both losses, gradient norm and the MTP depth's loss."""
+  over 2 groups, a shared expert, the selection bias updating, an auxiliary loss) and one MTP depth whose block is a
+  mixture of experts too: two steps on fsdp 2 × tensor 2 × expert 2 in two microbatches (the routing pass runs the
+  MTP block) equal one device, one batch (1e-5) in both losses, gradient norm, the MTP depth's loss and its
+  block's auxiliary loss."""
   cfg = _mla_config(20)
   cfg.model.update(moe_experts=4, moe_top_k=2, moe_mlp_dim=24, moe_shared_experts=1, moe_first_dense=1,
-                   moe_router='deepseek_v3', moe_groups=2, moe_top_groups=1, moe_routed_scale=2.5, mtp_depth=1)
+                   moe_router='deepseek_v3', moe_groups=2, moe_top_groups=1, moe_routed_scale=2.5, mtp_depth=1,
+                   moe_aux_loss=1e-2)
   batch = random_batch(8, 24, cfg.model.vocab_size, docs=2)
   reference = _steps_with_experts(cfg.copy_and_resolve_references(), (1, 1, 1, 1), batch)
   assert reference[1] < reference[0]
-  np.testing.assert_allclose(_steps_with_experts(cfg, (1, 2, 2, 2), batch), reference, rtol=1e-5)
+  np.testing.assert_allclose(_steps_with_experts(cfg, (1, 2, 2, 2), batch, microbatches=2), reference, rtol=1e-5)
+
+
+def _mtp_layer(root, rng):
+  """The released names of an MTP layer at model.layers.2 (L = 2): random tensors shaped as the MoE layer 1's
+  (norm scales near 1, router weights large), enorm, hnorm, eh_proj, shared_head.norm, and the copies of the
+  embedding and head a released checkpoint stores there."""
+  from safetensors.numpy import load_file
+  main = load_file(str(root / 'hf' / 'model.safetensors'))
+  layer = {}
+  for name, x in main.items():
+    if name.startswith('model.layers.1.'):
+      std = 1.0 if name.endswith('mlp.gate.weight') else 0.1
+      x = rng.random(x.shape) + 0.5 if name.endswith('norm.weight') else rng.standard_normal(x.shape) * std
+      layer[name.replace('layers.1.', 'layers.2.')] = x.astype(np.float32)
+  D = CONFIG['hidden_size']
+  for name in ('enorm', 'hnorm', 'shared_head.norm'):
+    layer[f'model.layers.2.{name}.weight'] = (rng.random(D) + 0.5).astype(np.float32)
+  layer['model.layers.2.eh_proj.weight'] = (rng.standard_normal((D, 2 * D)) * (2 * D) ** -0.5).astype(np.float32)
+  layer['model.layers.2.embed_tokens.weight'] = main['model.embed_tokens.weight']
+  layer['model.layers.2.shared_head.head.weight'] = main['lm_head.weight']
+  return main, layer
+
+
+def _reference_mtp(torch, original, layer, tokens):
+  """DeepSeek-V3's MTP depth 1 in torch on the stored tensors: h the main model's last hidden state (before its
+  final norm), [enorm(Emb(t_{i+1})), hnorm(h_i)] through eh_proj, a decoder layer of transformers' (the MoE
+  layer 1's module with layer 2's weights), shared_head.norm, the head -> (B, T, V) logits."""
+  import copy
+  t = lambda name: torch.from_numpy(np.ascontiguousarray(layer['model.layers.2.' + name]))  # noqa: E731
+  block, X = copy.deepcopy(original.model.layers[1]), CONFIG['n_routed_experts']
+  state = {}
+  for name in block.state_dict():
+    if name == 'mlp.experts.gate_up_proj':  # transformers' fused layout: (X, 2F, D), gate rows first
+      state[name] = torch.stack([torch.cat([t(f'mlp.experts.{e}.gate_proj.weight'),
+                                            t(f'mlp.experts.{e}.up_proj.weight')]) for e in range(X)])
+    elif name == 'mlp.experts.down_proj':
+      state[name] = torch.stack([t(f'mlp.experts.{e}.down_proj.weight') for e in range(X)])
+    else:
+      state[name] = t(name)
+  block.load_state_dict(state)
+  hidden = []
+  hook = original.model.norm.register_forward_pre_hook(lambda module, args: hidden.append(args[0]))
+  ids = torch.from_numpy(tokens.astype(np.int64))
+  rms = lambda x, w: w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + CONFIG['rms_norm_eps'])  # noqa: E731
+  with torch.no_grad():
+    original(ids)
+    hook.remove()
+    nxt = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], 1)  # t_{i+1}; the last position has no target
+    x = torch.cat([rms(original.model.embed_tokens(nxt), t('enorm.weight')), rms(hidden[0], t('hnorm.weight'))], -1)
+    x = x @ t('eh_proj.weight').T
+    T = tokens.shape[1]
+    positions = torch.arange(T)[None].expand(tokens.shape[0], T)
+    mask = torch.full((T, T), float('-inf')).triu(1)[None, None]
+    x = block(x, attention_mask=mask, position_embeddings=original.model.rotary_emb(x, positions))
+    x = x[0] if isinstance(x, tuple) else x
+    return (rms(x, t('shared_head.norm.weight')) @ t('shared_head.head.weight').T).numpy()
+
+
+def test_mtp_layer_imports_exports_and_matches_the_v3_formula(imported, tmp_path):
+  """A checkpoint with a released-style MTP layer (model.layers.L.*, its block a mixture of experts as V3's)
+  imports as model.mtp_depth=1 with the main logits still transformers' (1e-4); the stored tensors land exactly
+  in jaxlm's MTP parameters and export back bit for bit under the same names; jaxlm's MTP logits and loss equal
+  a torch computation of DeepSeek-V3's MTP formula on the same tensors (1e-4)."""
+  import shutil
+  import torch
+  from safetensors.numpy import load_file, save_file
+  from jaxlm import moe as moe_lib
+  from jaxlm import mtp as mtp_lib
+  transformers, root, _, _, tokens, theirs = imported
+  main, layer = _mtp_layer(root, np.random.default_rng(5))
+  shutil.copytree(root / 'hf', tmp_path / 'hf')
+  save_file({**main, **layer}, str(tmp_path / 'hf' / 'model.safetensors'))
+  config = json.loads((tmp_path / 'hf' / 'config.json').read_text())
+  (tmp_path / 'hf' / 'config.json').write_text(json.dumps(dict(config, num_nextn_predict_layers=1)))
+  result = import_hf.import_hf(str(tmp_path / 'hf'), str(tmp_path / 'run'))
+  assert result['overrides']['mtp_depth'] == 1
+  cfg = export.read_config(result['checkpoint'])
+  cfg.model.update(dtype='float32', mtp_weight=1.0)
+  m = model_lib.ModelConfig.from_config(cfg.model)
+  params = import_hf.from_hf(import_hf.read_safetensors(str(tmp_path / 'hf')), m, scan_layers=True)
+  mtp = params['mtp']
+  D = CONFIG['hidden_size']
+  np.testing.assert_array_equal(mtp['proj_1'][:D], layer['model.layers.2.eh_proj.weight'][:, D:].T)  # hidden rows
+  np.testing.assert_array_equal(mtp['proj_1'][D:], layer['model.layers.2.eh_proj.weight'][:, :D].T)  # embedding
+  np.testing.assert_array_equal(mtp['hidden_norm_1']['scale'], layer['model.layers.2.hnorm.weight'])
+  np.testing.assert_array_equal(mtp['block_1']['moe']['router'], layer['model.layers.2.mlp.gate.weight'].T)
+  np.testing.assert_array_equal(mtp['block_1']['moe']['up'][3], layer['model.layers.2.mlp.experts.3.up_proj.weight'].T)
+  assert model_lib.param_count(m) == sum(np.size(x) for x in jax.tree.leaves(params))
+
+  export.export(str(tmp_path / 'run'), str(tmp_path / 'back'))
+  after = load_file(str(tmp_path / 'back' / 'model.safetensors'))
+  assert sorted(after) == sorted({**main, **layer})
+  for name, x in {**main, **layer}.items():
+    np.testing.assert_array_equal(after[name], x, err_msg=name)
+  assert json.loads((tmp_path / 'back' / 'config.json').read_text())['num_nextn_predict_layers'] == 1
+
+  B, T = tokens.shape
+  positions = np.tile(np.arange(T, dtype=np.int32), (B, 1))
+  logits, stats = jax.jit(lambda p: model_lib.Decoder(m).apply(
+      {'params': p}, tokens, np.ones_like(tokens), positions, mutable=[mtp_lib.COLLECTION, moe_lib.STATS]))(params)
+  MAX_ABS['import with MTP'] = float(np.abs(np.asarray(logits) - theirs).max())
+  assert MAX_ABS['import with MTP'] <= 1e-4
+  assert len(moe_lib.per_layer(stats[moe_lib.STATS], 1)) == 2  # layer 1 and the MTP block route
+  ours = stats[mtp_lib.COLLECTION]['logits'][0]  # (1, B, T, V)
+  want = _reference_mtp(torch, ORIGINAL['model'], layer, tokens)
+  MAX_ABS['MTP logits'] = float(np.abs(np.asarray(ours[0])[:, :-1] - want[:, :-1]).max())
+  assert MAX_ABS['MTP logits'] <= 1e-4
+  weights = np.ones((B, T), np.float32)
+  weights[:, -1] = 0
+  batch = dict(inputs=tokens, targets=np.concatenate([tokens[:, 1:], tokens[:, :1] * 0], 1), weights=weights,
+               segment_ids=np.ones_like(tokens))
+  denominators = mtp_lib.target_weights(batch, 1).sum((1, 2))
+  got, _ = mtp_lib.loss(ours, batch, 1.0, denominators)
+  logp = want[:, :-2] - np.log(np.exp(want[:, :-2] - want[:, :-2].max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+      - want[:, :-2].max(-1, keepdims=True)
+  reference = -np.take_along_axis(logp, tokens[:, 2:, None], -1).mean()  # position i predicts t_{i+2}
+  np.testing.assert_allclose(float(got), reference, rtol=1e-5)
