@@ -85,6 +85,30 @@ def data_cache(tmp_path_factory) -> pathlib.Path:
   return path
 
 
+def train_tiny(workdir, data_cache, steps: int, seed: int, **train_overrides) -> None:
+  """palm_tiny trained in this process on the stdlib corpus (lr 1e-2), saved once at its end."""
+  from jaxlm import train
+  from tests.helpers import load_config
+  cfg = load_config('palm_tiny')
+  cfg.data.cache_dir = str(data_cache)
+  cfg.train.update(steps=steps, seed=seed, eval_batches=8, log_every=steps, **train_overrides)
+  cfg.optim.update(lr=1e-2, warmup_steps=10)
+  cfg.checkpoint.update(every=0, async_save=False)
+  cfg.log.update(tensorboard=False, compilation_cache='')
+  train.run(cfg, str(workdir))
+
+
+@pytest.fixture(scope='session')
+def trained_tiny(tmp_path_factory, data_cache) -> str:
+  """A palm_tiny run trained 300 steps (seed 1), made once for the whole run, every xdist worker included: the
+  generation tests' judge (tests/test_textgen.py) and the distillation tests' teacher (tests/test_distill_train.py)
+  share it instead of training one each."""
+  with made_once(tmp_path_factory, 'trained_tiny') as (path, done):
+    if not done:
+      train_tiny(path / 'run', data_cache, 300, 1)
+  return str(path / 'run')
+
+
 # `e2e`: a test that starts a subprocess or runs the whole trainer, itself or through a fixture. Marked here from
 # the source, so a new test cannot forget it; `pytest -m 'not e2e'` is the fast loop.
 _E2E_CALLS = ('subprocess.', 'train.run(', 'Popen(', 'local_command(', '_run(', '_start(', 'run_cli(')

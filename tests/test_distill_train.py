@@ -13,21 +13,9 @@ import pytest
 from jaxlm import config as config_lib
 from jaxlm import errors
 from jaxlm import train
-from tests.conftest import made_once
 from tests.helpers import load_config, read_records
 
 STUDENT_STEPS = 30
-
-
-def _teacher_cfg(data_cache):
-  """palm_tiny (D 64, 2 layers) on the stdlib corpus, trained longer than the student."""
-  c = load_config('palm_tiny')
-  c.data.cache_dir = str(data_cache)
-  c.train.update(steps=150, log_every=50, eval_every=0, eval_batches=2)
-  c.optim.update(lr=1e-2, warmup_steps=10)
-  c.checkpoint.update(every=0, async_save=False)
-  c.log.tensorboard = False
-  return c
 
 
 def _student_cfg(data_cache, teacher: str, objective: str = 'distill', steps: int = STUDENT_STEPS):
@@ -44,14 +32,9 @@ def _student_cfg(data_cache, teacher: str, objective: str = 'distill', steps: in
 
 
 @pytest.fixture(scope='module')
-def teacher(tmp_path_factory, data_cache) -> str:
-  """A trained palm_tiny run, made once for the whole test run."""
-  with made_once(tmp_path_factory, 'distill_teacher') as (path, done):
-    if not done:
-      cfg = _teacher_cfg(data_cache)
-      config_lib.validate(cfg, jax.device_count())
-      train.run(cfg, str(path))
-  return str(path)
+def teacher(trained_tiny) -> str:
+  """The suite's trained palm_tiny (D 64, 2 layers, 300 steps; tests/conftest.py), made once for the whole run."""
+  return trained_tiny
 
 
 @pytest.mark.e2e  # three trainer runs: seconds of compiles

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxlm import textgen
-from tests.conftest import made_once
+from tests.conftest import made_once, train_tiny
 
 
 def test_repetition_counts_each_texts_ngrams_and_skips_texts_without_any():
@@ -81,30 +81,18 @@ def test_cut_pairs_take_windows_inside_one_document():
 P, N, PROMPTS = 8, 24, 64  # prompt and continuation tokens, prompts (palm_tiny's sequences are 64 tokens)
 
 
-def _train(workdir, data_cache, steps, seed, **overrides):
-  from jaxlm import train
-  from tests.helpers import load_config
-  cfg = load_config('palm_tiny')
-  cfg.data.cache_dir = str(data_cache)
-  cfg.train.update(steps=steps, seed=seed, eval_batches=8, log_every=steps, **overrides)
-  cfg.optim.update(lr=1e-2, warmup_steps=10)
-  cfg.checkpoint.update(every=0, async_save=False)
-  cfg.log.update(tensorboard=False, compilation_cache='')
-  train.run(cfg, str(workdir))
-
-
 @pytest.fixture(scope='session')
-def textgen_runs(tmp_path_factory, data_cache):
-  """(model workdir, judge workdir): palm_tiny on the stdlib corpus, the judge trained longer on another seed.
-  Trained once for the whole run (every xdist worker included: ~1 min of CPU each time)."""
+def textgen_runs(tmp_path_factory, data_cache, trained_tiny):
+  """(model workdir, judge workdir): palm_tiny on the stdlib corpus, and as judge the suite's palm_tiny trained
+  longer on another seed (tests/conftest.py: trained_tiny). Trained once for the whole run (every xdist worker
+  included)."""
   with made_once(tmp_path_factory, 'textgen_runs') as (path, done):
-    model, judge = path / 'textgen_model', path / 'textgen_judge'
+    model = path / 'textgen_model'
     if not done:
       # The model scores its own generations at steps 100 and 200 (train.gen_eval).
-      _train(model, data_cache, 200, 0, eval_every=100, gen_eval=1, gen_eval_prompts=16, gen_eval_prompt_tokens=P,
-             gen_eval_tokens=N)
-      _train(judge, data_cache, 300, 1)
-  return str(model), str(judge)
+      train_tiny(model, data_cache, 200, 0, eval_every=100, gen_eval=1, gen_eval_prompts=16,
+                 gen_eval_prompt_tokens=P, gen_eval_tokens=N)
+  return str(model), trained_tiny
 
 
 @pytest.fixture(scope='session')
