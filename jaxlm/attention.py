@@ -65,15 +65,31 @@ class Scores:
   sinks   (H,) learned logits, one per query head, that join each softmax's denominator and attend to nothing
           (gpt-oss); None = no sinks.
   scale   the scores' multiplier; 0 = 1/sqrt(E) (Gemma's query_pre_attn_scalar gives another).
+  width   a traced window's W when it is local (the fused kernels build their masks from a static width).
   """
   window: object = 0
   softcap: float = 0.0
   sinks: object = None
   scale: float = 0.0
+  width: int = 0
 
-  def masked_only(self) -> bool:
-    """Whether only the reference (xla) kernel computes these scores: a window, a soft-cap or sinks."""
-    return not (isinstance(self.window, int) and self.window == 0) or bool(self.softcap) or self.sinks is not None
+  def unsupported(self, kernel: str) -> str | None:
+    """What of these scores the fused `kernel` cannot compute (only xla computes them all), or None.
+
+    cuDNN (jax.nn.dot_product_attention) takes a window (its local_window_size) but no soft-cap or sinks; splash
+    takes a window (a LocalMask) and a soft-cap (attn_logits_soft_cap) but no sinks."""
+    missing = [name for name, asked, takes in (('soft-cap', bool(self.softcap), kernel == 'splash'),
+                                                ('sinks', self.sinks is not None, False)) if asked and not takes]
+    return ' and '.join(missing) or None
+
+
+def windowed(kernel, scores: Scores, *args):
+  """kernel(*args, window=W) with W static: the layer's own window, or for a traced one (scanned layers mixing
+  local and global) a cond between the local kernel (scores.width) and the global one (0)."""
+  if isinstance(scores.window, int):
+    return kernel(*args, window=scores.window)
+  return jax.lax.cond(scores.window > 0, functools.partial(kernel, window=scores.width),
+                      functools.partial(kernel, window=0), *args)
 
 
 PLAIN = Scores()
@@ -163,14 +179,16 @@ def document_mask(segment_ids):
   return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
 
 
-def cudnn_attention(q, k, v, segment_ids, implementation: str = 'cudnn', scale: float = 0.0):
+def cudnn_attention(q, k, v, segment_ids, implementation: str = 'cudnn', scale: float = 0.0, window: int = 0):
   """jax.nn.dot_product_attention with is_causal and a document mask; `implementation='xla'` runs it on a CPU.
 
   jax.nn's layout is ours, (B, T, N, E), and it takes K < H key/value heads natively (GQA/MQA), so nothing
-  is transposed or repeated. `scale` 0 is 1/sqrt(E).
+  is transposed or repeated. `scale` 0 is 1/sqrt(E). `window` W > 0: the W most recent keys, the query's own
+  included (jax.nn's local_window_size counts the keys before the query: W - 1).
   """
   return jax.nn.dot_product_attention(q, k, v, mask=document_mask(segment_ids), is_causal=True,
-                                      scale=scale or None, implementation=implementation)
+                                      scale=scale or None, implementation=implementation,
+                                      local_window_size=(window - 1, 0) if window > 0 else None)
 
 
 def _splash_block(seq_len: int) -> int | None:
@@ -179,33 +197,39 @@ def _splash_block(seq_len: int) -> int | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _splash_spec(heads: int, seq_len: int):
-  """The causal mask over (T, T) for `heads` query heads and the kernel's block sizes; pure Python, cached."""
+def _splash_spec(heads: int, seq_len: int, window: int = 0):
+  """The causal mask over (T, T) for `heads` query heads (with `window` > 0: its W most recent keys, the query's
+  own included) and the kernel's block sizes; pure Python, cached. A local mask's blocks wholly outside the
+  window are skipped by the kernel, not computed and masked."""
   # Imported here: Pallas TPU is a heavy import and a GPU/CPU run never needs it.
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
-  mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((seq_len, seq_len)) for _ in range(heads)])
+  one = (mask_lib.LocalMask((seq_len, seq_len), window_size=(window - 1, 0), offset=0) if window > 0 else
+         mask_lib.CausalMask((seq_len, seq_len)))
+  mask = mask_lib.MultiHeadMask([one for _ in range(heads)])
   b = _splash_block(seq_len)
   blocks = kernel_lib.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
                                  block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
   return mask, blocks
 
 
-def _splash_kernel(heads: int, seq_len: int, mqa: bool, interpret: bool):
-  """A splash kernel for one example: causal over (T, T) for `heads` query heads.
+def _splash_kernel(heads: int, seq_len: int, mqa: bool, interpret: bool, window: int = 0, softcap: float = 0.0):
+  """A splash kernel for one example: causal (or local, `window`) over (T, T) for `heads` query heads; `softcap`
+  > 0 bounds its logits as cap·tanh(s / cap).
 
   Built inside the trace that uses it, never eagerly: its mask tables (numpy, cached by the library per mask
   and block shape) become constants of that trace. An eager build would put them on a device, which fails on a
   compile-only TPU mesh (pre-flight) and would tie a cached kernel to whichever backend built it first.
   """
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
-  mask, blocks = _splash_spec(heads, seq_len)
+  mask, blocks = _splash_spec(heads, seq_len, window)
   make = kernel_lib.make_splash_mqa if mqa else kernel_lib.make_splash_mha
-  kernel = make(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret)
+  kernel = make(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret,
+                attn_logits_soft_cap=softcap or None)
   return kernel, kernel_lib.SegmentIds
 
 
-def _splash_local(q, k, v, segment_ids, interpret: bool, scale: float = 0.0):
+def _splash_local(q, k, v, segment_ids, interpret: bool, scale: float = 0.0, window: int = 0, softcap: float = 0.0):
   """Splash attention on one device's shard: q (B, T, H, E), k/v (B, S, K, E) with K = 1, H, or dividing H."""
   B, T, H, E = q.shape
   K = k.shape[2]
@@ -213,12 +237,12 @@ def _splash_local(q, k, v, segment_ids, interpret: bool, scale: float = 0.0):
   q = (q * (scale or 1.0 / math.sqrt(E))).astype(q.dtype).transpose(0, 2, 1, 3)  # (B, H, T, E)
   k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, K, S, E)
   if K == H:
-    kernel, SegmentIds = _splash_kernel(H, T, False, interpret)
+    kernel, SegmentIds = _splash_kernel(H, T, False, interpret, window, softcap)
     run = lambda q, k, v, s: kernel(q, k, v, segment_ids=SegmentIds(q=s, kv=s))
   else:
     # MQA kernel per kv head: its G = H // K query heads share one (S, E) key and value.
     G = H // K
-    kernel, SegmentIds = _splash_kernel(G, T, True, interpret)
+    kernel, SegmentIds = _splash_kernel(G, T, True, interpret, window, softcap)
     one = lambda q, k, v, s: kernel(q, k, v, segment_ids=SegmentIds(q=s, kv=s))  # q (G,T,E), k/v (S,E)
 
     def run(q, k, v, s):  # q (H, T, E), k/v (K, S, E)
@@ -228,7 +252,8 @@ def _splash_local(q, k, v, segment_ids, interpret: bool, scale: float = 0.0):
   return out.transpose(0, 2, 1, 3).astype(q.dtype)  # (B, T, H, E)
 
 
-def splash_attention(q, k, v, segment_ids, interpret: bool = False, scale: float = 0.0):
+def splash_attention(q, k, v, segment_ids, interpret: bool = False, scale: float = 0.0, window: int = 0,
+                     softcap: float = 0.0):
   """Pallas splash attention with segment ids; under a mesh it runs per shard (batch and heads split).
 
   A Pallas kernel cannot be split by the SPMD partitioner, so it goes inside shard_map with the batch and head
@@ -236,7 +261,7 @@ def splash_attention(q, k, v, segment_ids, interpret: bool = False, scale: float
   semantics on any backend (slow; for tests on a CPU).
   """
   mesh = jax.sharding.get_abstract_mesh()
-  local = functools.partial(_splash_local, interpret=interpret, scale=scale)
+  local = functools.partial(_splash_local, interpret=interpret, scale=scale, window=window, softcap=softcap)
   if mesh.empty or mesh.size == 1:
     return local(q, k, v, segment_ids)
   batch_axes, heads_axis = nn.logical_to_mesh_axes(('act_batch', 'act_heads'))
@@ -370,23 +395,24 @@ def attention(q, k, v, segment_ids, impl: str = 'xla', block_q: int = 0, *, kv_s
   Decoding (jaxlm/generate.py) passes a KV cache as k, v (B, S, K, E) with its `kv_segment_ids` (B, S), and the
   cache slots of the queries, `order` (T,), and of the keys, `kv_order` (S,): the reference kernel then masks
   by slot (causal) and segment (unwritten slots and padding are 0), whatever the kernel configured.
-  `scores_cfg`: a window, soft-cap, sinks or scale (`Scores`); the first three only the xla kernel computes
-  (config.validate refuses cudnn and splash with them; auto then chooses xla).
+  `scores_cfg`: a window, soft-cap, sinks or scale (`Scores`); what a fused kernel cannot compute of them
+  (`Scores.unsupported`: config.validate refuses it by name) runs on xla instead.
   """
   if kv_segment_ids is not None:
     _log_once('attention over a KV cache: xla attention (the fused kernels take no cache)')
     return _scores_attention(q, k, v, segment_ids, order, kv_segment_ids, kv_order, scores_cfg)
   context = context_ways()
   kernel, why = select(impl, dtype=q.dtype, head_dim=q.shape[-1], seq_len=q.shape[1], context=context)
-  if kernel != 'xla' and scores_cfg.masked_only():
-    kernel, why = 'xla', f'attention={impl}: a window, soft-cap or sinks need the masks of xla attention'
+  if kernel != 'xla' and (missing := scores_cfg.unsupported(kernel)):
+    kernel, why = 'xla', f'attention={impl}: {kernel} has no {missing}; xla attention computes them'
   # A requested kernel that cannot run is worth a warning; auto's choice and plain xla are information.
   _log_once(why, level=logging.WARNING if impl not in ('auto', 'xla') and kernel != impl else logging.INFO)
   if kernel != 'xla':
     try:
       if kernel == 'cudnn':
-        return cudnn_attention(q, k, v, segment_ids, scale=scores_cfg.scale)
-      return splash_attention(q, k, v, segment_ids, scale=scores_cfg.scale)
+        return windowed(functools.partial(cudnn_attention, scale=scores_cfg.scale), scores_cfg, q, k, v, segment_ids)
+      return windowed(functools.partial(splash_attention, scale=scores_cfg.scale, softcap=scores_cfg.softcap),
+                      scores_cfg, q, k, v, segment_ids)
     except (NotImplementedError, ValueError, RuntimeError) as e:  # raised while tracing: shape/version limits
       _log_once('%s attention refused these inputs (%s: %s); falling back to xla', kernel, type(e).__name__, e,
                 level=logging.WARNING)

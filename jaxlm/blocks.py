@@ -129,7 +129,7 @@ def scores_config(m, local, sinks=None) -> attention_lib.Scores:
   a = m.attention
   window = (jnp.where(local, a.window, 0) if isinstance(local, jax.Array) else a.window * bool(local)) if a.window else 0
   return attention_lib.Scores(window=window, softcap=a.softcap, sinks=sinks,
-                              scale=a.query_scalar ** -0.5 if a.query_scalar else 0.0)
+                              scale=a.query_scalar ** -0.5 if a.query_scalar else 0.0, width=a.window)
 
 
 def block_errors(model_cfg, context: int = 1, stages: int = 1) -> list[str]:
@@ -151,10 +151,13 @@ def block_errors(model_cfg, context: int = 1, stages: int = 1) -> list[str]:
   if g('mlp_activation', 'swiglu') == 'clamped' and not (clamp[0] > 0 and clamp[1] > 0):
     e.append(f'model.mlp_swiglu_limit={g("mlp_swiglu_limit", 7.0)} and model.mlp_swiglu_alpha='
              f'{g("mlp_swiglu_alpha", 1.702)} must be positive under mlp_activation=clamped (gpt-oss: 7 and 1.702).')
-  masked = [f'model.{k}' for k in ('attention_window', 'attention_softcap', 'attention_sinks') if g(k) > 0]
-  if masked and g('attention', 'xla') in ('cudnn', 'splash'):
-    e.append(f'{", ".join(masked)} need the masks of xla attention, and model.attention={g("attention")} has none '
-             f'of them; set model.attention=xla (or auto, which then runs xla).')
+  # cuDNN takes a window but no soft-cap or sinks; splash a window and a soft-cap but no sinks (attention.Scores).
+  kernel = g('attention', 'xla')
+  missing = [f'model.{k}' for k, takes in (('attention_softcap', kernel == 'splash'), ('attention_sinks', False))
+             if g(k) > 0 and not takes]
+  if missing and kernel in ('cudnn', 'splash'):
+    e.append(f'{", ".join(missing)}: model.attention={kernel} cannot compute {"them" if len(missing) > 1 else "it"}; '
+             f'set model.attention=xla (or auto, which then runs xla).')
   if g('attention_window') > 0 and context > 1:
     e.append(f'model.attention_window={g("attention_window")} with mesh.context={context}: context parallelism '
              f'would compute and mask the blocks outside the window rather than skip them; set mesh.context=1.')

@@ -237,6 +237,31 @@ def test_splash_interpret_matches_xla(H, K):
     np.testing.assert_allclose(got, want, atol=2e-4)
 
 
+def test_fused_kernels_take_a_window_and_splash_a_soft_cap():
+  """cuDNN's call (jax.nn.dot_product_attention's local_window_size; its xla implementation on a CPU) with a
+  window, and splash (interpret mode: a LocalMask and attn_logits_soft_cap) with a window and a soft-cap, equal
+  xla attention's masks, documents and padding included; a traced window (scanned layers mixing local and
+  global) takes the local kernel when > 0 and the global one otherwise. Window and cap each move the output."""
+  import functools
+  B, T, H, K, E, W, cap = 2, 256, 4, 2, 64, 40, 1.0
+  q, k, v = qkv(B, T, H, K, E)
+  seg = jnp.asarray(segments(B, T, docs=2, pad=8, seed=4))
+  xla = lambda scores: real(attention.xla_attention(q, k, v, seg, scores_cfg=scores), seg)  # noqa: E731
+  cudnn = functools.partial(attention.cudnn_attention, implementation='xla')
+  local, capped = attention.Scores(window=W), attention.Scores(window=W, softcap=cap)
+  np.testing.assert_allclose(real(attention.windowed(cudnn, local, q, k, v, seg), seg), xla(local), atol=2e-5)
+  splash = functools.partial(attention.splash_attention, interpret=True, softcap=cap)
+  np.testing.assert_allclose(real(attention.windowed(splash, capped, q, k, v, seg), seg), xla(capped), atol=2e-5)
+  plain = xla(attention.PLAIN)
+  assert np.abs(xla(local) - plain).max() > 1e-2 and np.abs(xla(capped) - xla(local)).max() > 1e-2
+  traced = jax.jit(lambda w: attention.windowed(cudnn, attention.Scores(window=w, width=W), q, k, v, seg))
+  np.testing.assert_allclose(real(traced(jnp.int32(W)), seg), xla(local), atol=2e-5)
+  np.testing.assert_allclose(real(traced(jnp.int32(0)), seg), plain, atol=2e-5)
+  assert attention.Scores(softcap=cap).unsupported('cudnn') == 'soft-cap'
+  assert attention.Scores(softcap=cap, sinks=jnp.zeros(H)).unsupported('splash') == 'sinks'
+  assert attention.Scores(window=W, softcap=cap).unsupported('splash') is None
+
+
 @pytest.mark.parametrize('H, K', grid([(4, 1), (4, 2), (4, 4), (6, 3)], fast=[(4, 1)], ids=_heads, unpack=True))
 @pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_splash_under_a_mesh_runs_per_shard(H, K):

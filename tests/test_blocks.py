@@ -105,9 +105,10 @@ def test_scanned_layers_equal_unrolled_and_sinks_matter():
 
 
 @pytest.mark.parametrize('overrides, mesh, says', [
-    (dict(attention_window=8, attention='splash'), {}, 'model.attention_window need the masks of xla attention'),
+    (dict(attention_window=8, attention_sinks=True, attention='splash'), {},
+     'model.attention_sinks: model.attention=splash cannot compute it'),
     (dict(attention_softcap=50.0, attention_sinks=True, attention='cudnn'), {},
-     'model.attention_softcap, model.attention_sinks need the masks'),
+     'model.attention_softcap, model.attention_sinks: model.attention=cudnn cannot compute them'),
     (dict(attention_window=8), dict(context=2, data=4), 'model.attention_window=8 with mesh.context=2'),
     (dict(attention_window=8, attention_global_every=2), dict(stage=2, data=4),
      'model.attention_global_every=2 with mesh.stage=2'),
@@ -119,6 +120,7 @@ def test_scanned_layers_equal_unrolled_and_sinks_matter():
     (dict(attention_bias=True, kv_lora_rank=16), {}, 'model.attention_bias=True with MLA'),
 ])
 def test_validate_refuses_paths_that_cannot_honour_the_features(overrides, mesh, says):
+  """(A window on splash or cuDNN, and a soft-cap on splash, are computed by the kernels: tests/test_attention.py.)"""
   c = load_config('palm_tiny')
   c.model.update(parallel_block=False)
   c.model.update(**overrides)

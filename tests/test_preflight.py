@@ -40,6 +40,9 @@ def small_tpu_config(attention_impl: str):
 @pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_splash_compiles_for_a_real_tpu_target(v5e_2x2, caplog):
   cfg = small_tpu_config('splash')
+  # Gemma 2's pattern on its two scanned layers: a local layer (splash's LocalMask, W = 128) and a global one,
+  # chosen per layer by a cond, both soft-capped (attn_logits_soft_cap): one compile covers every splash mask.
+  cfg.model.update(attention_window=128, attention_global_every=2, attention_softcap=50.0)
   # conftest's 'highest' matmul precision asks Mosaic for an fp32-precision bf16 matmul, which it rejects.
   with caplog.at_level('WARNING', logger='jaxlm.attention'), jax.default_matmul_precision('default'):
     attention._logged.clear()
@@ -48,6 +51,8 @@ def test_splash_compiles_for_a_real_tpu_target(v5e_2x2, caplog):
   # The Pallas kernel, lowered for the TPU (not interpret mode): causal mask plus segment ids (documents).
   assert report['kernel'] == 'splash' and report['tpu_custom_calls'] > 0
   assert 'tpu_custom_call' in report['hlo']
+  # Two kernels, local and global, each forward and its two backward passes (a causal-only model compiles 3).
+  assert report['tpu_custom_calls'] == 6, report['tpu_custom_calls']
   # (The parameters' shapes come from an 8-token dummy trace, which says splash cannot take 8 tokens: no step
   # runs it.)
   assert not [r for r in caplog.records if 'falling back' in r.getMessage() and 'it is 8;' not in r.getMessage()]
