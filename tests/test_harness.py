@@ -118,11 +118,11 @@ def _in_loop(workdir: str, step: int = 4, suffix: str = '') -> dict:
           if k.startswith('harness/') and k.endswith('_ema') == bool(suffix)}
 
 
-def _flat(resps):
+def flat_responses(resps):
   """A sample's responses as a flat list of floats, bools and strings."""
   out = []
   for r in resps:
-    out.extend(_flat(r) if isinstance(r, (list, tuple)) else [r])
+    out.extend(flat_responses(r) if isinstance(r, (list, tuple)) else [r])
   return out
 
 
@@ -165,7 +165,7 @@ def test_requests_equal_lm_evals_hf_backend_on_the_export(harness_run, tmp_path,
     assert [s['doc_id'] for s in mine] == [s['doc_id'] for s in samples]
     assert len(mine) == len(TASKS[task][1]) if task in TASKS else len(mine) >= 3
     for a, b in zip(mine, samples):
-      fa, fb = _flat(a['resps']), _flat(b['resps'])
+      fa, fb = flat_responses(a['resps']), flat_responses(b['resps'])
       assert len(fa) == len(fb) and [type(x) for x in fa] == [type(x) for x in fb], (task, fa, fb)
       for x, y in zip(fa, fb):
         if isinstance(x, float):

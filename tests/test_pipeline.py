@@ -239,8 +239,9 @@ def test_bad_pipeline_config_exits_before_device_work():
 
 
 def test_a_pipelined_run_reports_its_stages_and_its_checkpoint_serves_eval_export_and_warm_start(
-    tmp_path, data_cache, capsys):
-  """The real trainer on 2 stages; eval and HF export (unpipelined) and the warm-start loader read its checkpoint."""
+    tmp_path, data_cache, capsys, monkeypatch):
+  """The real trainer on 2 stages; eval, HF export (unpipelined), the warm-start loader, the sampler and lm-eval
+  tasks (jaxlm/harness.py) read its checkpoint."""
   import json
   from jaxlm import train
   cfg = load_config('palm_tiny')
@@ -290,3 +291,21 @@ def test_a_pipelined_run_reports_its_stages_and_its_checkpoint_serves_eval_expor
                                                   [[tok.separator_id] + tok.encode('def main(')], 8)
   mine = records[0]['completion_ids']
   assert len(mine) >= 1 and list(reference[0][:len(mine)]) == list(mine), (mine, reference)
+
+  # lm-eval's tasks scored by jaxlm on the pipelined checkpoint equal lm-eval's Hugging Face backend on its export,
+  # request by request (issue #61: --tasks on a pipelined run).
+  from lm_eval.models.huggingface import HFLM
+  from jaxlm import harness
+  from jaxlm.tools import eval as eval_lib
+  from tests.test_harness import TASKS, flat_responses, write_tasks
+  monkeypatch.setenv('HF_DATASETS_OFFLINE', '1')
+  monkeypatch.setenv('HF_HUB_OFFLINE', '1')
+  monkeypatch.setenv('HF_DATASETS_CACHE', str(tmp_path / 'hf_datasets'))
+  tasks = write_tasks(tmp_path / 'tasks', {'h_mc': TASKS['h_mc']})
+  lm, _ = eval_lib.harness_lm(workdir)
+  hf = HFLM(pretrained=str(tmp_path / 'hf'), dtype='float32', add_bos_token=True, batch_size=8, device='cpu')
+  ours, theirs = (harness.evaluate(model, ['h_mc'], include_path=tasks, log_samples=True)['samples']['h_mc']
+                  for model in (lm, hf))
+  got, want = ([x for s in samples for x in flat_responses(s['resps'])] for samples in (ours, theirs))
+  assert len(got) == len(want) == 2 * sum(len(d['choices']) for d in TASKS['h_mc'][1])
+  assert got == pytest.approx(want, abs=1e-4)
