@@ -149,3 +149,23 @@ def read_records(workdir, kind: str = 'train') -> list[dict]:
     if r.get('kind') == kind:
       records.append(r)
   return records
+
+
+def export_round_trip(hf_dir, run, out, architecture: str):
+  """Exports the run `run` to `out` and checks it against the import's source `hf_dir`: the `architecture`, the
+  same tensor names and values, and transformers reloading it as that class. Returns (its config.json, the
+  reloaded model in float32, eval mode)."""
+  import json
+  import transformers
+  from safetensors.numpy import load_file
+  from jaxlm.hf import export
+  summary = export.export(str(run), str(out))
+  assert summary['architecture'] == architecture
+  before, after = load_file(f'{hf_dir}/model.safetensors'), load_file(f'{out}/model.safetensors')
+  assert sorted(before) == sorted(after)
+  for name in before:
+    np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+  back = transformers.AutoModelForCausalLM.from_pretrained(str(out), attn_implementation='eager')
+  assert type(back).__name__ == architecture
+  with open(f'{out}/config.json') as f:
+    return json.load(f), back.float().eval()

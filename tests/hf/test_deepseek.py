@@ -20,7 +20,7 @@ from jaxlm import mla as mla_lib
 from jaxlm import model as model_lib
 from jaxlm.hf import export
 from jaxlm.hf import import_llama as import_hf
-from tests.helpers import load_config, odd_config, random_batch
+from tests.helpers import export_round_trip, load_config, odd_config, random_batch
 from tests.hf.test_families import _logits, _torch_logits
 from tests.test_sharding import _two_steps
 
@@ -130,17 +130,9 @@ def test_export_round_trips_to_transformers(imported):
   DeepseekV3ForCausalLM with the original's logits (1e-4)."""
   transformers, root, _, _, tokens, theirs = imported
   import torch
-  summary = export.export(str(root / 'run'), str(root / 'back'))
-  assert summary['architecture'] == 'DeepseekV3ForCausalLM'
-  assert json.loads((root / 'back' / 'config.json').read_text())['model_type'] == 'deepseek_v3'
-  from safetensors.numpy import load_file
-  before, after = load_file(str(root / 'hf' / 'model.safetensors')), load_file(str(root / 'back' / 'model.safetensors'))
-  assert sorted(before) == sorted(after)
-  for name in before:
-    np.testing.assert_array_equal(after[name], before[name], err_msg=name)
-  back = transformers.AutoModelForCausalLM.from_pretrained(str(root / 'back'), attn_implementation='eager')
-  assert type(back).__name__ == 'DeepseekV3ForCausalLM'
-  MAX_ABS['export'] = float(np.abs(_torch_logits((torch, transformers), back.float().eval(), tokens) - theirs).max())
+  written, back = export_round_trip(root / 'hf', root / 'run', root / 'back', 'DeepseekV3ForCausalLM')
+  assert written['model_type'] == 'deepseek_v3'
+  MAX_ABS['export'] = float(np.abs(_torch_logits((torch, transformers), back, tokens) - theirs).max())
   assert MAX_ABS['export'] <= 1e-4
 
 
