@@ -88,7 +88,7 @@ def windowed(kernel, scores: Scores, *args):
   local and global) a cond between the local kernel (scores.width) and the global one (0)."""
   if isinstance(scores.window, int):
     return kernel(*args, window=scores.window)
-  return jax.lax.cond(scores.window > 0, functools.partial(kernel, window=scores.width),
+  return jax.lax.cond(jnp.reshape(scores.window, ()) > 0, functools.partial(kernel, window=scores.width),
                       functools.partial(kernel, window=0), *args)
 
 
@@ -153,6 +153,13 @@ def xla_attention(q, k, v, segment_ids, order=None, block_q: int = 0, shards: in
   the live scores are (shards·block_q, S) rather than (T, S); the result is the same. 0: all rows at once.
   """
   B, T = q.shape[:2]
+  width = scores_cfg.window if isinstance(scores_cfg.window, int) else scores_cfg.width
+  if width > 0 and shards == 1 and order is None and T % (block_q or width) == 0 and T > (block_q or width) + width:
+    local = functools.partial(_window_blocks, width=width, block=block_q or width, scores_cfg=scores_cfg)
+    if isinstance(scores_cfg.window, int):
+      return local(q, k, v, segment_ids)
+    full = functools.partial(xla_attention, block_q=block_q, scores_cfg=dataclasses.replace(scores_cfg, width=0))
+    return jax.lax.cond(jnp.reshape(scores_cfg.window, ()) > 0, local, full, q, k, v, segment_ids)
   order = np.arange(T) if order is None else np.asarray(order)
   blocks = T // (shards * block_q) if block_q else 1
   if blocks <= 1:
@@ -168,6 +175,29 @@ def xla_attention(q, k, v, segment_ids, order=None, block_q: int = 0, shards: in
   out = jax.lax.map(lambda xs: one(*xs), (split(q), split(segment_ids), q_order))  # (blocks, B, shards·block_q, ..)
   out = out.reshape(blocks, B, shards, block_q, *out.shape[3:])
   return jnp.moveaxis(out, 0, 2).reshape(*q.shape[:-1], v.shape[-1])
+
+
+def _window_blocks(q, k, v, segment_ids, *, width: int, block: int, scores_cfg: Scores):
+  """A local layer's attention by blocks of `block` queries over only the keys its window reaches, so its cost
+  grows with T, not T²: queries [i·b, (i+1)·b) see keys [i·b − W, (i+1)·b) ((b, b + W) scores per block, not
+  (b, T)). The W slots before the row's start are padding (segment 0), which no real query attends to; the mask
+  is the same as the whole row's, so the result is the same."""
+  B, T = q.shape[:2]
+  pad = lambda x: jnp.pad(x, [(0, 0), (width, 0)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+  kp, vp, sp = pad(k), pad(v), pad(segment_ids)
+  positions = jnp.arange(-width, T)  # each padded key slot's position in the row
+
+  def one(i):
+    start = i * block  # in the padded keys: position i·b − W
+    take = lambda x: jax.lax.dynamic_slice_in_dim(x, start, block + width, axis=1)  # noqa: E731
+    rows = lambda x: jax.lax.dynamic_slice_in_dim(x, start, block, axis=1)  # noqa: E731
+    return _scores_attention(rows(q), take(kp), take(vp), rows(segment_ids),
+                             jax.lax.dynamic_slice_in_dim(positions, start + width, block), take(sp),
+                             jax.lax.dynamic_slice_in_dim(positions, start, block + width), scores_cfg)
+
+  # Checkpointed: the backward pass recomputes a block's probabilities rather than keeping every block's.
+  out = jax.lax.map(jax.checkpoint(one), jnp.arange(T // block))  # (blocks, B, block, H, Ev)
+  return jnp.moveaxis(out, 0, 1).reshape(*q.shape[:-1], v.shape[-1])
 
 
 def document_mask(segment_ids):

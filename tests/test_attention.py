@@ -6,6 +6,7 @@ splash kernel in Pallas interpret mode, alone and inside shard_map on a mesh. On
 cuDNN against xla in bfloat16, forward and gradients, and the whole model with either kernel.
 """
 
+import dataclasses
 import logging
 import types
 
@@ -235,6 +236,44 @@ def test_splash_interpret_matches_xla(H, K):
   np.testing.assert_allclose(real(out, seg), real(attention.xla_attention(q, k, v, seg), seg), atol=2e-5)
   for got, want in zip(loss_grads(splash, q, k, v, seg), loss_grads(attention.xla_attention, q, k, v, seg)):
     np.testing.assert_allclose(got, want, atol=2e-4)
+
+
+def _dot_shapes(jaxpr) -> list[tuple]:
+  """The output shapes of every dot_general in a jaxpr, its sub-jaxprs (loops, conds, checkpoints) included."""
+  shapes = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'dot_general':
+      shapes += [tuple(v.aval.shape) for v in eqn.outvars]
+    for p in eqn.params.values():
+      for sub in p if isinstance(p, (list, tuple)) else [p]:
+        inner = getattr(sub, 'jaxpr', sub)
+        if hasattr(inner, 'eqns'):
+          shapes += _dot_shapes(inner)
+  return shapes
+
+
+def test_a_local_layer_computes_only_the_keys_its_window_reaches():
+  """xla attention of a local layer (window W) goes by blocks of W queries over the W + b keys they can reach, so
+  no (T, T) scores are formed and the cost grows with T, not T²; it equals the whole row's masked attention (soft-
+  cap, sinks, documents and padding included), forward and gradients. A traced window (scanned local and global
+  layers) takes this path when > 0 and the whole row's otherwise."""
+  B, T, H, K, E, W = 2, 64, 4, 2, 16, 8
+  q, k, v = qkv(B, T, H, K, E)
+  seg = jnp.asarray(segments(B, T, docs=3, pad=5, seed=5))
+  local = attention.Scores(window=W, softcap=2.0, sinks=jnp.linspace(-1.0, 1.0, H))
+  whole = lambda q, k, v, s: attention._scores_attention(q, k, v, s, np.arange(T), s, np.arange(T), local)  # noqa: E731
+  blocked = lambda q, k, v, s: attention.xla_attention(q, k, v, s, scores_cfg=local)  # noqa: E731
+  np.testing.assert_allclose(real(blocked(q, k, v, seg), seg), real(whole(q, k, v, seg), seg), atol=2e-6)
+  for got, want in zip(loss_grads(blocked, q, k, v, seg), loss_grads(whole, q, k, v, seg)):
+    np.testing.assert_allclose(got, want, atol=2e-5)
+  scores = [s[-1] for s in _dot_shapes(jax.make_jaxpr(blocked)(q, k, v, seg).jaxpr) if len(s) == 4]
+  assert scores and max(scores) == 2 * W, scores  # (…, W + b) keys per block, never T
+  assert T in [s[-1] for s in _dot_shapes(jax.make_jaxpr(whole)(q, k, v, seg).jaxpr)]
+  traced = jax.jit(lambda w: attention.xla_attention(q, k, v, seg, scores_cfg=dataclasses.replace(
+      local, window=w, width=W)))
+  np.testing.assert_allclose(real(traced(jnp.int32(W)), seg), real(whole(q, k, v, seg), seg), atol=2e-6)
+  plain = attention.xla_attention(q, k, v, seg, scores_cfg=dataclasses.replace(local, window=0))
+  np.testing.assert_allclose(real(traced(jnp.int32(0)), seg), real(plain, seg), atol=2e-6)
 
 
 def test_fused_kernels_take_a_window_and_splash_a_soft_cap():
