@@ -94,7 +94,8 @@ def get_config() -> ml_collections.ConfigDict:
   m.lora = ml_collections.ConfigDict()
   m.lora.rank = 0  # r, the adapters' rank; 0 = off (full fine-tuning)
   m.lora.alpha = 16.0  # the branch is scaled by alpha / rank (peft's lora_alpha)
-  m.lora.targets = ('query', 'key', 'value', 'out', 'gate', 'up', 'down')  # projections adapted (MoE experts never)
+  m.lora.targets = ('query', 'key', 'value', 'out', 'gate', 'up', 'down')  # projections adapted (MoE experts never;
+  # with MLA also query_a, kv_a, kv_b)
   m.lora.base_dtype = 'float32'  # how the frozen base is stored: float32 | bfloat16 (half the memory)
 
   c.data = d = ml_collections.ConfigDict()

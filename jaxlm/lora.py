@@ -16,7 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-LORA_TARGETS = ('query', 'key', 'value', 'out', 'gate', 'up', 'down')  # model.lora.targets: what LoRA may adapt
+LORA_TARGETS = ('query', 'key', 'value', 'out', 'gate', 'up', 'down')  # model.lora.targets: what LoRA adapts by default
+# MLA's own projections (jaxlm/mla.py: MLA_TARGETS), which model.lora.targets may name too.
+MLA_TARGETS = ('query_a', 'kv_a', 'kv_b')
 LORA_BASE_DTYPES = ('float32', 'bfloat16')  # model.lora.base_dtype
 ADAPTER_SUFFIXES = ('_lora_a', '_lora_b')  # a LoRA adapter's parameter names: `<weight>_lora_a`, `<weight>_lora_b`
 
@@ -44,7 +46,7 @@ class LoraConfig:
     return self.alpha / self.rank if self.rank else 0.0
 
 
-def adapter(module, name: str, inputs: tuple, outputs: tuple, lo: LoraConfig, dtype):
+def adapter(module, name: str, inputs: tuple, outputs: tuple, lo: LoraConfig, dtype, target: str | None = None):
   """LoRA's (A (I, r), B (r, O)) for the projection `name` with input axes `inputs` and output axes `outputs`
   ((size, logical name) pairs), flattened for model.project; None when model.lora does not adapt it. The adapters
   are stored in `dtype` (model.param_dtype), never in the frozen base's dtype.
@@ -54,7 +56,7 @@ def adapter(module, name: str, inputs: tuple, outputs: tuple, lo: LoraConfig, dt
   exact zero and the model computes its base bit for bit. Call after the module's own parameters, so their
   initial values do not depend on whether LoRA is on.
   """
-  if not lo.rank or name not in lo.targets:
+  if not lo.rank or (target or name) not in lo.targets:  # `target`: the projection's name in model.lora.targets
     return None
   r, dtype = lo.rank, jnp.dtype(dtype)
   in_shape, in_names = zip(*inputs)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from jaxlm import attention as attention_lib
 from jaxlm import blocks
+from jaxlm import lora as lora_lib
 from jaxlm.rope import rope, rope_frequencies, softmax_mscale
 
 # MlaConfig's field -> its flat cfg.model key (the names DeepSeek's config.json uses).
@@ -60,8 +61,6 @@ def mla_errors(model_cfg) -> list[str]:
                    ('attention_bias', False)):
     if model_cfg.get(key, off) != off:
       e.append(f'model.{key}={model_cfg.get(key)} with MLA (model.kv_lora_rank > 0) is not supported; set it to {off!r}.')
-  if (model_cfg.get('lora') or {}).get('rank', 0):
-    e.append('model.lora with MLA (model.kv_lora_rank > 0): its projections take no adapters yet; set model.lora.rank=0.')
   return e
 
 
@@ -74,18 +73,23 @@ def attention_params(m) -> int:
   return query + latent + c.kv_lora_rank * H * (c.qk_nope_head_dim + c.v_head_dim) + H * c.v_head_dim * D
 
 
-def _rms(module, name: str, x, m):
-  """A latent's RMSNorm (B, T, R) in float32, its (R,) scale plain w as DeepSeek's (model.norm_offset not read)."""
-  scale = module.param(name, nn.with_logical_partitioning(nn.initializers.ones, ('latent',)), (x.shape[-1],),
-                       jnp.dtype(m.param_dtype))
+def _rms(scale, x, m):
+  """A latent's RMSNorm (B, T, R) in float32 with its (R,) scale, plain w as DeepSeek's (model.norm_offset not read)."""
   x32 = x.astype(jnp.float32)
   x32 = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + m.norms.eps)
   return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
 
 
+# LoRA (model.lora.targets) on MLA's projections: `query` (q_proj, or q_b_proj behind the query latent) and `out`
+# as in every attention, and MLA's own (lora.MLA_TARGETS) `query_a` (into the query latent), `kv_a` (into the
+# key/value latent and the rotary key) and `kv_b` (the latent's per-head up-projection); `key` and `value` name
+# nothing here.
+
+
 class MLA(nn.Module):
   """Multi-head latent attention in place of model.Attention (same call); `project`: model.project, passed in
-  (this module does not import model.py) so fp8 matmuls apply to its projections as to the others."""
+  (this module does not import model.py) so fp8 matmuls and LoRA branches apply to its projections as to the
+  others'."""
   config: Any
   project: Callable
 
@@ -94,31 +98,61 @@ class MLA(nn.Module):
     return self.param(name, nn.with_logical_partitioning(nn.initializers.normal(std), names), shape,
                       jnp.dtype(m.lora.base_dtype if m.lora.rank else m.param_dtype)).astype(m.dtype)
 
+  def _scale(self, name, size):
+    return self.param(name, nn.with_logical_partitioning(nn.initializers.ones, ('latent',)), (size,),
+                      jnp.dtype(self.config.param_dtype))
+
+  def _weights(self):
+    """Every base parameter, created in one fixed order before any adapter (so their initial values do not depend
+    on model.lora), then the adapters of model.lora.targets: name -> (weight, its (A, B) or None)."""
+    m, c = self.config, self.config.mla
+    D, H = m.d_model, m.num_heads
+    R, Rq, En, Er, Ev = c.kv_lora_rank, c.q_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+    shapes = {}  # weight -> (target, its input axes, its output axes)
+    w = {}
+    if Rq:
+      shapes['query_a'] = ('query_a', ((D, 'embed'),), ((Rq, 'latent'),))
+      w['query_a'] = self._weight('query_a', ('embed', 'latent'), (D, Rq), D ** -0.5)
+      w['query_norm'] = self._scale('query_norm', Rq)
+      shapes['query_b'] = ('query', ((Rq, 'latent'),), ((H, 'heads'), (En + Er, 'kv')))
+      w['query_b'] = self._weight('query_b', ('latent', 'heads', 'kv'), (Rq, H, En + Er), Rq ** -0.5)
+    else:
+      shapes['query'] = ('query', ((D, 'embed'),), ((H, 'heads'), (En + Er, 'kv')))
+      w['query'] = self._weight('query', ('embed', 'heads', 'kv'), (D, H, En + Er), D ** -0.5)
+    shapes['kv_a'] = ('kv_a', ((D, 'embed'),), ((R + Er, 'latent'),))
+    w['kv_a'] = self._weight('kv_a', ('embed', 'latent'), (D, R + Er), D ** -0.5)
+    w['kv_norm'] = self._scale('kv_norm', R)
+    shapes['kv_b'] = ('kv_b', ((R, 'latent'),), ((H, 'heads'), (En + Ev, 'kv')))
+    w['kv_b'] = self._weight('kv_b', ('latent', 'heads', 'kv'), (R, H, En + Ev), R ** -0.5)
+    shapes['out'] = ('out', ((H, 'heads'), (Ev, 'kv')), ((D, 'embed'),))
+    w['out'] = self._weight('out', ('heads', 'kv', 'embed'), (H, Ev, D), (H * Ev) ** -0.5)
+    adapters = {name: lora_lib.adapter(self, name, inputs, outputs, m.lora, m.param_dtype, target=target)
+                for name, (target, inputs, outputs) in shapes.items()}
+    return w, adapters
+
   @nn.compact
   def __call__(self, x, segment_ids, positions, local=False):  # x: (B, T, D); `local` unused (validation)
     m, c = self.config, self.config.mla
     D, H, B, T = m.d_model, m.num_heads, x.shape[0], x.shape[1]
     R, En, Er, Ev = c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
-    proj = lambda h, w, name: self.project(h, w, name, m)  # noqa: E731
+    w, lora = self._weights()
+    proj = lambda h, name: self.project(h, w[name].reshape(h.shape[-1], -1), name, m, lora.get(name))  # noqa: E731
     x = x.reshape(B * T, D)  # (N, D): one token axis for every weight matmul (model.tokens)
     if c.q_lora_rank:
-      wa = self._weight('query_a', ('embed', 'latent'), (D, c.q_lora_rank), D ** -0.5)
-      q = _rms(self, 'query_norm', proj(x, wa, 'query_a'), m)  # (N, Rq)
-      wq = self._weight('query_b', ('latent', 'heads', 'kv'), (c.q_lora_rank, H, En + Er), c.q_lora_rank ** -0.5)
+      q = proj(_rms(w['query_norm'], proj(x, 'query_a'), m), 'query_b')
     else:
-      q, wq = x, self._weight('query', ('embed', 'heads', 'kv'), (D, H, En + Er), D ** -0.5)
-    q = proj(q, wq.reshape(wq.shape[0], H * (En + Er)), 'query').reshape(B, T, H, En + Er)
-    ckv = proj(x, self._weight('kv_a', ('embed', 'latent'), (D, R + Er), D ** -0.5), 'kv_a')  # (N, R + Er)
-    latent = _rms(self, 'kv_norm', ckv[:, :R], m).reshape(B, T, R)
+      q = proj(x, 'query')
+    q = q.reshape(B, T, H, En + Er)
+    ckv = proj(x, 'kv_a')  # (N, R + Er)
+    latent = _rms(w['kv_norm'], ckv[:, :R], m).reshape(B, T, R)
     frequencies = None if m.rope_scaling == 'none' else rope_frequencies(dataclasses.replace(m, head_dim=Er))
     k_rot = rope(ckv[:, R:].reshape(B, T, 1, Er), positions, m.rope_theta, frequencies)  # (B, T, 1, Er)
     q = jnp.concatenate([q[..., :En], rope(q[..., En:], positions, m.rope_theta, frequencies)], -1)
     q = nn.with_logical_constraint(q, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
-    w_up = self._weight('kv_b', ('latent', 'heads', 'kv'), (R, H, En + Ev), R ** -0.5)
 
     def expand(latent, k_rot):  # (B, S, R), (B, S, 1, Er) -> keys (B, S, H, En + Er), values (B, S, H, Ev)
       S = latent.shape[1]
-      kv = proj(latent.reshape(B * S, R), w_up.reshape(R, H * (En + Ev)), 'kv_b').reshape(B, S, H, En + Ev)
+      kv = proj(latent.reshape(B * S, R), 'kv_b').reshape(B, S, H, En + Ev)
       k = jnp.concatenate([kv[..., :En], jnp.broadcast_to(k_rot, (B, S, H, Er)).astype(kv.dtype)], -1)
       k = nn.with_logical_constraint(k, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
       return k, nn.with_logical_constraint(kv[..., En:], ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
@@ -127,6 +161,10 @@ class MLA(nn.Module):
     if softmax_mscale(m) != 1.0:  # DeepSeek's YaRN: the whole head's scale too (rope.softmax_mscale)
       scores = dataclasses.replace(scores, scale=(scores.scale or (En + Er) ** -0.5) * softmax_mscale(m))
     if self.is_mutable_collection('cache'):  # decoding (jaxlm/generate.py): latents cached, attended absorbed
+      w_up = w['kv_b']
+      if lora['kv_b'] is not None:  # absorbed, so the adapter goes into the up-projection: W + (alpha/r)·A·B
+        a, b = lora['kv_b']
+        w_up = w_up + (a.astype(m.dtype) @ b.astype(m.dtype) * m.lora.scale).reshape(w_up.shape)
       out = self.cached_attention(q, latent, k_rot, segment_ids, w_up, scores)
     else:
       k, v = expand(latent, k_rot)
@@ -135,8 +173,7 @@ class MLA(nn.Module):
       out = attention_lib.attention(q, k, v, segment_ids, 'xla', m.attention.block_q,
                                     scores_cfg=scores)  # (B, T, H, Ev)
     out = nn.with_logical_constraint(out, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
-    wo = self._weight('out', ('heads', 'kv', 'embed'), (H, Ev, D), (H * Ev) ** -0.5)
-    return proj(out.reshape(B * T, H * Ev), wo.reshape(H * Ev, D), 'out').reshape(B, T, D)
+    return proj(out.reshape(B * T, H * Ev), 'out').reshape(B, T, D)
 
   def cached_attention(self, q, latent, k_rot, segment_ids, w_up, scores):
     """q (B, T, H, En + Er) over this layer's cache of R + Er numbers per token (the normed latent and the rotated

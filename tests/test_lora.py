@@ -221,6 +221,10 @@ def test_refusals_name_the_field():
   text = str(e.value)
   for what in ('optim.name=muon cannot run on LoRA adapters', 'model.lora.targets', 'model.lora.base_dtype'):
     assert what in text, text
+  cfg = lora_config()
+  cfg.model.lora.targets = ('query', 'kv_b')  # MLA's own projection, on a model without MLA
+  with pytest.raises(config.ConfigError, match=r"model.lora.targets=\('query', 'kv_b'\).*MLA's only"):
+    config.validate(cfg, 8)
 
 
 @pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests

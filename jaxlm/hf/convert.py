@@ -170,24 +170,33 @@ PEFT_MODULES = {'query': 'self_attn.q_proj', 'key': 'self_attn.k_proj', 'value':
                 'out': 'self_attn.o_proj', 'gate': 'mlp.gate_proj', 'up': 'mlp.up_proj', 'down': 'mlp.down_proj'}
 
 
-def lora_to_peft(params: dict, m: model_lib.ModelConfig) -> dict[str, np.ndarray]:
-  """peft's adapter state dict (adapter_model.safetensors) of a LoRA model's adapters: per layer and target
-  `base_model.model.model.layers.{i}.<module>.lora_A.weight` (r, in) and `.lora_B.weight` (out, r), torch's
-  (out, in) layout, with the Cohere q/k column permutation applied to B as `to_hf` applies it to the weight.
-  MoE layers carry no MLP adapters (the experts are never adapted)."""
+def _peft_modules(m: model_lib.ModelConfig) -> dict:
+  """The adaptable weights of a layer -> (peft's module name under it, B's output columns in HF's order or None)."""
+  mlp = {name: (module, None) for name, module in PEFT_MODULES.items() if module.startswith('mlp.')}
+  if m.mla.kv_lora_rank:  # DeepSeek's MLA projections (jaxlm/hf/deepseek.py)
+    return {**deepseek.peft_modules(m), **mlp}
   cohere = architecture(m) == 'CohereForCausalLM'
-  r, E = m.lora.rank, m.head_dim
-  f32 = lambda x: np.asarray(x, np.float32)
-  rope_order = interleave_permutation(E) if cohere else np.arange(E)
+  rope_order = interleave_permutation(m.head_dim) if cohere else None  # (r, heads, E): the converter's order
+  return {name: (module, rope_order if name in ('query', 'key') else None) for name, module in PEFT_MODULES.items()}
+
+
+def lora_to_peft(params: dict, m: model_lib.ModelConfig) -> dict[str, np.ndarray]:
+  """peft's adapter state dict (adapter_model.safetensors) of a LoRA model's adapters: per layer and adapted
+  weight `base_model.model.model.layers.{i}.<module>.lora_A.weight` (r, in) and `.lora_B.weight` (out, r),
+  torch's (out, in) layout, with B's output columns in the order `to_hf` gives the weight's (Cohere's q/k
+  permutation, DeepSeek's interleaved rotary dims). MoE layers carry no MLP adapters (the experts are never
+  adapted)."""
+  r = m.lora.rank
+  f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
   out = {}
   for i, p in enumerate(layer_params(params, m)):
-    for name, module in PEFT_MODULES.items():
+    for name, (module, order) in _peft_modules(m).items():
       owner = p['attention'] if module.startswith('self_attn') else p.get('mlp')
-      if name not in m.lora.targets or owner is None or f'{name}_lora_a' not in owner:
+      if owner is None or f'{name}_lora_a' not in owner:
         continue
       a, b = f32(owner[f'{name}_lora_a']), f32(owner[f'{name}_lora_b'])
-      if name in ('query', 'key'):  # (r, heads, E): the rotary pairs as the converter orders them
-        b = b[..., rope_order]
+      if order is not None:
+        b = b[..., order]
       pre = f'base_model.model.model.layers.{i}.{module}.'
       out[pre + 'lora_A.weight'] = a.reshape(-1, r).T  # (r, in)
       out[pre + 'lora_B.weight'] = b.reshape(r, -1).T  # (out, r)
@@ -196,8 +205,10 @@ def lora_to_peft(params: dict, m: model_lib.ModelConfig) -> dict[str, np.ndarray
 
 def peft_config(m: model_lib.ModelConfig, base_model: str = '') -> dict:
   """adapter_config.json for `lora_to_peft`'s tensors: plain LoRA with scale lora_alpha / r (no rsLoRA)."""
+  adapted = {'query_b' if name == 'query' and m.mla.q_lora_rank else name for name in m.lora.targets}
+  modules = sorted(module.split('.')[-1] for name, (module, _) in _peft_modules(m).items() if name in adapted)
   return {'peft_type': 'LORA', 'task_type': 'CAUSAL_LM', 'r': m.lora.rank, 'lora_alpha': m.lora.alpha,
-          'target_modules': sorted(PEFT_MODULES[t].split('.')[-1] for t in m.lora.targets), 'lora_dropout': 0.0,
+          'target_modules': modules, 'lora_dropout': 0.0,
           'bias': 'none', 'fan_in_fan_out': False, 'use_rslora': False, 'use_dora': False,
           'init_lora_weights': True, 'modules_to_save': None, 'base_model_name_or_path': base_model,
           'inference_mode': True}

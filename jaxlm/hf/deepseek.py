@@ -71,6 +71,18 @@ def rope_order(m, interleave: bool = True) -> np.ndarray:
   return np.concatenate([np.arange(c.qk_nope_head_dim), c.qk_nope_head_dim + rot])
 
 
+def peft_modules(m) -> dict:
+  """MLA's adaptable weights -> (peft's module name under the layer, the HF row order of B's output columns or
+  None): the rotary columns of q_(b_)proj and kv_a_proj_with_mqa re-interleaved, as attention_to_hf does."""
+  c = m.mla
+  back = np.argsort(rope_order(m))
+  R, En = c.kv_lora_rank, c.qk_nope_head_dim
+  query = ('query_b', 'self_attn.q_b_proj') if c.q_lora_rank else ('query', 'self_attn.q_proj')
+  return {query[0]: (query[1], back), 'query_a': ('self_attn.q_a_proj', None),
+          'kv_a': ('self_attn.kv_a_proj_with_mqa', np.concatenate([np.arange(R), R + back[En:] - En])),
+          'kv_b': ('self_attn.kv_b_proj', None), 'out': ('self_attn.o_proj', None)}
+
+
 def stored_mtp_depth(tensors: dict, num_layers: int) -> int:
   """How many multi-token prediction layers the checkpoint stores after its last block (a released DeepSeek-V3's
   num_nextn_predict_layers, model.layers.{L + k - 1}.eh_proj, which transformers ignores): the model.mtp_depth

@@ -92,10 +92,48 @@ def test_import_equals_transformers_and_rope_and_latent_norms_matter(imported, m
   interleaved = jax.tree_util.tree_map_with_path(  # the checkpoint's rotary order, not de-interleaved
       lambda path, x: _reinterleave(x, m) if str(path[-1].key) in ('query_b', 'kv_a') else x, params)
   MAX_ABS['rope interleaved'] = float(np.abs(_logits(model_lib.Decoder(m), interleaved, tokens) - theirs).max())
-  monkeypatch.setattr(mla_lib, '_rms', lambda module, name, x, m: x)
+  monkeypatch.setattr(mla_lib, '_rms', lambda scale, x, m: x)
   MAX_ABS['without latent norms'] = float(np.abs(_logits(model_lib.Decoder(m), params, tokens) - theirs).max())
   for key in ('without RoPE', 'rope interleaved', 'without latent norms', 'without mscale_all_dim'):
     assert MAX_ABS[key] >= 1e-2, key
+
+
+def test_lora_on_mla_loads_in_peft_and_decodes_from_the_latent_cache(imported, tmp_path):
+  """LoRA on every MLA projection (query_a, q_b, kv_a, kv_b, out): the adapter jaxlm writes loads in peft onto the
+  transformers model with no key warning and gives jaxlm's logits (1e-4), the adapters moving them by >= 1e-2;
+  greedy decoding from the absorbed latent cache (kv_b's adapter merged into the up-projection) equals the full
+  recompute."""
+  import warnings
+  import flax.linen as nn
+  import peft
+  import torch
+  from jaxlm import generate as generate_lib
+  from jaxlm import lora as lora_lib
+  transformers, _, m, params, tokens, theirs = imported
+  lm = dataclasses.replace(m, lora=lora_lib.LoraConfig(rank=4, alpha=8.0,
+                                                       targets=('query', 'out', 'query_a', 'kv_a', 'kv_b')))
+  shapes = nn.unbox(jax.eval_shape(model_lib.Decoder(lm).init, jax.random.PRNGKey(0), tokens, np.ones_like(tokens),
+                                   tokens)['params'])
+  rng = np.random.default_rng(0)
+  adapters = jax.tree.map(lambda s: rng.normal(0, 0.1, s.shape).astype(np.float32), lora_lib.split_adapters(shapes)[1])
+  assert sorted(adapters['layers']['attention']) == sorted(
+      f'{w}_lora_{x}' for w in ('query_a', 'query_b', 'kv_a', 'kv_b', 'out') for x in 'ab')
+  tuned = lora_lib.join_adapters(params, adapters)
+  ours = _logits(model_lib.Decoder(lm), tuned, tokens)
+  assert np.abs(ours - theirs).max() >= 1e-2  # the adapters matter
+  export.write_adapter(tuned, lm, str(tmp_path / 'adapter'))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    model = peft.PeftModel.from_pretrained(ORIGINAL['model'], str(tmp_path / 'adapter')).eval()
+  try:
+    assert not [str(w.message) for w in caught if 'key' in str(w.message).lower()]
+    MAX_ABS['lora (peft)'] = float(np.abs(_torch_logits((torch, transformers), model, tokens) - ours).max())
+    assert MAX_ABS['lora (peft)'] <= 1e-4
+  finally:
+    model.unload()  # the fixture's transformers model without the adapter layers again, for the other tests
+  prompts = [list(tokens[0, :6]), list(tokens[1, :4])]
+  cached = generate_lib.generate(lm, tuned, prompts, 6).tokens
+  assert cached == [list(t) for t in generate_lib.generate_without_cache(lm, tuned, prompts, 6)]
 
 
 def test_released_rope_config_imports_with_transformers_logits(imported):
