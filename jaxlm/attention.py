@@ -183,20 +183,23 @@ def _window_blocks(q, k, v, segment_ids, *, width: int, block: int, scores_cfg: 
   (b, T)). The W slots before the row's start are padding (segment 0), which no real query attends to; the mask
   is the same as the whole row's, so the result is the same."""
   B, T = q.shape[:2]
+  blocks = T // block
+  # Each block's keys gathered up front (a static index: (blocks, b + W) slots of the padded row, 1 + W/b times
+  # the keys), not sliced inside the loop: the loop's backward would add a whole-row gradient per block.
+  take = np.arange(blocks)[:, None] * block + np.arange(block + width)[None, :]
   pad = lambda x: jnp.pad(x, [(0, 0), (width, 0)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
-  kp, vp, sp = pad(k), pad(v), pad(segment_ids)
-  positions = jnp.arange(-width, T)  # each padded key slot's position in the row
+  keys = lambda x: jnp.moveaxis(pad(x)[:, take], 1, 0)  # noqa: E731  (blocks, B, b + W, ...)
+  rows = lambda x: jnp.moveaxis(x.reshape(B, blocks, block, *x.shape[2:]), 1, 0)  # noqa: E731  (blocks, B, b, ...)
+  positions = np.arange(-width, T)  # each padded key slot's position in the row
 
-  def one(i):
-    start = i * block  # in the padded keys: position i·b − W
-    take = lambda x: jax.lax.dynamic_slice_in_dim(x, start, block + width, axis=1)  # noqa: E731
-    rows = lambda x: jax.lax.dynamic_slice_in_dim(x, start, block, axis=1)  # noqa: E731
-    return _scores_attention(rows(q), take(kp), take(vp), rows(segment_ids),
-                             jax.lax.dynamic_slice_in_dim(positions, start + width, block), take(sp),
-                             jax.lax.dynamic_slice_in_dim(positions, start, block + width), scores_cfg)
+  def one(xs):
+    qb, kb, vb, sb, kvb, qo, ko = xs
+    return _scores_attention(qb, kb, vb, sb, qo, kvb, ko, scores_cfg)
 
   # Checkpointed: the backward pass recomputes a block's probabilities rather than keeping every block's.
-  out = jax.lax.map(jax.checkpoint(one), jnp.arange(T // block))  # (blocks, B, block, H, Ev)
+  out = jax.lax.map(jax.checkpoint(one), (rows(q), keys(k), keys(v), rows(segment_ids), keys(segment_ids),
+                                          jnp.asarray(np.arange(T).reshape(blocks, block)),
+                                          jnp.asarray(positions[take])))  # (blocks, B, b, H, Ev)
   return jnp.moveaxis(out, 0, 1).reshape(*q.shape[:-1], v.shape[-1])
 
 
