@@ -56,7 +56,8 @@ def get_config() -> ml_collections.ConfigDict:
   m.final_softcap = 0.0  # logits -> cap·tanh(logit / cap) (Gemma 2: 30); 0 = off
   m.norm_placement = 'pre'  # pre (Llama) | sandwich (norm before and after each sublayer: Gemma) | post (after: OLMo 2)
   m.norm_offset = False  # RMSNorm scales by (1 + w), w starting at 0 (Gemma)
-  m.mlp_activation = 'swiglu'  # MLP gate: swiglu (silu) | geglu (tanh-approx. gelu: Gemma, dense only) | clamped (gpt-oss)
+  # MLP gate: swiglu (silu) | geglu (tanh-approx. gelu: Gemma, dense only) | clamped (gpt-oss)
+  m.mlp_activation = 'swiglu'
   m.mlp_swiglu_limit = 7.0  # clamped: gate clamped above at this, up to [-this, this]
   m.mlp_swiglu_alpha = 1.702  # clamped: gate·sigmoid(alpha·gate)·(up + 1)
   m.embed_scale = False  # multiply the embeddings by sqrt(d_model) (Gemma)
@@ -75,7 +76,8 @@ def get_config() -> ml_collections.ConfigDict:
   m.moe_shared_experts = 0  # experts every token goes through besides its k (DeepSeek), as one SwiGLU that wide
   m.moe_every = 1  # every n-th layer is MoE (layers n-1, 2n-1, ... after moe_first_dense), the rest dense; divides the rest
   m.moe_first_dense = 0  # k: the first k layers dense MLPs (DeepSeek's first_k_dense_replace), then moe_every's pattern
-  # mixtral | qwen3_moe | olmoe (softmax, top-k) | deepseek_v3 (sigmoid, biased choice) | gpt_oss (top-k, softmax over k)
+  # mixtral | qwen3_moe | olmoe (softmax, top-k) | deepseek_v3 (sigmoid, biased choice) |
+  # gpt_oss (top-k, softmax over k)
   m.moe_router = 'mixtral'
   m.moe_groups = 1  # deepseek_v3's n_group: experts in this many equal groups for group-limited routing; 1 = none
   m.moe_top_groups = 1  # deepseek_v3's topk_group: top-k chosen inside this many best groups (ranked by top-2 sum)

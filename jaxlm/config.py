@@ -187,10 +187,11 @@ def _lora_errors(c) -> list[str]:
   if lo.alpha <= 0:
     e.append(f'model.lora.alpha={lo.alpha} must be positive (the branch is scaled by alpha / rank).')
   targets = lora_lib.LoraConfig.from_config(lo).targets
-  known = lora_lib.LORA_TARGETS + (lora_lib.MLA_TARGETS if c.model.get('kv_lora_rank', 0) else ())
+  mla = bool(c.model.get('kv_lora_rank', 0))
+  known = lora_lib.LORA_TARGETS + (lora_lib.MLA_TARGETS if mla else ())
   if not targets or any(t not in known for t in targets):
-    e.append(f'model.lora.targets={tuple(targets)} must name some of {", ".join(known)}'
-             + ('' if c.model.get('kv_lora_rank', 0) else f' ({", ".join(lora_lib.MLA_TARGETS)}: MLA\'s only)') + '.')
+    only = '' if mla else f' ({", ".join(lora_lib.MLA_TARGETS)}: MLA\'s only)'
+    e.append(f'model.lora.targets={tuple(targets)} must name some of {", ".join(known)}{only}.')
   if lo.base_dtype not in lora_lib.LORA_BASE_DTYPES:
     e.append(f'model.lora.base_dtype={lo.base_dtype!r} is unknown; use one of {", ".join(lora_lib.LORA_BASE_DTYPES)}.')
   if c.optim.name == 'muon':

@@ -389,7 +389,8 @@ class MoE(nn.Module):
   """A routed SwiGLU MLP: a float32 router picks k of X experts per token, plus optional shared experts.
 
   What it takes from the model comes from its caller (model.moe_mlp): the widths and dtypes, the gate
-  `activation` (silu(g)·u, or gpt-oss's clamped one), and `shared`, which makes the dense MLP of the shared experts (None without them).
+  `activation` (silu(g)·u, or gpt-oss's clamped one), and `shared`, which makes the dense MLP of the shared
+  experts (None without them).
   When the STATS collection is mutable, the layer writes its routing statistics there as sums over its tokens
   (`statistics`), so microbatches and data shards add up to the whole batch's.
   """

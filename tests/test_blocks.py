@@ -134,8 +134,8 @@ def test_sharded_step_with_sliding_window_matches_single_device():
   fsdp 4 × tensor 2 equal one device (1e-5), in loss and gradient norm; documents are packed two to a row."""
   cfg = odd_config(parallel_block=False)
   cfg.model.update(attention_window=W, attention_global_every=2, attention_softcap=3.0, attention_sinks=True,
-                   attention_bias=True, norm_placement='sandwich', norm_offset=True, mlp_activation='geglu', embed_scale=True,
-                   final_softcap=8.0, rope_local_theta=100.0)
+                   attention_bias=True, norm_placement='sandwich', norm_offset=True, mlp_activation='geglu',
+                   embed_scale=True, final_softcap=8.0, rope_local_theta=100.0)
   batch = random_batch(8, 24, cfg.model.vocab_size, docs=2)
   reference, _ = _two_steps(cfg.copy_and_resolve_references(), (1, 1, 1), batch)
   assert reference[1] < reference[0]  # the step did something
