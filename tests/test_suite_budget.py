@@ -63,3 +63,27 @@ def test_a_test_over_the_budget_fails_when_a_developer_asks(pytester, monkeypatc
   result.assert_outcomes(passed=2, failed=1)  # the marked one still passes
   result.stdout.fnmatch_lines(['*test_dummy.py::test_costly cost *over the suite\'s budget of 0.1 s*',
                                'FAILED test_dummy.py::test_costly*'])
+
+
+def test_a_test_near_the_budget_is_costed_at_the_box_speed_of_its_hour(pytester, monkeypatch):
+  """The worker's first probe read the box twice as slow as it runs by the time a test near the budget ends (every
+  worker was importing at once): that test is costed at a fresh probe, so it is reported at its true cost instead of
+  half of it (the busy run of #58 costed a deliberately slow test 55.5 s against a 60 s budget this way)."""
+  monkeypatch.setenv('JAXLM_TEST_LIMIT_S', '0.1')
+  monkeypatch.setenv('PYTEST_DISABLE_PLUGIN_AUTOLOAD', '1')
+  pytester.makepyfile(conftest=f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+from tests import timing
+
+probes = iter([2 * timing.REFERENCE_PROBE_S])  # at the start; the box's usual speed afterwards
+
+def pytest_configure(config):
+  timing._probe_s = lambda: next(probes, timing.REFERENCE_PROBE_S)
+  config.pluginmanager.register(timing.Budget.from_env(), 'jaxlm-budget')
+""", test_dummy=DUMMY['test_dummy'].replace('burn(0.3)', 'burn(0.15)'))
+  result = pytester.runpytest('-p', 'no:cacheprovider', '-q')
+  print(result.stdout.str())
+  result.assert_outcomes(passed=3)
+  # At the start-up probe's scale (x0.5) the 0.15 s test would cost 0.075 s, under the budget, and go unreported.
+  result.stdout.fnmatch_lines(['over budget: test_dummy.py::test_costly * s (CPU * s x 1.00 *'])
