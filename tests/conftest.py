@@ -14,6 +14,13 @@ import sys
 FAST_COMPILE_XLA_FLAGS = ('--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true '
                           '--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1')
 
+# One thread for OpenMP (torch), OpenBLAS (numpy) and MKL, here and in every subprocess: their pools spin while they
+# wait for work, and on the suite's 2 cores, shared by 3 workers and their trainers, a 2-thread pool spun away
+# 12-15x the CPU time of its work (a transformers forward, a numpy matmul; bench/RESULTS.md, "Test suite"). Set
+# before numpy or torch is first imported: each reads it once, when it loads.
+for _var in ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS'):
+  os.environ.setdefault(_var, '1')
+
 # Must run before `import jax`: XLA reads the flag once, when the CPU backend starts.
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8 '
                            + FAST_COMPILE_XLA_FLAGS).strip()
