@@ -24,7 +24,7 @@ from tests.conftest import ROOT, made_once
 from tests.helpers import (assert_fails_with, odd_config, plain_program, random_batch, read_records, train_command,
                            train_env)
 
-STEPS = 24
+STEPS = 16  # four checkpoints (every 4): room for a kill after each of two, and 5 steps after the last kill
 COMMON = (f'--config.train.steps={STEPS}', '--config.train.log_every=1', '--config.checkpoint.every=4',
           '--config.checkpoint.keep=3', '--config.stability.spike_window=10')
 
@@ -82,7 +82,7 @@ def reference(tmp_path_factory, data_cache):
 
 @pytest.mark.slow(reason='a trainer killed with SIGKILL at several steps, each resumed: one process per kill')
 def test_sigkill_at_several_steps_resumes_bit_for_bit(reference, tmp_path, data_cache):
-  for kill_after in (6, 15):  # two kills, at unrelated points of the checkpoint interval
+  for kill_after in (6, 11):  # two kills, at unrelated points of the checkpoint interval
     proc = _start(tmp_path, data_cache)
     _wait_for_step(proc, tmp_path, kill_after)
     trainer = _trainer_of(proc)
@@ -256,15 +256,15 @@ def test_a_failed_final_save_exits_3_and_the_rerun_ends_as_the_uninterrupted_run
   workdir = tmp_path / 'run'
   workdir.mkdir()
   os.symlink(tiny_disk, workdir / 'checkpoints')  # 2 MiB: one palm_tiny checkpoint fits, a second does not
-  out = _run(workdir, data_cache, '--config.checkpoint.every=12', check=False)
+  out = _run(workdir, data_cache, f'--config.checkpoint.every={STEPS // 2}', check=False)
   assert_fails_with(out, 3, f'checkpoint of step {STEPS} was not written', 'No space left on device',
-                    'a rerun resumes from step 12, the newest good checkpoint', 'fix: ')
+                    f'a rerun resumes from step {STEPS // 2}, the newest good checkpoint', 'fix: ')
   failed = [e['step'] for e in read_records(workdir, 'event') if e['event'] == 'checkpoint_failed']
   assert failed == [STEPS], failed  # one failure: under the old rule (3 in a row) the run ended with exit 0
-  assert ocp.CheckpointManager(str(tiny_disk)).all_steps() == [12]
+  assert ocp.CheckpointManager(str(tiny_disk)).all_steps() == [STEPS // 2]
   _remount(tiny_disk, '64m')
-  again = _run(workdir, data_cache, '--config.checkpoint.every=12')
-  assert 'resumed from checkpoint step 12' in again.stdout, again.stdout[-2000:]
+  again = _run(workdir, data_cache, f'--config.checkpoint.every={STEPS // 2}')
+  assert f'resumed from checkpoint step {STEPS // 2}' in again.stdout, again.stdout[-2000:]
   _assert_final_params_equal(workdir, reference)
 
 
@@ -297,12 +297,15 @@ def test_a_failed_preemption_save_exits_3_and_the_rerun_ends_as_the_uninterrupte
 def test_reshard_checkpoint_onto_other_meshes(tmp_path):
   cfg = odd_config()
   batch = random_batch(8, 24, cfg.model.vocab_size, docs=2)
+  programs = {}  # one program (and compiled step) per mesh: the restore onto the saving mesh reuses the save's
 
   def steps(mesh_shape, devices, state=None, n=2, save=None):
     cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh_shape
     mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:devices])
     with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
-      program = plain_program(cfg, mesh, steps=10)
+      if (mesh_shape, devices) not in programs:
+        programs[mesh_shape, devices] = plain_program(cfg, mesh, steps=10)
+      program = programs[mesh_shape, devices]
       ckpt = checkpoint_lib.Checkpointer(str(tmp_path / 'ckpt'), load_config_checkpoint(), lambda *a, **k: None)
       if state == 'restore':
         state, _ = ckpt.restore(program.abstract_state, program.state_shardings, None)

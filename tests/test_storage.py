@@ -426,17 +426,17 @@ def test_a_bucket_refusing_the_final_save_exits_3_and_the_rerun_ends_as_the_unin
   url, refuse = refusing_gcs
   env = {**train_env(), 'STORAGE_EMULATOR_HOST': url}
   workdir = f'gs://{BUCKET}/{uuid.uuid4().hex[:12]}/run'
-  command = train_command(workdir, *_args(data_cache, '--config.checkpoint.every=12'))
-  refuse.set(matching=f'checkpoints/{STEPS}')  # step 12's save is written; the last one, step 24's, refused
+  command = train_command(workdir, *_args(data_cache, f'--config.checkpoint.every={STEPS // 2}'))
+  refuse.set(matching=f'checkpoints/{STEPS}')  # the save half way is written; the last one, step STEPS's, refused
   os.environ['STORAGE_EMULATOR_HOST'] = url
   try:
     out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert_fails_with(out, 3, f'checkpoint of step {STEPS} was not written', 'Forbidden',
-                      'a rerun resumes from step 12, the newest good checkpoint', "fix: the bucket's quota")
-    assert rundir.checkpoint_steps(workdir) == [12]
+                      f'a rerun resumes from step {STEPS // 2}, the newest good checkpoint', "fix: the bucket's quota")
+    assert rundir.checkpoint_steps(workdir) == [STEPS // 2]
     refuse.clear()
     again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0 and 'resumed from checkpoint step 12' in again.stdout, again.stderr[-3000:]
+    assert again.returncode == 0 and f'resumed from checkpoint step {STEPS // 2}' in again.stdout, again.stderr[-3000:]
     final = ocp.StandardCheckpointer().restore(f'{workdir}/checkpoints/{STEPS}/state')['params']
     jax.tree.map(np.testing.assert_array_equal, final, _final_params(reference))
   finally:
