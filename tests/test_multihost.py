@@ -33,7 +33,10 @@ from tests.stores import BUCKET, gcs_emulator, store_env  # noqa: F401  pylint: 
 # one per device, so 2 × 2 costs about half the CPU of 2 × 4 (bench/RESULTS.md, "Test suite") and still shards
 # inside each process.
 PROCESSES, DEVICES = 2, 2
-SHORT_STEPS = 10  # short_reference
+SHORT_STEPS, SHORT_WARMUP = 4, 2  # short_reference: steps and warmup steps (palm_tiny's 5 would not fit in 4)
+# The short runs' overrides: their schedule, and a loss logged at every step.
+SHORT = (f'--config.train.steps={SHORT_STEPS}', f'--config.optim.warmup_steps={SHORT_WARMUP}',
+         '--config.train.log_every=1')
 
 
 def overrides(data_cache, *extra) -> list[str]:
@@ -47,12 +50,14 @@ def local_command(workdir, *args) -> list[str]:
           '--config=configs/palm_tiny.py', f'--workdir={workdir}', *args]
 
 
-def one_process_run(data_cache, steps: int) -> tuple[dict, float]:
+def one_process_run(data_cache, steps: int, warmup_steps: int | None = None) -> tuple[dict, float]:
   """Per-step losses and the final eval loss of palm_tiny for `steps` steps as one process on 8 local devices."""
   cfg = load_config('palm_tiny')
   cfg.data.cache_dir = str(data_cache)
   cfg.stability.policy = 'off'  # as overrides() says
   cfg.train.steps = steps  # the learning-rate schedule spans them
+  if warmup_steps is not None:
+    cfg.optim.warmup_steps = warmup_steps
   t, vocab = cfg.train, cfg.model.vocab_size
   mesh = sharding.make_mesh(cfg.mesh)
   it = data_lib.make_train_iterator(cfg.data, batch_size=t.batch_size, seed=t.seed, vocab_size=vocab,
@@ -78,9 +83,9 @@ def reference(data_cache):
 
 @pytest.fixture(scope='module')
 def short_reference(data_cache):
-  """10 steps as one process: the pipeline and context drills train 10 steps, not palm_tiny's 30, since a step
+  """4 steps as one process: the pipeline and context drills train 4 steps, not palm_tiny's 30, since a step
   across 2 processes costs ~3x one in 1 (gloo over loopback) and their program is the same from the first step."""
-  return one_process_run(data_cache, SHORT_STEPS)
+  return one_process_run(data_cache, SHORT_STEPS, SHORT_WARMUP)
 
 
 def assert_matches(workdir, reference, steps):
@@ -240,15 +245,14 @@ def test_pipeline_stages_across_two_processes_match_one_process(tmp_path, data_c
   only activations cross between them; the logged losses and the eval loss equal the 1-process reference."""
   workdir = tmp_path / 'run'
   out = subprocess.run(local_command(workdir, *overrides(data_cache, '--config.mesh.dcn_stage=2',
-                                                         '--config.pipeline.microbatches=2',
-                                                         f'--config.train.steps={SHORT_STEPS}')),
+                                                         '--config.pipeline.microbatches=2', *SHORT)),
                        cwd=ROOT, env=train_env(DEVICES), capture_output=True, text=True, timeout=900)
   text = out.stdout + out.stderr
   assert out.returncode == 0, text[-5000:]
   assert "mesh: {'stage': 2, 'data': 1, 'fsdp': 2, 'tensor': 1, 'context': 1}" in text, text[-5000:]
   assert 'stage 0: layers 0\n' in text and 'stage 1: layers 1\n' in text
   assert 'bubble (S−1)/(R·M+S−1) = 0.333' in text
-  assert_matches(workdir, short_reference, [5, 10])
+  assert_matches(workdir, short_reference, [1, 2, 3, 4])
   assert all(r['bubble'] == pytest.approx(1 / 3) for r in read_records(workdir))
 
 
@@ -257,14 +261,13 @@ def test_context_across_two_processes_matches_one_process(tmp_path, data_cache, 
   """mesh.dcn_context=2: every sequence split between the two processes, which therefore read the same rows
   (sharding.row_share) and each place their half of them; the losses and the eval loss equal the 1-process run."""
   workdir = tmp_path / 'run'
-  out = subprocess.run(local_command(workdir, *overrides(data_cache, '--config.mesh.dcn_context=2',
-                                                         f'--config.train.steps={SHORT_STEPS}')),
+  out = subprocess.run(local_command(workdir, *overrides(data_cache, '--config.mesh.dcn_context=2', *SHORT)),
                        cwd=ROOT, env=train_env(DEVICES), capture_output=True, text=True, timeout=900)
   text = out.stdout + out.stderr
   assert out.returncode == 0, text[-5000:]
   assert "mesh: {'data': 1, 'fsdp': 2, 'tensor': 1, 'context': 2}" in text, text[-5000:]
-  assert_matches(workdir, short_reference, [5, 10])
-  saved = workdir / 'checkpoints' / '10'
+  assert_matches(workdir, short_reference, [1, 2, 3, 4])
+  saved = workdir / 'checkpoints' / str(SHORT_STEPS)
   assert sorted(p.name for p in (saved / 'data').glob('process_*')) == ['process_0-of-2.json', 'process_1-of-2.json']
 
 
@@ -272,11 +275,13 @@ def test_context_across_two_processes_matches_one_process(tmp_path, data_cache, 
 def test_sigterm_to_one_process_stops_every_process_after_the_same_step(tmp_path, data_cache):
   # A preemption notice that reaches one process only: both must checkpoint the same step and exit 0.
   workdir = tmp_path / 'run'
-  proc = subprocess.Popen(local_command(workdir, *overrides(data_cache, '--config.train.steps=500')), cwd=ROOT,
+  # A checkpoint every 2 steps: the signal is sent once the first is written, after 2 steps rather than 10.
+  proc = subprocess.Popen(local_command(workdir, *overrides(data_cache, '--config.train.steps=500',
+                                                            '--config.checkpoint.every=2')), cwd=ROOT,
                           env=train_env(DEVICES), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           start_new_session=True)
   try:
-    wait_for(lambda: (workdir / 'checkpoints' / '10').is_dir(), 300, 'checkpoint 10')
+    wait_for(lambda: (workdir / 'checkpoints' / '2').is_dir(), 300, 'checkpoint 2')
     process_of(psutil.Process(proc.pid), 1).send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
   finally:
