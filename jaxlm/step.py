@@ -143,14 +143,20 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
   state_shardings = _state_shardings(tx, optim_cfg, abstract_params, param_logical, boxed_variables, trainable,
                                      copy, mesh)
 
-  def init():
-    rng = jax.random.PRNGKey(seed)
-    variables = nn.unbox(init_variables(jax.random.fold_in(rng, 0)))
+  def state_from(variables, rng):
     params = variables['params']
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(trainable(params)), rng=rng,
                       lr_scale=jnp.ones((), jnp.float32), batches=jnp.zeros((), jnp.int32),
                       fp8=variables.get(model_lib.FP8, {}), ema=optimizer_lib.init_ema(optim_cfg, trainable(params)),
                       reference=preference_lib.copy_reference(params, pref_cfg.reference_dtype) if copy else {})
+
+  def init():
+    rng = jax.random.PRNGKey(seed)
+    return state_from(nn.unbox(init_variables(jax.random.fold_in(rng, 0))), rng)
+
+  # The state's shapes from the variables' shapes above: tracing init itself would trace the model once more.
+  abstract_state = jax.eval_shape(state_from, jax.eval_shape(nn.unbox, boxed_variables),
+                                  jax.eval_shape(jax.random.PRNGKey, seed))
 
   loss = _Loss(m=m, model=model, deterministic=m.dropout_rate == 0.0, objective=objective,
                pref_cfg=pref_cfg if preference else None, ref_kind=ref_kind)
@@ -160,7 +166,7 @@ def _build(model_cfg, optim_cfg, *, steps: int, seed: int, mesh, pipeline, micro
   batch_sharding = sharding.batch_sharding(mesh)
   return Program(
       **_eval_functions(loss, state_shardings, batch_sharding, mesh), batch_extra=batch_extra,
-      model=model, mesh=mesh, schedule=lr, abstract_state=jax.eval_shape(init),
+      model=model, mesh=mesh, schedule=lr, abstract_state=abstract_state,
       state_shardings=state_shardings, batch_sharding=batch_sharding,
       init=_InContext(jax.jit(init, out_shardings=state_shardings), mesh),
       train_step=_InContext(jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
