@@ -123,31 +123,31 @@ def test_more_microbatches_mqa_and_gradient_accumulation():
 @pytest.mark.slow(reason='one pipelined train step compiled per stage count')
 def test_dropout_follows_each_microbatch_whatever_the_stage_count():
   """Layer l on microbatch m draws the same mask on 2 stages as on 4 (and circular as gpipe): same losses."""
-  # Two steps: the first loss checks the forward's masks, the second the update, so the backward's masks too. Every
-  # program starts from the one host copy of the initial state (dropout draws no parameters), not its own init.
+  # Two steps: the first loss checks the forward's masks, the second the update, so the backward's masks too.
   def losses(**kw):
     c = small_config(dropout_rate=0.1)
     program = program_for(c, microbatches=4, **kw)
-    state = jax.device_put(initial_state(True, 'none', 8), program.state_shardings)
+    state = program.init()
+    init = jax.device_get(state.params)  # before the step donates it
     out = []
     for b in batches(c, 2):
       state, metrics = program.train_step(state, jax.device_put(b, program.batch_sharding))
       out.append(float(metrics['loss']))
-    return np.array(out)
+    return np.array(out), init
 
-  two = losses(stage=2, fsdp=4)
-  np.testing.assert_allclose(losses(stage=4, fsdp=2), two, rtol=1e-5)
-  np.testing.assert_allclose(losses(stage=2, fsdp=4, schedule='circular'), two, rtol=1e-5)
+  two, init = losses(stage=2, fsdp=4)
+  np.testing.assert_allclose(losses(stage=4, fsdp=2)[0], two, rtol=1e-5)
+  np.testing.assert_allclose(losses(stage=2, fsdp=4, schedule='circular')[0], two, rtol=1e-5)
   c = small_config()
   program = program_for(c, stage=2, fsdp=4, microbatches=4)
-  state = jax.device_put(initial_state(True, 'none', 8), program.state_shardings)
+  params = jax.device_put(init, program.state_shardings.params)  # dropout draws no parameters: the same init
   b = jax.device_put(batches(c, 1)[0], program.batch_sharding)
 
   def loss(params):  # the same batch's loss without dropout, at init: forward only
     logits = program.model.apply({'params': params}, b['inputs'], b['segment_ids'], b['positions'])
     return model_lib.loss_fn(logits, b['targets'], b['weights'], c.model.z_loss)[0]
   with sharding.activate(program.mesh):
-    no_dropout = float(jax.jit(loss)(state.params))
+    no_dropout = float(jax.jit(loss)(params))
   assert np.all(np.abs(two - no_dropout) > 1e-4)  # dropout is on
 
 
