@@ -49,14 +49,16 @@ def _saved(path, params):
 
 @pytest.fixture(scope='module')
 def five_steps(tmp_path_factory):
-  """A full model's init saved, a LoRA run warm-started from it, five steps: (saved, init, after, state, program)."""
-  cfg = lora_config(rank=0)
-  mesh = _mesh(cfg)
-  base = plain_program(cfg, mesh).init().params
-  path = _saved(tmp_path_factory.mktemp('full'), base)
+  """A full model's parameters saved, a LoRA run warm-started from them, five steps: (saved, init, after, state,
+  program). The saved model is the LoRA model's own base moved by noise (on the host, no second init compiled), so
+  every base leaf after the warm start differs from what the LoRA program's init drew."""
   cfg = lora_config()
-  program = plain_program(cfg, mesh)
+  program = plain_program(cfg, _mesh(cfg))
   state = program.init()
+  rng = np.random.default_rng(0)
+  base = jax.tree.map(lambda x: np.asarray(x) + (0.05 * rng.standard_normal(x.shape)).astype(x.dtype),
+                      lora_lib.split_adapters(jax.device_get(state.params))[0])
+  path = _saved(tmp_path_factory.mktemp('full'), base)
   params = checkpoint.load_params(str(path), program.abstract_state.params, program.state_shardings.params,
                                   fill=state.params)
   state = state.replace(params=params)
