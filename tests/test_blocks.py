@@ -86,7 +86,7 @@ def test_scanned_layers_equal_unrolled_and_sinks_matter():
   m = _features_config()
   tokens = np.random.default_rng(1).integers(0, 97, (2, 32)).astype(np.int32)
   segment_ids, positions = np.ones_like(tokens), np.tile(np.arange(32, dtype=np.int32), (2, 1))
-  params = nn.unbox(model_lib.Decoder(m).init(jax.random.PRNGKey(0), tokens, segment_ids, positions)['params'])
+  params = nn.unbox(jax.jit(model_lib.Decoder(m).init)(jax.random.PRNGKey(0), tokens, segment_ids, positions)['params'])
   rng = np.random.default_rng(2)
   params = jax.tree.map(lambda x: x + 0.3 * rng.standard_normal(x.shape).astype(np.float32), params)  # sinks, w
   apply = functools.cache(lambda m: jax.jit(model_lib.Decoder(m).apply))  # one compile per model config
@@ -151,7 +151,7 @@ def test_ring_cache_greedy_equals_full_recompute():
   m = _features_config(attention=dataclasses.replace(_features_config().attention, global_every=0),
                        tie_embeddings=False)
   dummy = np.zeros((1, 8), np.int32)
-  params = nn.unbox(model_lib.Decoder(m).init(jax.random.PRNGKey(3), dummy, dummy + 1, dummy)['params'])
+  params = nn.unbox(jax.jit(model_lib.Decoder(m).init)(jax.random.PRNGKey(3), dummy, dummy + 1, dummy)['params'])
   rng = np.random.default_rng(4)
   params = jax.tree.map(lambda x: x + 0.5 * rng.standard_normal(x.shape).astype(np.float32), params)
   prompts = [list(rng.integers(1, 97, 19)), list(rng.integers(1, 97, 11))]

@@ -49,14 +49,16 @@ def _saved(path, params):
 
 @pytest.fixture(scope='module')
 def five_steps(tmp_path_factory):
-  """A full model's init saved, a LoRA run warm-started from it, five steps: (saved, init, after, state, program)."""
-  cfg = lora_config(rank=0)
-  mesh = _mesh(cfg)
-  base = plain_program(cfg, mesh).init().params
-  path = _saved(tmp_path_factory.mktemp('full'), base)
+  """A full model's parameters saved, a LoRA run warm-started from them, five steps: (saved, init, after, state,
+  program). The saved model is the LoRA model's own base moved by noise (on the host, no second init compiled), so
+  every base leaf after the warm start differs from what the LoRA program's init drew."""
   cfg = lora_config()
-  program = plain_program(cfg, mesh)
+  program = plain_program(cfg, _mesh(cfg))
   state = program.init()
+  rng = np.random.default_rng(0)
+  base = jax.tree.map(lambda x: np.asarray(x) + (0.05 * rng.standard_normal(x.shape)).astype(x.dtype),
+                      lora_lib.split_adapters(jax.device_get(state.params))[0])
+  path = _saved(tmp_path_factory.mktemp('full'), base)
   params = checkpoint.load_params(str(path), program.abstract_state.params, program.state_shardings.params,
                                   fill=state.params)
   state = state.replace(params=params)
@@ -238,17 +240,16 @@ def test_merged_weights_and_sampling_equal_the_lora_model():
   plain = dataclasses.replace(m, lora=lora_lib.LoraConfig())
   merged = lora_lib.merge_adapters(params, m.lora)
   batch = random_batch(2, 24, 400, docs=2)
-  lora_logits = program.model.apply({'params': params}, batch['inputs'], batch['segment_ids'], batch['positions'])
-  plain_logits = model_lib.Decoder(plain).apply({'params': merged}, batch['inputs'], batch['segment_ids'],
-                                                batch['positions'])
-  base_logits = model_lib.Decoder(plain).apply({'params': lora_lib.split_adapters(params)[0]}, batch['inputs'],
-                                               batch['segment_ids'], batch['positions'])
+  args = batch['inputs'], batch['segment_ids'], batch['positions']
+  # Jitted, not op by op: one compile per model, each used twice.
+  lora_apply, plain_apply = jax.jit(program.model.apply), jax.jit(model_lib.Decoder(plain).apply)
+  lora_logits = lora_apply({'params': params}, *args)
+  plain_logits = plain_apply({'params': merged}, *args)
+  base_logits = plain_apply({'params': lora_lib.split_adapters(params)[0]}, *args)
   np.testing.assert_allclose(lora_logits, plain_logits, rtol=1e-5, atol=1e-5)
   assert np.abs(np.asarray(lora_logits) - np.asarray(base_logits)).max() > 1e-2  # the adapters matter
   # adapters_off: the base model, exactly.
-  np.testing.assert_array_equal(
-      program.model.apply({'params': lora_lib.adapters_off(params)}, batch['inputs'], batch['segment_ids'],
-                          batch['positions']), base_logits)
+  np.testing.assert_array_equal(lora_apply({'params': lora_lib.adapters_off(params)}, *args), base_logits)
   prompts = [[5, 17, 33], [8, 2]]
   got = generate_lib.generate(m, params, prompts, 6).tokens
   want = generate_lib.generate(plain, merged, prompts, 6).tokens

@@ -190,7 +190,7 @@ def test_deepseek_v3_group_limited_routing_equals_transformers():
   xs, seg = _inputs(pad=0)
   params = jax.jit(model_lib.moe_mlp(m).init)(jax.random.PRNGKey(1), xs, seg)['params']
   params = jax.tree.map(lambda p: getattr(p, 'value', p), params, is_leaf=lambda p: hasattr(p, 'names'))
-  y = model_lib.moe_mlp(m).apply({'params': params}, xs, seg).reshape(-1, D)
+  y = jax.jit(model_lib.moe_mlp(m).apply)({'params': params}, xs, seg).reshape(-1, D)
   xt = xs.reshape(-1, D)
   w, e, _ = moe.route(xt @ params['router'], 'deepseek_v3', 2, True, 1.0, groups=4, top_groups=1)
   assert (e // 2 == e[:, :1] // 2).all()
@@ -413,6 +413,14 @@ def _moe_program(mesh_shape, microbatches: int, experts: int, remat: str):
 
 
 @functools.cache
+def _moe_init(experts: int):
+  """The one-device program's initial state, on the host: every mesh, routing, remat and microbatch count starts
+  from it (one init compile per expert count, not one per program). That a mesh's own init gives these very
+  values is checked once, in test_expert_weights_and_batch_are_split_over_the_expert_axis."""
+  return jax.tree.map(lambda x: np.array(x, copy=True), _moe_program((1, 1, 1), 1, experts, 'none')[1].init())
+
+
+@functools.cache
 def _moe_steps(mesh_shape, skewed: bool = False, microbatches: int = 1, steps: int = 3, experts: int = 5,
                remat: str = 'none'):
   """`steps` training steps of _moe_config on `mesh_shape` (data, fsdp, tensor[, expert[, context]]): losses,
@@ -421,7 +429,7 @@ def _moe_steps(mesh_shape, skewed: bool = False, microbatches: int = 1, steps: i
   batch = random_batch(8, 16, cfg.model.vocab_size, docs=2)
   batch['segment_ids'][:, -3:] = 0  # padded tails: routed nowhere, counted nowhere
   batch['weights'][:, -3:] = 0
-  state = program.init()
+  state = jax.device_put(_moe_init(experts), program.state_shardings)
   if skewed:
     state = _skew(state, program)
   from jaxlm import train
@@ -456,12 +464,16 @@ def test_first_dense_model_trains_on_a_mesh_microbatches_giving_the_same_update(
   from jaxlm import sharding, train
   from tests.helpers import plain_program
 
+  init = []  # the first program's initial state on the host: train.microbatches changes the step, not the init
+
   def step(microbatches):
     cfg = _moe_config(moe_first_dense=1, moe_every=2, num_layers=3)
     cfg.optim.eps = 1.0
     cfg.mesh.update(data=1, fsdp=2, tensor=1)
     program = plain_program(cfg, sharding.make_mesh(cfg.mesh, jax.devices()[:2]), microbatches=microbatches)
-    state, metrics = program.train_step(program.init(), train.global_batch(
+    if not init:
+      init.append(jax.tree.map(lambda x: np.array(x, copy=True), program.init()))
+    state, metrics = program.train_step(jax.device_put(init[0], program.state_shardings), train.global_batch(
         random_batch(8, 16, cfg.model.vocab_size, docs=2), program.batch_sharding))
     return {k: float(v) for k, v in metrics.items()}, jax.tree.map(np.asarray, state.params)
 
@@ -802,6 +814,8 @@ def test_expert_weights_and_batch_are_split_over_the_expert_axis():
   assert batch['inputs'].sharding.spec == P(('data', 'fsdp', 'expert'), 'context')
   gate = state.params['layers']['moe']['gate']
   assert {s.data.shape for s in gate.addressable_shards} == {(2, 2, 28, 18)}  # 8 experts over 4: 2 each
+  # The expert-sharded init draws one device's values (what the step tests start every mesh from).
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), _moe_init(8).params)
   assert {s.data.shape for s in batch['inputs'].addressable_shards} == {(1, 16)}  # 8 rows over 2 × 4
 
 

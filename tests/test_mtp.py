@@ -51,8 +51,9 @@ def test_mtp_losses_equal_numpy_and_the_modules_train():
     m = model_lib.ModelConfig.from_config(cfg.model)
     params = jax.device_get(state.params)
     assert model_lib.param_count(m) == sum(np.size(x) for x in jax.tree.leaves(params))
-    main, sown = model_lib.Decoder(m).apply({'params': params}, batch['inputs'], batch['segment_ids'],
-                                            batch['positions'], mutable=[mtp_lib.COLLECTION])
+    # Jitted, not op by op: one compile each for this forward and the plain one below, not a hundred.
+    main, sown = jax.jit(lambda p, *a: model_lib.Decoder(m).apply({'params': p}, *a, mutable=[mtp_lib.COLLECTION]))(
+        params, batch['inputs'], batch['segment_ids'], batch['positions'])
     depth_logits = np.asarray(sown[mtp_lib.COLLECTION]['logits'][0])  # (D, B, T, V)
     assert depth_logits.shape == (DEPTH, 4, 16, cfg.model.vocab_size)
     new_state, metrics = program.train_step(state, train.global_batch(batch, program.batch_sharding))
@@ -60,7 +61,8 @@ def test_mtp_losses_equal_numpy_and_the_modules_train():
   got = [float(metrics[f'mtp_loss_{k}']) for k in range(1, DEPTH + 1)]
   np.testing.assert_allclose(got, want, rtol=1e-5)
   assert abs(want[0] - want[1]) > 1e-4  # the depths differ: not one loss logged twice
-  plain = model_lib.Decoder(m).apply({'params': params}, batch['inputs'], batch['segment_ids'], batch['positions'])
+  plain = jax.jit(lambda p, *a: model_lib.Decoder(m).apply({'params': p}, *a))(
+      params, batch['inputs'], batch['segment_ids'], batch['positions'])
   np.testing.assert_array_equal(np.asarray(plain), np.asarray(main))  # sampling's logits: the main head's
   moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), params['mtp'],
                        jax.device_get(new_state.params['mtp']))

@@ -16,12 +16,13 @@ MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 4, 2)]
 _mesh_id = lambda shape: 'x'.join(map(str, shape))  # noqa: E731
 
 
-def _two_steps(cfg, mesh_shape, batch):
+def _two_steps(cfg, mesh_shape, batch, init=None):
+  """init: a host initial state to start from (None: the program's own init)."""
   cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh_shape
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:int(np.prod(mesh_shape))])
   with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
     program = plain_program(cfg, mesh, steps=10)
-    state = program.init()
+    state = program.init() if init is None else jax.device_put(init, program.state_shardings)
     b = train.global_batch(batch, program.batch_sharding)
     state, m1 = program.train_step(state, b)
     state, m2 = program.train_step(state, b)
@@ -29,11 +30,23 @@ def _two_steps(cfg, mesh_shape, batch):
 
 
 @functools.cache
+def _odd_init(parallel_block: bool):
+  """odd_config's initial state from one device, on the host: every mesh's two steps start from it (one init
+  compile per block type, not one per mesh). That a mesh's own init draws these very values is checked once, in
+  test_params_and_adam_moments_placement_and_bytes."""
+  cfg = odd_config(parallel_block)
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, 1, 1
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+  with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
+    return jax.tree.map(lambda x: np.array(x, copy=True), plain_program(cfg, mesh, steps=10).init())
+
+
+@functools.cache
 def _odd_two_steps(parallel_block: bool, mesh_shape, explicit_transpose_grads: bool = False):
   """Two steps of odd_config on `mesh_shape`, computed once per session (references are shared by tests)."""
   cfg = odd_config(parallel_block)
   cfg.model.explicit_transpose_grads = explicit_transpose_grads
-  return _two_steps(cfg, mesh_shape, random_batch(8, 24, cfg.model.vocab_size, docs=2))
+  return _two_steps(cfg, mesh_shape, random_batch(8, 24, cfg.model.vocab_size, docs=2), _odd_init(parallel_block))
 
 
 @pytest.mark.parametrize('parallel_block, shape', grid(
@@ -79,6 +92,15 @@ def test_params_and_adam_moments_placement_and_bytes():
     total = sum(x.nbytes for x in jax.tree.leaves(tree))
     held = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
     assert held <= total / 8 * 1.05, (held, total)
+  # The sharded-steps tests start every mesh from one device's init (_odd_init): a program's own init on a mesh with
+  # every axis split draws the same values, both blocks.
+  for parallel_block in (True, False):
+    cfg = odd_config(parallel_block)
+    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 2, 2, 2
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices())
+    with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
+      own = plain_program(cfg, mesh, steps=10).init()
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(own), _odd_init(parallel_block))
 
 
 def test_check_sharded_rejects_replicated_params():
@@ -139,7 +161,7 @@ def test_a_length_tensor_does_not_divide_still_gives_the_same_logits():
     params = program.init().params
     forward = jax.jit(lambda p, x, s, q: program.model.apply({'params': p}, x, s, q))
     split = forward(params, tokens, segments, positions)
-  whole = program.model.apply({'params': jax.device_get(params)}, tokens, segments, positions)
+  whole = jax.jit(program.model.apply)({'params': jax.device_get(params)}, tokens, segments, positions)  # no mesh
   np.testing.assert_allclose(np.asarray(split), np.asarray(whole), rtol=1e-5, atol=1e-5)
 
 

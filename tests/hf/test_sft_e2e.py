@@ -130,14 +130,17 @@ def test_generate_chat_replies_equal_transformers_greedy_on_the_export(sft):
   hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(d / 'back')).float().eval()
   stops = json.loads((d / 'back' / 'generation_config.json').read_text())['eos_token_id']
   assert stops == tokenizer_lib.load(str(d / 'chat')).stop_ids and len(stops) == 2
-  for record in chat_fixtures.conversations(3, seed=11):
-    messages = [m for m in chat_lib.messages_of(record) if m['role'] != 'assistant'][:2]
-    records, _ = tool.run(str(sft['workdir']), [messages], max_new_tokens=16,
-                          sampling=generate_lib.Sampling(0.0), chat=True)
+  chats = [[m for m in chat_lib.messages_of(record) if m['role'] != 'assistant'][:2]
+           for record in chat_fixtures.conversations(3, seed=11)]
+  # The three chats in one call, as a --prompts file gives them: one restore and one set of compiled programs.
+  records, _ = tool.run(str(sft['workdir']), chats, max_new_tokens=16, sampling=generate_lib.Sampling(0.0),
+                        chat=True)
+  assert [r['prompt'] for r in records] == chats
+  for messages, record in zip(chats, records):
     prompt = ids_of(hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
     with torch.no_grad():
       out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=stops[0])
     theirs = out[0, len(prompt):].tolist()
-    mine = records[0]['completion_ids']
+    mine = record['completion_ids']
     assert mine == theirs[:len(mine)] and theirs[len(mine):] in [[]] + [[i] for i in stops], (mine, theirs)
-    assert records[0]['finish_reason'] == ('eos' if set(stops) & set(theirs) else 'length')
+    assert record['finish_reason'] == ('eos' if set(stops) & set(theirs) else 'length')
