@@ -52,14 +52,16 @@ def mesh():
 
 @pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
 def test_a_lora_model_learns_a_toy_preference_and_lr_0_moves_nothing(mesh):
-  program = plain_program(_cfg(), mesh, steps=100)
+  # 50 steps: the preference is learnt by then (seen: held-out accuracy 1.0 and a target rate 0.29 from a start of
+  # 0.06, at 50 steps as at 70 and 100; 0.24 at 30).
+  program = plain_program(_cfg(), mesh, steps=50)
   held_out = [_batch([_row([p], T) for p in _pairs(16, seed=10_000 + i)]) for i in range(2)]
   state = program.init()
   m = program.model.config
   start = _held_out(program, state, held_out)
   np.testing.assert_allclose(start['eval_loss'], np.log(2), atol=1e-6)  # at step 0 the policy is its reference
   rate0 = _target_rate(m, state.params, seed=0)
-  for i in range(100):
+  for i in range(50):
     state, metrics = program.train_step(state, train.global_batch(_batch([_row([p], T) for p in _pairs(16, i)]),
                                                                   program.batch_sharding))
   end = _held_out(program, state, held_out)
