@@ -54,18 +54,36 @@ def test_generate_greedy_is_the_argmax_of_the_full_forward_and_sampling_is_seede
   assert eval_lib.generate(model, params, prompt, 6, stop_id=stop) == out[:out.index(stop) + 1]  # stops after it
 
 
-@pytest.fixture(scope='module')
-def tiny_run(tmp_path_factory, data_cache):
-  """A palm_tiny run trained for a few steps by the real trainer (stdlib corpus); returns (workdir, metrics)."""
+def train_tiny_run(workdir, data_cache, sample_prompts=()):
+  """palm_tiny trained 6 steps by the real trainer (stdlib corpus), every step logged, evaluated on 2 held-out
+  batches at steps 3 and 6; with `sample_prompts`, greedy samples at each evaluation (and TensorBoard)."""
   from jaxlm import train
   cfg = load_config('palm_tiny')
   cfg.data.cache_dir = str(data_cache)
-  cfg.train.update(steps=6, eval_batches=2, log_every=3)
+  cfg.train.update(steps=6, eval_every=3, eval_batches=2, log_every=1, sample_prompts=tuple(sample_prompts),
+                   sample_tokens=8)
   cfg.optim.warmup_steps = 2
   cfg.checkpoint.update(every=0, async_save=False)
-  cfg.log.update(tensorboard=False, compilation_cache='')
-  workdir = tmp_path_factory.mktemp('tiny_run')
-  return str(workdir), train.run(cfg, str(workdir))
+  cfg.log.update(tensorboard=bool(sample_prompts), compilation_cache='')
+  return train.run(cfg, str(workdir))
+
+
+def shared_tiny_run(tmp_path_factory, data_cache) -> tuple[str, dict]:
+  """(workdir, its last eval record) of train_tiny_run without samples, made once for the whole run (every xdist
+  worker included): this module's run and tests/tools/test_generate.py's run without samples."""
+  from tests.conftest import made_once
+  from tests.helpers import read_records
+  with made_once(tmp_path_factory, 'tools_tiny_run') as (path, done):
+    if not done:
+      train_tiny_run(path, data_cache)
+  return str(path), read_records(path, 'eval')[-1]
+
+
+@pytest.fixture(scope='module')
+def tiny_run(tmp_path_factory, data_cache):
+  """A palm_tiny run trained for a few steps by the real trainer (stdlib corpus); returns (workdir, the metrics of
+  its last evaluation)."""
+  return shared_tiny_run(tmp_path_factory, data_cache)
 
 
 def test_eval_entry_point_reproduces_the_trainers_held_out_loss(tiny_run):
@@ -229,7 +247,9 @@ def test_lm_eval_on_the_export_agrees_with_jaxlm_eval(lm_eval_api, tiny_run, tmp
   eval_lib.write_jsonl(str(tmp_path / 'documents.jsonl'), texts)  # where the shipped task reads it (cwd)
   ours = eval_lib.score_documents(workdir, texts)
   assert ours['windows'] > len(texts)  # held-out files are longer than one window: rolling windows are exercised
-  tasks = TaskManager(include_path=eval_lib.TASKS_DIR)
+  # jaxlm's shipped tasks alone, as jaxlm.harness indexes them: lm-eval's registry of thousands of YAMLs (two
+  # thirds of this test's CPU time) holds none of them.
+  tasks = TaskManager(include_path=eval_lib.TASKS_DIR, include_defaults=False)
   tok = data_lib.load_tokenizer(cfg.data, cfg.model.vocab_size)
 
   # Bits per byte: lm-eval puts the start token (the exported BOS = EOS) before each document itself, so the

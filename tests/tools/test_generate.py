@@ -1,5 +1,6 @@
 """jaxlm.tools.generate on a tiny trained run, and train.sample_prompts: samples at each evaluation, the losses
-unchanged. One short training with samples and one without, shared by every test here."""
+unchanged. One short training with samples and one without (tests/tools/test_eval.py's run, made once for the
+whole run), shared by every test here."""
 
 import json
 import pathlib
@@ -12,25 +13,14 @@ from tests.helpers import assert_fails_with, load_config, read_records, run_cli
 SAMPLE_PROMPTS = ('def ', 'import ')
 
 
-def _train(workdir, data_cache, sample_prompts):
-  from jaxlm import train
-  cfg = load_config('palm_tiny')
-  cfg.data.cache_dir = str(data_cache)
-  cfg.train.update(steps=6, eval_every=3, eval_batches=1, log_every=1, sample_prompts=sample_prompts,
-                   sample_tokens=8)
-  cfg.optim.warmup_steps = 2
-  cfg.checkpoint.update(every=0, async_save=False)
-  cfg.log.update(tensorboard=bool(sample_prompts), compilation_cache='')
-  return train.run(cfg, str(workdir))
-
-
 @pytest.fixture(scope='module')
 def sampled_run(tmp_path_factory, data_cache):
   """(workdir of a palm_tiny run that samples at each evaluation, workdir of the same run without)."""
-  with_samples, plain = tmp_path_factory.mktemp('sampled_run'), tmp_path_factory.mktemp('plain_run')
-  _train(with_samples, data_cache, SAMPLE_PROMPTS)
-  _train(plain, data_cache, ())
-  return str(with_samples), str(plain)
+  from tests.tools.test_eval import shared_tiny_run, train_tiny_run
+  with_samples = tmp_path_factory.mktemp('sampled_run')
+  train_tiny_run(with_samples, data_cache, SAMPLE_PROMPTS)
+  plain, _ = shared_tiny_run(tmp_path_factory, data_cache)  # the same run without samples (read only)
+  return str(with_samples), plain
 
 
 def _generate(*args, timeout=300):
