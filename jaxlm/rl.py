@@ -280,26 +280,12 @@ def rl_stability(cfg):
   return y
 
 
-_COMPILED = {}  # (config without seed, mesh) -> (program, compiled train step, seed): reused by runs in one process
-
-
 def program_for(cfg, mesh):
-  """The program and its train step compiled ahead of time; one compile per config shape in a process."""
-  # What the step depends on (the seed only reaches init, rebuilt below; drills act through the state's lr_scale).
-  t = cfg.train
-  key = (cfg.model.to_json(), cfg.optim.to_json(), t.steps, t.batch_size, t.microbatches, cfg.data.seq_len,
-         cfg.stability.policy != 'off', cfg.stability.policy == 'rollback' or bool(cfg.faults.lr_spike_steps),
-         objective_of(cfg.rl), mesh)
-  if key not in _COMPILED:
-    objective = objective_of(cfg.rl)
-    program = step_lib.build_program(cfg, mesh, objective=objective)
-    compiled = program.train_step.lower(program.abstract_state, step_lib.abstract_batch(
-        cfg.train.batch_size, cfg.data.seq_len, program.batch_sharding, program.batch_extra)).compile()
-    _COMPILED[key] = (program, objective, compiled, t.seed)
-  program, objective, compiled, seed = _COMPILED[key]
-  if t.seed != seed:  # init draws from train.seed, that of the run that compiled the entry: only it is rebuilt
-    program = dataclasses.replace(program, init=step_lib.build_program(cfg, mesh, objective=objective).init)
-  return program, objective, compiled
+  """(program, objective, its train step compiled for train.batch_size): one compile per config in a process, shared
+  with the loop's runs (step.cached_program)."""
+  objective = objective_of(cfg.rl)
+  program, compiled = step_lib.cached_program(cfg, mesh, objective)
+  return program, objective, step_lib.compiled_step(program, compiled, cfg.train.batch_size, cfg.data.seq_len)
 
 
 def reference_kind(cfg) -> str | None:
@@ -329,7 +315,7 @@ class Rollouts:
 
   Its checkpointed position is the prompt stream's (`iterator`); samples are seeded by step, so a resumed run draws
   the samples the killed one would have. The train step's objective is the clipped policy gradient
-  (step.PolicyObjective), its program compiled once per config in a process (`program_for`).
+  (step.PolicyObjective), its program compiled once per config in a process (step.cached_program).
   """
   evaluates = False  # held-out text is scored only when train.eval_every asks for it
 
@@ -344,11 +330,6 @@ class Rollouts:
     self.objective = objective_of(cfg.rl)
     self.reference = None  # beta > 0 without LoRA: the frozen copy of the starting parameters (reference_kind)
     self.run = None  # the loop's Run, once it began
-
-  def program(self, cfg, mesh):
-    """(program, its train step compiled for train.batch_size): one compile per config shape in a process."""
-    program, _, compiled = program_for(cfg, mesh)
-    return program, compiled
 
   @staticmethod
   def stability(cfg) -> tuple[Any, tuple[str, ...]]:

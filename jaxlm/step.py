@@ -5,6 +5,7 @@ benchmarks measure. Building it creates no array on any device (shapes only), so
 devices too; the functions it returns set up their own mesh and logical-axis rules when traced.
 """
 
+import collections
 import dataclasses
 from typing import Any, Callable
 
@@ -100,6 +101,42 @@ def build_program(cfg, mesh, objective=None) -> Program:
                   microbatches=cfg.train.microbatches, skip_nonfinite=cfg.stability.policy != 'off',
                   scale_updates=cfg.stability.policy == 'rollback' or bool(cfg.faults.lr_spike_steps),
                   objective=objective, pref_cfg=cfg.preference if kind == 'preference' else None)
+
+
+_PROGRAMS = collections.OrderedDict()  # what decides a program -> (Program, its seed, {batch shape: compiled step})
+_KEEP = 4  # programs kept per process, each with its compiled executables
+
+
+def cached_program(cfg, mesh, objective=None) -> tuple[Program, dict]:
+  """build_program's Program, reused by every later run of the same program in this process (a resumed run, a
+  sweep's trials, tests), with the train steps already compiled for it: a dict {(batch size, seq len): compiled
+  step} that the caller fills. Only init is rebuilt for another train.seed (it alone draws from it)."""
+  t, kind = cfg.train, cfg.train.get('objective', 'lm')
+  section = lambda name: cfg[name].to_json() if name in cfg else None  # noqa: E731
+  key = (cfg.model.to_json(), cfg.optim.to_json(), section('pipeline'), t.steps, t.microbatches, kind,
+         cfg.stability.policy, bool(cfg.faults.lr_spike_steps), section('distill') if kind == 'distill' else None,
+         section('preference') if kind == 'preference' else None, objective, mesh)
+  if key in _PROGRAMS:
+    _PROGRAMS.move_to_end(key)
+    program, seed, compiled = _PROGRAMS[key]
+    if t.seed != seed:
+      program = dataclasses.replace(program, init=build_program(cfg, mesh, objective).init)
+    return program, compiled
+  program, compiled = build_program(cfg, mesh, objective), {}
+  _PROGRAMS[key] = (program, t.seed, compiled)
+  while len(_PROGRAMS) > _KEEP:
+    _PROGRAMS.popitem(last=False)
+  return program, compiled
+
+
+def compiled_step(program: Program, compiled: dict, batch_size: int, seq_len: int):
+  """The program's train step compiled ahead of time for (batch_size, seq_len), kept in `compiled`
+  (cached_program's dict): one compile per batch shape and program in a process."""
+  shape = (batch_size, seq_len)
+  if shape not in compiled:
+    compiled[shape] = program.train_step.lower(
+        program.abstract_state, abstract_batch(*shape, program.batch_sharding, program.batch_extra)).compile()
+  return compiled[shape]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -110,13 +110,10 @@ class Run:
 
   def step_for(self, size: int):
     """The train step compiled ahead of time for this batch size (one per ramp stage)."""
-    if size not in self.compiled:
-      with self.acct.track('compile'):  # ahead of time, so no step time hides a compile
-        self.compiled[size] = self.program.train_step.lower(
-            self.program.abstract_state,
-            abstract_batch(size, self.cfg.data.seq_len, self.program.batch_sharding,
-                           self.program.batch_extra)).compile()
-    return self.compiled[size]
+    if (size, self.cfg.data.seq_len) in self.compiled:  # asked every step: no time bucket opened for a hit
+      return self.compiled[size, self.cfg.data.seq_len]
+    with self.acct.track('compile'):  # ahead of time, so no step time hides a compile
+      return step_lib.compiled_step(self.program, self.compiled, size, self.cfg.data.seq_len)
 
 
 def run(cfg, workdir: str, source=None, devices=None) -> dict:
@@ -204,14 +201,9 @@ def report_setup(cfg, mesh, cache, say) -> None:
 
 
 def build_program(cfg, mesh, source) -> tuple[step_lib.Program, dict]:
-  """The program for the source's objective, and any train step already compiled for it ({batch size: step}).
-
-  A source may bring its own (RL reuses a compiled program across runs in one process: rl.program_for).
-  """
-  if source is not None and hasattr(source, 'program'):
-    program, compiled = source.program(cfg, mesh)
-    return program, {cfg.train.batch_size: compiled}
-  return step_lib.build_program(cfg, mesh, objective=getattr(source, 'objective', None)), {}
+  """The program for the source's objective (RL's policy loss, else cfg's), and the train steps already compiled
+  for it by an earlier run of the same program in this process ({(batch size, seq len): step}; step.cached_program)."""
+  return step_lib.cached_program(cfg, mesh, objective=getattr(source, 'objective', None))
 
 
 def report_program(program: step_lib.Program, cfg, mesh, say) -> None:
