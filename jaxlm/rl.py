@@ -18,7 +18,6 @@ if __name__ == '__main__':  # the command runs in a child its watcher waits for;
   _watch.run_watched()
 
 import contextlib
-import dataclasses
 import importlib.util
 import json
 import os
