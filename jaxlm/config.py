@@ -399,7 +399,7 @@ def _mesh_errors(c, num_devices: int, num_processes: int, num_slices: int) -> li
     return layout
   shape = sharding.MeshShape.resolve(c.mesh, num_devices)
   data, fsdp, tensor, context = (shape.size(a) for a in ('data', 'fsdp', 'tensor', 'context'))
-  e = _pipeline_errors(c, shape.stages, data * fsdp) + model.block_errors(c.model, context, shape.stages) + mla.mla_errors(c.model) + mtp.mtp_errors(c.model, shape.stages)
+  e = _pipeline_errors(c, shape.stages, data * fsdp) + model.block_errors(c.model, shape.stages) + mla.mla_errors(c.model) + mtp.mtp_errors(c.model, shape.stages)
   if context > 1 and c.data.seq_len > 0 and c.data.seq_len % (2 * context):
     e.append(f'data.seq_len={c.data.seq_len} is not divisible by 2 × mesh.context = 2×{context}: context '
              f'parallelism cuts each sequence into 2·context chunks (the load-balanced zig-zag order); use a '

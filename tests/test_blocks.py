@@ -109,7 +109,6 @@ def test_scanned_layers_equal_unrolled_and_sinks_matter():
      'model.attention_sinks: model.attention=splash cannot compute it'),
     (dict(attention_softcap=50.0, attention_sinks=True, attention='cudnn'), {},
      'model.attention_softcap, model.attention_sinks: model.attention=cudnn cannot compute them'),
-    (dict(attention_window=8), dict(context=2, data=4), 'model.attention_window=8 with mesh.context=2'),
     (dict(attention_window=8, attention_global_every=2), dict(stage=2, data=4),
      'model.attention_global_every=2 with mesh.stage=2'),
     (dict(norm_placement='sandwich', parallel_block=True), {}, 'model.norm_placement=sandwich needs the sequential'),
