@@ -161,9 +161,6 @@ def _moe_errors(c, num_devices: int) -> list[str]:
     if X % shape.experts:
       e.append(f'model.moe_experts={X} is not divisible by mesh.expert×mesh.dcn_expert = {shape.experts}; each '
                f'device of the expert axis holds moe_experts / that many experts, so pick sizes that divide.')
-    if shape.experts > 1 and m.get('moe_expert_bias', False):
-      e.append(f'model.moe_expert_bias with mesh.expert×mesh.dcn_expert = {shape.experts}: the expert-parallel '
-               f'dispatch does not carry the experts\' biases yet; set mesh.expert=1 (fsdp then splits the experts).')
     if shape.stages > 1:
       e.append(f'model.moe_experts={X} with mesh.stage={shape.stages}: mixture-of-experts layers do not run '
                f'inside a pipeline yet; set mesh.stage=1 (shard with fsdp or tensor instead).')
