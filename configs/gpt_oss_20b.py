@@ -4,7 +4,7 @@ and out, YaRN RoPE (32 × a 4k context), and a mixture of experts in every layer
 a softmax over the top-4 logits (plus a router bias), each expert gpt-oss's clamped SwiGLU with biases.
 
 The shape of the released model (its Hugging Face config.json), to pre-train from scratch or, with
-`python -m jaxlm.hf.import_llama` on a bfloat16 copy (the released weights are MXFP4: dequantise them first), to
+`python -m jaxlm.hf.import_llama` on the released checkpoint (its MXFP4 experts are dequantized on import), to
 continue from its weights (import prints the same model keys).
 """
 

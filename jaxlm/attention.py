@@ -20,8 +20,10 @@ model.attention=cudnn with train.deterministic, and cudnn asked for under the fl
 Context parallelism (mesh.context = C > 1, `act_seq` split): the step hands the model every sequence in
 `sharding.zigzag_order` (shard i holds chunks i and 2C-1-i of 2C), so array order is not token order. Queries
 stay local; keys and values are all-gathered along the sequence (one (S, E) head per device under multi-query
-attention: cheap), and the causal mask comes from the zig-zag order, not from array indices. Only `xla` takes
-that mask: cudnn's and splash's causal masks assume array order, so they fall back to xla with that reason.
+attention: cheap), and the causal mask comes from the zig-zag order, not from array indices. A local layer's
+queries take only the blocks of keys their window reaches (`_window_blocks`, by position in that order). Only
+`xla` takes that mask: cudnn's and splash's causal masks assume array order, so they fall back to xla with that
+reason.
 
 A kernel that cannot run here (cudnn on a CPU, float32 for cudnn, splash off a TPU, an unsupported head size)
 falls back to `xla` and says so in the log, once per distinct reason: never silently.
@@ -151,14 +153,19 @@ def xla_attention(q, k, v, segment_ids, order=None, block_q: int = 0, shards: in
   `block_q` > 0: the queries go through in blocks of that many rows of each of the `shards` contiguous parts
   of T (the context shards: block i of every part together), each block recomputed in the backward pass, so
   the live scores are (shards·block_q, S) rather than (T, S); the result is the same. 0: all rows at once.
+  A local layer (a window W) whose row is long enough goes by `_window_blocks` instead: only the keys its
+  window reaches, on one device or split over context shards alike.
   """
   B, T = q.shape[:2]
   width = scores_cfg.window if isinstance(scores_cfg.window, int) else scores_cfg.width
-  if width > 0 and shards == 1 and order is None and T % (block_q or width) == 0 and T > (block_q or width) + width:
-    local = functools.partial(_window_blocks, width=width, block=block_q or width, scores_cfg=scores_cfg)
+  block = _window_block(T, width, block_q, order, shards) if width > 0 else 0
+  if block:
+    local = functools.partial(_window_blocks, width=width, block=block, scores_cfg=scores_cfg, order=order,
+                              shards=shards)
     if isinstance(scores_cfg.window, int):
       return local(q, k, v, segment_ids)
-    full = functools.partial(xla_attention, block_q=block_q, scores_cfg=dataclasses.replace(scores_cfg, width=0))
+    full = functools.partial(xla_attention, order=order, block_q=block_q, shards=shards,
+                             scores_cfg=dataclasses.replace(scores_cfg, width=0))
     return jax.lax.cond(jnp.reshape(scores_cfg.window, ()) > 0, local, full, q, k, v, segment_ids)
   order = np.arange(T) if order is None else np.asarray(order)
   blocks = T // (shards * block_q) if block_q else 1
@@ -177,30 +184,60 @@ def xla_attention(q, k, v, segment_ids, order=None, block_q: int = 0, shards: in
   return jnp.moveaxis(out, 0, 2).reshape(*q.shape[:-1], v.shape[-1])
 
 
-def _window_blocks(q, k, v, segment_ids, *, width: int, block: int, scores_cfg: Scores):
+def _window_block(T: int, width: int, block_q: int, order, shards: int) -> int:
+  """The query block of a local layer's `_window_blocks` (0: the row is too short for blocks to skip anything).
+
+  A block must be a run of consecutive positions (the zig-zag order of context parallelism keeps runs of
+  T / 2C) and the blocks must split evenly over the `shards`: the largest such size up to block_q (or W)."""
+  order = np.arange(T) if order is None else np.asarray(order)
+  breaks = np.flatnonzero(np.diff(order) != 1) + 1  # where a run of consecutive positions ends
+  runs = int(np.gcd.reduce(np.concatenate([breaks, [T // shards]]).astype(np.int64)))
+  block = next(d for d in range(min(block_q or width, runs), 0, -1) if runs % d == 0)
+  return block if T % shards == 0 and T > block + width else 0
+
+
+def _window_blocks(q, k, v, segment_ids, *, width: int, block: int, scores_cfg: Scores, order=None,
+                   shards: int = 1):
   """A local layer's attention by blocks of `block` queries over only the keys its window reaches, so its cost
-  grows with T, not T²: queries [i·b, (i+1)·b) see keys [i·b − W, (i+1)·b) ((b, b + W) scores per block, not
-  (b, T)). The W slots before the row's start are padding (segment 0), which no real query attends to; the mask
-  is the same as the whole row's, so the result is the same."""
+  grows with T, not T²: queries at positions [p, p + b) see keys [p − W, p + b) ((b, b + W) scores per block, not
+  (b, T)); blocks of keys wholly outside the window are never gathered, let alone computed and masked. The W
+  slots before the row's start are padding (segment 0), which no real query attends to; the mask is the same
+  as the whole row's, so the result is the same.
+
+  `order` (context parallelism's zig-zag order; None = array order) says where each array slot sits in the row:
+  each block is a run of consecutive positions, and its keys are gathered from wherever the window's positions
+  lie in the (all-gathered) keys. Under `shards` > 1 the blocks are taken in the shards' contiguous parts of T,
+  the part a batch axis (each context device computes its own queries' blocks), the blocks within it a loop."""
   B, T = q.shape[:2]
+  order = np.arange(T) if order is None else np.asarray(order)
   blocks = T // block
-  # Each block's keys gathered up front (a static index: (blocks, b + W) slots of the padded row, 1 + W/b times
-  # the keys), not sliced inside the loop: the loop's backward would add a whole-row gradient per block.
-  take = np.arange(blocks)[:, None] * block + np.arange(block + width)[None, :]
+  per = blocks // shards  # blocks in each shard's part of T
+  starts = order[::block]  # (blocks,): each block's first position; the block holds [start, start + b)
+  positions = starts[:, None] - width + np.arange(block + width)[None, :]  # (blocks, b + W) key positions
+  # Each block's keys gathered up front (a static index into the keys padded by W slots in front: position p
+  # at slot W + (its array slot), the W positions before the row at slots 0..W-1), not sliced inside the loop:
+  # the loop's backward would add a whole-row gradient per block.
+  take = np.where(positions >= 0, width + np.argsort(order)[np.maximum(positions, 0)], positions + width)
   pad = lambda x: jnp.pad(x, [(0, 0), (width, 0)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
-  keys = lambda x: jnp.moveaxis(pad(x)[:, take], 1, 0)  # noqa: E731  (blocks, B, b + W, ...)
-  rows = lambda x: jnp.moveaxis(x.reshape(B, blocks, block, *x.shape[2:]), 1, 0)  # noqa: E731  (blocks, B, b, ...)
-  positions = np.arange(-width, T)  # each padded key slot's position in the row
+
+  def parts(x, n):  # (B, blocks·n, ...) -> (per, B, shards, n, ...): the loop axis first
+    return jnp.moveaxis(x.reshape(B, shards, per, n, *x.shape[2:]), 2, 0)
+
+  keys = lambda x: parts(pad(x)[:, take.reshape(-1)], block + width)  # noqa: E731
+  rows = lambda x: parts(x, block)  # noqa: E731
+  by_part = lambda a: jnp.asarray(a.reshape(shards, per, -1).transpose(1, 0, 2))  # noqa: E731  (per, shards, n)
 
   def one(xs):
     qb, kb, vb, sb, kvb, qo, ko = xs
-    return _scores_attention(qb, kb, vb, sb, qo, kvb, ko, scores_cfg)
+    if shards == 1:
+      return _scores_attention(qb[:, 0], kb[:, 0], vb[:, 0], sb[:, 0], qo[0], kvb[:, 0], ko[0], scores_cfg)[:, None]
+    attend = lambda *a: _scores_attention(*a, scores_cfg)  # noqa: E731
+    return jax.vmap(attend, in_axes=(1, 1, 1, 1, 0, 1, 0), out_axes=1)(qb, kb, vb, sb, qo, kvb, ko)
 
   # Checkpointed: the backward pass recomputes a block's probabilities rather than keeping every block's.
   out = jax.lax.map(jax.checkpoint(one), (rows(q), keys(k), keys(v), rows(segment_ids), keys(segment_ids),
-                                          jnp.asarray(np.arange(T).reshape(blocks, block)),
-                                          jnp.asarray(positions[take])))  # (blocks, B, b, H, Ev)
-  return jnp.moveaxis(out, 0, 1).reshape(*q.shape[:-1], v.shape[-1])
+                                          by_part(order), by_part(positions)))  # (per, B, shards, b, H, Ev)
+  return jnp.moveaxis(out, 0, 2).reshape(*q.shape[:-1], v.shape[-1])
 
 
 def document_mask(segment_ids):

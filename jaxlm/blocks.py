@@ -132,7 +132,7 @@ def scores_config(m, local, sinks=None) -> attention_lib.Scores:
                               scale=a.query_scalar ** -0.5 if a.query_scalar else 0.0, width=a.window)
 
 
-def block_errors(model_cfg, context: int = 1, stages: int = 1) -> list[str]:
+def block_errors(model_cfg, stages: int = 1) -> list[str]:
   """config.validate's checks of the block features (cfg.model's flat keys): the attention paths that cannot
   honour a window, soft-cap or sinks are refused here, by the field that asks for them."""
   g = lambda key, default=0: model_cfg.get(key, default)  # noqa: E731  a saved config may predate a key
@@ -158,9 +158,6 @@ def block_errors(model_cfg, context: int = 1, stages: int = 1) -> list[str]:
   if missing and kernel in ('cudnn', 'splash'):
     e.append(f'{", ".join(missing)}: model.attention={kernel} cannot compute {"them" if len(missing) > 1 else "it"}; '
              f'set model.attention=xla (or auto, which then runs xla).')
-  if g('attention_window') > 0 and context > 1:
-    e.append(f'model.attention_window={g("attention_window")} with mesh.context={context}: context parallelism '
-             f'would compute and mask the blocks outside the window rather than skip them; set mesh.context=1.')
   if g('attention_window') > 0 and stages > 1 and 0 < g('attention_global_every') <= g('num_layers', 1):
     e.append(f'model.attention_global_every={g("attention_global_every")} with mesh.stage={stages}: a pipeline runs '
              f'one layer body, all local or all global; set attention_global_every=0 or mesh.stage=1.')

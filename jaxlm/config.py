@@ -161,9 +161,6 @@ def _moe_errors(c, num_devices: int) -> list[str]:
     if X % shape.experts:
       e.append(f'model.moe_experts={X} is not divisible by mesh.expert×mesh.dcn_expert = {shape.experts}; each '
                f'device of the expert axis holds moe_experts / that many experts, so pick sizes that divide.')
-    if shape.experts > 1 and m.get('moe_expert_bias', False):
-      e.append(f'model.moe_expert_bias with mesh.expert×mesh.dcn_expert = {shape.experts}: the expert-parallel '
-               f'dispatch does not carry the experts\' biases yet; set mesh.expert=1 (fsdp then splits the experts).')
     if shape.stages > 1:
       e.append(f'model.moe_experts={X} with mesh.stage={shape.stages}: mixture-of-experts layers do not run '
                f'inside a pipeline yet; set mesh.stage=1 (shard with fsdp or tensor instead).')
@@ -399,7 +396,7 @@ def _mesh_errors(c, num_devices: int, num_processes: int, num_slices: int) -> li
     return layout
   shape = sharding.MeshShape.resolve(c.mesh, num_devices)
   data, fsdp, tensor, context = (shape.size(a) for a in ('data', 'fsdp', 'tensor', 'context'))
-  e = _pipeline_errors(c, shape.stages, data * fsdp) + model.block_errors(c.model, context, shape.stages) + mla.mla_errors(c.model) + mtp.mtp_errors(c.model, shape.stages)
+  e = _pipeline_errors(c, shape.stages, data * fsdp) + model.block_errors(c.model, shape.stages) + mla.mla_errors(c.model) + mtp.mtp_errors(c.model, shape.stages)
   if context > 1 and c.data.seq_len > 0 and c.data.seq_len % (2 * context):
     e.append(f'data.seq_len={c.data.seq_len} is not divisible by 2 × mesh.context = 2×{context}: context '
              f'parallelism cuts each sequence into 2·context chunks (the load-balanced zig-zag order); use a '

@@ -334,8 +334,8 @@ def tokens(x):
 class Attention(nn.Module):
   """Multi-query / grouped-query self-attention with rotary positions, biases only with model.attention_bias;
   `local`: a sliding-window layer (model.attention_window), a bool or, for scanned layers, a traced one.
-  `static_local`: known to be local when the model is built (unrolled layers, or all of them local): its decoding
-  cache is then a ring buffer."""
+  `static_local`: known to be local when the model is built (unrolled layers, all of them local, or a mixed
+  scanned stack decoded layer by layer: Decoder.decode_one_by_one): its decoding cache is then a ring buffer."""
   config: ModelConfig
   static_local: bool | None = None
 
@@ -548,9 +548,10 @@ class Group(nn.Module):
   @nn.compact
   def __call__(self, x, segment_ids, positions, local):  # local: (moe_every,) bools, one per block
     m = self.config
+    static = not isinstance(local, jax.Array)  # numpy (layers decoded one by one): each block knows its kind
     for j in range(m.moe.every):
-      x, _ = Block(m, self.deterministic, moe=j == m.moe.every - 1, name=f'block_{j}')(x, segment_ids, positions,
-                                                                                      local[j])
+      x, _ = Block(m, self.deterministic, moe=j == m.moe.every - 1, local=bool(local[j]) if static else None,
+                   name=f'block_{j}')(x, segment_ids, positions, local[j])
     return x, None
 
 
@@ -617,6 +618,9 @@ class Decoder(nn.Module):
       x = pipeline_lib.run(layer, self.variables['params']['layers'], x, segment_ids, positions, rng,
                            self.pipeline, policy)
       x = nn.with_logical_constraint(x, RESIDUAL)
+    elif (m.scan_layers and self.is_mutable_collection('cache') and not self.is_initializing() and local.any()
+          and 'local' not in fields):
+      x = self.decode_one_by_one(x, segment_ids, positions, local, first, units, fields)
     elif m.scan_layers:
       # One compiled layer body applied L times; parameters get a leading `layers` axis.
       scan = functools.partial(nn.scan, variable_axes={'params': 0, FP8: 0, moe_lib.STATS: 0, 'cache': 0},
@@ -641,6 +645,26 @@ class Decoder(nn.Module):
     if depths:
       self.sow(mtp_lib.COLLECTION, 'logits', jnp.stack(logits[1:]))  # (mtp_depth, B, T, V)
     return logits[0]
+
+  def decode_one_by_one(self, x, segment_ids, positions, local, first, units, fields):
+    """Decoding (jaxlm/generate.py: the `cache` collection mutable) through a scanned stack that mixes local and
+    global layers: its units applied one by one, each with its parameters sliced from the stack and told its
+    kind, so that a local layer's cache is a ring of W slots (Attention.static_local) and a global layer's the
+    whole sequence; a scan would give every layer the same cache. Each unit's cache is `<stack>_<u>`."""
+    m = self.config
+    unit = Group if m.moe.experts and m.moe.every > 1 else Block  # as __call__ chose, without remat (no backward)
+    units_local = local[first:].reshape(units, -1) if unit is Group else local[first:]
+    stacks = [('dense_layers', Block, {}, local[:first]), ('layers', unit, fields, units_local)]
+    for name, module, kwargs, kinds in stacks:
+      for u, kind in enumerate(kinds):
+        params = jax.tree.map(lambda a, u=u: a[u], self.variables['params'][name])
+        cache = self.variable('cache', f'{name}_{u}', dict)
+        static = {'local': bool(kind)} if module is Block else {}
+        # parent=None: an unbound module, applied to its slice of the stack (not a new child of the decoder)
+        (x, _), variables = module(m, True, **kwargs, **static, parent=None).apply(
+            {'params': params, 'cache': cache.value}, x, segment_ids, positions, kind, mutable=['cache'])
+        cache.value = variables['cache']
+    return x
 
   def head(self, x, embedding, depths=()):
     """The final norm and the output projection: [(B, T, V) logits of x, then of each of MTP's normed `depths`],

@@ -314,20 +314,31 @@ def _local_choices(experts, keep, local_experts: int):
   return local, keep & (local >= 0) & (local < local_experts)
 
 
-def _gather_body(x, weights, experts, keep, w_gate, w_up, w_down, *, run, swiglu, mlp_axis):
+def _local_biases(biases, mlp_axis):
+  """gpt-oss's biases of this device's experts, (gate, up) split over the hidden width as the weights are; the
+  down projection's (X/E, D) kept on the first device of the tensor axis alone, so that the sum of the partial
+  outputs over it adds it once. None stays None."""
+  if biases is None or not mlp_axis:
+    return biases
+  gate, up, down = biases
+  return gate, up, down * (jax.lax.axis_index(mlp_axis) == 0).astype(down.dtype)
+
+
+def _gather_body(x, weights, experts, keep, w_gate, w_up, w_down, biases, *, run, swiglu, mlp_axis):
   """All-gather the tokens (and their routing) over the expert axis, run this device's experts on the
   assignments that chose them (the rest sort past its groups), reduce-scatter the partial outputs back."""
   gather = lambda a: jax.lax.all_gather(a, sharding.EXPERT, axis=0, tiled=True)  # noqa: E731
   x, weights, experts, keep = gather(x), gather(weights), gather(experts), gather(keep)  # (E·n, ...)
   local, mine = _local_choices(experts, keep, w_gate.shape[0])
-  y = run(x, weights, local, mine, w_gate, w_up, w_down, swiglu)  # (E·n, D): this device's experts' share
+  # (E·n, D): this device's experts' share
+  y = run(x, weights, local, mine, w_gate, w_up, w_down, swiglu, _local_biases(biases, mlp_axis))
   if mlp_axis:  # the experts' hidden width split over tensor: the down projection's partial sums
     y = jax.lax.psum(y, mlp_axis)
   return jax.lax.psum_scatter(y, sharding.EXPERT, scatter_dimension=0, tiled=True), jnp.zeros((), jnp.float32)
 
 
-def _all_to_all_body(x, weights, experts, keep, w_gate, w_up, w_down, *, run, swiglu, mlp_axis, buffer_factor,
-                     other_axes):
+def _all_to_all_body(x, weights, experts, keep, w_gate, w_up, w_down, biases, *, run, swiglu, mlp_axis,
+                     buffer_factor, other_axes):
   """MaxText-style dropless dispatch: sort this device's assignments by expert, exchange the counts, send each
   row to the device owning its expert (ragged all-to-all), group the received rows by local expert, grouped
   GEMMs, send them back the same way, unsort, and sum over k with the router's weights."""
@@ -351,7 +362,7 @@ def _all_to_all_body(x, weights, experts, keep, w_gate, w_up, w_down, *, run, sw
   segment = jnp.searchsorted(jnp.cumsum(segments), jnp.arange(buffer, dtype=jnp.int32), side='right')
   local = jnp.where(segment < E * Xl, segment % Xl, Xl)  # (buffer,)
   y = run(received, jnp.ones((buffer, 1), jnp.float32), local[:, None], (local < Xl)[:, None], w_gate, w_up,
-          w_down, swiglu)  # (buffer, D): each row through its expert, unweighted
+          w_down, swiglu, _local_biases(biases, mlp_axis))  # (buffer, D): each row through its expert, unweighted
   if mlp_axis:
     y = jax.lax.psum(y, mlp_axis)
   back = ragged_all_to_all(y, jnp.zeros_like(rows), out_offsets[:, r], sent_chunk[:, r], in_offsets[:, r],
@@ -363,9 +374,10 @@ def _all_to_all_body(x, weights, experts, keep, w_gate, w_up, w_down, *, run, sw
 
 
 def expert_parallel(x, weights, experts, keep, w_gate, w_up, w_down, *, run, swiglu, transport: str,
-                    buffer_factor: float):
+                    buffer_factor: float, biases=None):
   """`run` (ragged_experts / dense_experts) with the experts split over the mesh's expert axis, in shard_map:
-  (y (N, D), overflow) for tokens x (N, D) split over the batch and context axes.
+  (y (N, D), overflow) for tokens x (N, D) split over the batch and context axes. `biases`: gpt-oss's (gate
+  (X, F), up (X, F), down (X, D)), split over the expert axis with their weights.
 
   Weights enter as (X/E, D, F) blocks on each device: their `embed` is all-gathered over fsdp as any fsdp
   layer's is, never over the expert axis. The experts' hidden width F stays split over tensor inside, and the
@@ -376,13 +388,15 @@ def expert_parallel(x, weights, experts, keep, w_gate, w_up, w_down, *, run, swi
   other_axes = tuple(a for a in token_axes if a != sharding.EXPERT)
   tok = P(token_axes)
   w_in, w_out = P(sharding.EXPERT, None, mlp_axis), P(sharding.EXPERT, mlp_axis, None)
+  b_specs = None if biases is None else (P(sharding.EXPERT, mlp_axis), P(sharding.EXPERT, mlp_axis),
+                                         P(sharding.EXPERT, None))
   if transport == 'gather':
     body = functools.partial(_gather_body, run=run, swiglu=swiglu, mlp_axis=mlp_axis)
   else:
     body = functools.partial(_all_to_all_body, run=run, swiglu=swiglu, mlp_axis=mlp_axis,
                              buffer_factor=buffer_factor, other_axes=other_axes)
-  return jax.shard_map(body, in_specs=(tok, tok, tok, tok, w_in, w_in, w_out), out_specs=(tok, P()))(
-      x, weights, experts, keep, w_gate, w_up, w_down)
+  return jax.shard_map(body, in_specs=(tok, tok, tok, tok, w_in, w_in, w_out, b_specs), out_specs=(tok, P()))(
+      x, weights, experts, keep, w_gate, w_up, w_down, biases)
 
 
 class MoE(nn.Module):
@@ -440,12 +454,12 @@ class MoE(nn.Module):
     run = ragged_experts if m.impl == 'ragged' else dense_experts
     w = (w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt))
     b = None if b is None else tuple(a.astype(dt) for a in b)
-    # Experts split over the expert axis: tokens travel to them and back (config.validate refuses expert biases
-    # there: this dispatch does not carry them). A token count the mesh does not divide (init's dummy trace, a
-    # small sampling batch) runs in the global view below instead: the same result, XLA gathering what it needs.
-    if expert_ways() > 1 and xt.shape[0] % token_ways() == 0 and b is None:
+    # Experts split over the expert axis: tokens travel to them and back, gpt-oss's biases split with their
+    # experts. A token count the mesh does not divide (init's dummy trace, a small sampling batch) runs in the
+    # global view below instead: the same result, XLA gathering what it needs.
+    if expert_ways() > 1 and xt.shape[0] % token_ways() == 0:
       y, overflow = expert_parallel(xt, weights, experts, keep, *w, run=run, swiglu=self.activation,
-                                    transport=transport(m.transport), buffer_factor=m.buffer_factor)
+                                    transport=transport(m.transport), buffer_factor=m.buffer_factor, biases=b)
     else:
       y, overflow = run(xt, weights, experts, keep, *w, self.activation, b), jnp.zeros((), jnp.float32)
     if self.shared is not None:  # DeepSeek's shared experts: one dense SwiGLU as wide as all of them, on every token

@@ -274,6 +274,17 @@ def test_a_local_layer_computes_only_the_keys_its_window_reaches():
   np.testing.assert_allclose(real(traced(jnp.int32(W)), seg), real(whole(q, k, v, seg), seg), atol=2e-6)
   plain = attention.xla_attention(q, k, v, seg, scores_cfg=dataclasses.replace(local, window=0))
   np.testing.assert_allclose(real(traced(jnp.int32(0)), seg), real(plain, seg), atol=2e-6)
+  # Context parallelism's zig-zag order (4 shards: chunks of T/8 = W positions): the same blocks of keys, each
+  # gathered from wherever its positions lie, the shards a batch axis; equal to the whole row's, permuted.
+  order = sharding.zigzag_order(T, 4)
+  zig = lambda q, k, v, s: attention.xla_attention(q, k, v, s, order, 0, 4, local)  # noqa: E731
+  whole_zig = lambda q, k, v, s: attention._scores_attention(q, k, v, s, order, s, order, local)  # noqa: E731
+  args = [x[:, order] for x in (q, k, v, seg)]
+  np.testing.assert_allclose(real(zig(*args), args[3]), real(whole(q, k, v, seg)[:, order], args[3]), atol=2e-6)
+  for got, want in zip(loss_grads(zig, *args), loss_grads(whole_zig, *args)):
+    np.testing.assert_allclose(got, want, atol=2e-5)
+  scores = [s[-1] for s in _dot_shapes(jax.make_jaxpr(zig)(*args).jaxpr) if len(s) == 5]
+  assert scores and max(scores) == 2 * W, scores  # (shards, …, W + b) per block, never T
 
 
 def test_fused_kernels_take_a_window_and_splash_a_soft_cap():

@@ -109,7 +109,6 @@ def test_scanned_layers_equal_unrolled_and_sinks_matter():
      'model.attention_sinks: model.attention=splash cannot compute it'),
     (dict(attention_softcap=50.0, attention_sinks=True, attention='cudnn'), {},
      'model.attention_softcap, model.attention_sinks: model.attention=cudnn cannot compute them'),
-    (dict(attention_window=8), dict(context=2, data=4), 'model.attention_window=8 with mesh.context=2'),
     (dict(attention_window=8, attention_global_every=2), dict(stage=2, data=4),
      'model.attention_global_every=2 with mesh.stage=2'),
     (dict(norm_placement='sandwich', parallel_block=True), {}, 'model.norm_placement=sandwich needs the sequential'),
@@ -160,3 +159,22 @@ def test_ring_cache_greedy_equals_full_recompute():
   assert len(set(cached[0])) > 3
   cache = generate_lib.cache_shapes(generate_lib.inference_model(m), params, 2, 64)
   assert cache['layers']['attention']['key'].shape[2] == W  # not 64
+
+
+def test_mixed_scanned_stack_decodes_with_a_ring_per_local_layer():
+  """Local and global layers in one scanned stack (every option on): decoding goes layer by layer, parameters
+  sliced from the stack, a local layer's cache a W-slot ring and a global layer's the whole sequence; greedy
+  with the cache equals greedy by full recompute over prompts and replies several windows long."""
+  from jaxlm import generate as generate_lib
+  m = _features_config(tie_embeddings=False)  # layers local, global, local (global_every=2), scanned
+  assert m.scan_layers and m.attention.global_every == 2
+  dummy = np.zeros((1, 8), np.int32)
+  params = nn.unbox(jax.jit(model_lib.Decoder(m).init)(jax.random.PRNGKey(3), dummy, dummy + 1, dummy)['params'])
+  rng = np.random.default_rng(4)
+  params = jax.tree.map(lambda x: x + 0.5 * rng.standard_normal(x.shape).astype(np.float32), params)
+  prompts = [list(rng.integers(1, 97, 19)), list(rng.integers(1, 97, 11))]
+  cached = generate_lib.generate(m, params, prompts, 12).tokens
+  np.testing.assert_array_equal(np.array(cached), generate_lib.generate_without_cache(m, params, prompts, 12))
+  assert len(set(cached[0])) > 3
+  cache = generate_lib.cache_shapes(generate_lib.inference_model(m), params, 2, 64)
+  assert [cache[f'layers_{i}']['attention']['key'].shape[1] for i in range(3)] == [W, 64, W]

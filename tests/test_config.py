@@ -86,8 +86,6 @@ BAD = [
      'mesh data×fsdp×tensor×context×expert = 1×1×1×1×3 does not match the 8 devices'),
     ('mesh.expert (batch)', dict(model=dict(moe_experts=4), mesh=dict(fsdp=2, expert=4), train=dict(batch_size=4)),
      'not divisible by mesh data×fsdp×expert × train.microbatches = 1×2×4×1'),
-    ('model.moe_expert_bias', dict(model=dict(moe_experts=4, moe_expert_bias=True), mesh=dict(fsdp=2, expert=4)),
-     'model.moe_expert_bias with mesh.expert'),
     ('model.moe_transport', dict(model=dict(moe_experts=4, moe_transport='nccl')),
      "model.moe_transport='nccl' is unknown"),
 ]

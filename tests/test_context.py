@@ -163,6 +163,18 @@ def test_train_and_eval_steps_match_single_device():
   assert results[0][3] < results[0][0]  # the step did something
 
 
+@pytest.mark.e2e
+def test_sliding_window_context_matches_single_device():
+  # Local (W = 8, so a 64-token row is 8 windows) and global layers in one scanned stack, with soft-cap, sinks
+  # and packed documents: each context shard's queries take only the keys their window reaches (the blocks in
+  # the zig-zag order, attention._window_blocks), and the loss and gradients equal one device's.
+  cfg = _config(num_kv_heads=2, parallel_block=False, attention_window=8, attention_global_every=2,
+                attention_softcap=3.0, attention_sinks=True)
+  batch = _packed_batch()
+  want = _loss_and_grads(cfg, batch)
+  _assert_same(_loss_and_grads(cfg, batch, fsdp=2, context=4), want, 'window=8 fsdp=2 context=4')
+
+
 def _temp_bytes(cfg, **axes) -> int:
   """Temporary (activation) bytes per device of the compiled train step."""
   mesh = _mesh(cfg, **axes)

@@ -515,6 +515,47 @@ def test_expert_parallel_steps_under_full_remat():
   assert _max_diff(params, ref_params) <= 1e-4
 
 
+def _loss_and_grads(cfg, batch, mesh_shape):
+  """(loss, gradients) of `batch` on a (data, fsdp, tensor, expert) mesh from random parameters drawn in numpy
+  (every gpt-oss bias away from its zero init), and the parameters' shardings."""
+  from jaxlm import sharding, train
+  from tests.helpers import plain_program
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, cfg.mesh.expert = mesh_shape
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:int(np.prod(mesh_shape))])
+  with sharding.activate(mesh):
+    program = plain_program(cfg, mesh)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda x: (0.3 * rng.standard_normal(x.shape)).astype(x.dtype), program.abstract_state.params)
+    params = jax.device_put(params, program.state_shardings.params)
+    b = train.global_batch(batch, program.batch_sharding)
+
+    def loss(params, b):
+      logits = program.model.apply({'params': params}, b['inputs'], b['segment_ids'], b['positions'])
+      return model_lib.loss_fn(logits, b['targets'], b['weights'], 0.0)[0]
+
+    total, grads = jax.jit(jax.value_and_grad(loss))(params, b)
+    return float(total), jax.device_get(grads), jax.tree.map(lambda x: x.sharding, params)
+
+
+@pytest.mark.e2e  # two compiles of a whole model's forward and backward
+def test_gpt_oss_expert_biases_on_an_expert_mesh_match_single_device():
+  """gpt-oss's expert biases split over the expert axis with their experts (tensor × expert = 2 × 4: the down
+  projection's bias must be added once, not once per tensor shard): loss and gradients equal one device's."""
+  cfg = _moe_config(moe_experts=8, moe_aux_loss=0.0, moe_router_z_loss=0.0, moe_bias_rate=0.0, qk_norm='none',
+                    **_LAYER_CASES['gpt-oss'])
+  batch = random_batch(8, 16, cfg.model.vocab_size, docs=2)
+  want, want_grads, _ = _loss_and_grads(cfg, batch, (1, 1, 1, 1))
+  got, grads, shardings = _loss_and_grads(cfg, batch, (1, 1, 2, 4))
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max(), err_msg=jax.tree_util.keystr(path))
+  moe_sh = shardings['layers']['moe']
+  # The scanned layer axis, then each bias's experts over `expert` (and the hidden width over tensor).
+  assert moe_sh['gate_bias'].spec == moe_sh['up_bias'].spec == P(None, 'expert', 'tensor'), moe_sh['gate_bias']
+  assert moe_sh['down_bias'].spec[:2] == (None, 'expert'), moe_sh['down_bias']
+  assert np.abs(grads['layers']['moe']['down_bias']).max() > 0
+
+
 # Tiny random Hugging Face MoE models, made here (nothing downloaded): family -> (config class, model class, kwargs).
 _HF_FAMILIES = {
     'mixtral': ('MixtralConfig', 'MixtralForCausalLM', dict(num_local_experts=5, num_experts_per_tok=2,
@@ -722,7 +763,7 @@ def _ep_out_grads_stats(mesh_shape, skewed: bool, impl: str = 'ragged', **overri
   from jaxlm import sharding
   x, seg = _ep_inputs()
   m = _cfg(moe_impl=impl, **_EP, **overrides)
-  params = _params(**_EP)
+  params = _params(**_EP, **overrides)
   if skewed:  # every token to experts 0 and 1, both on the first device of the expert axis
     params = _with_bias(params, np.array([10.0, 5.0] + [0.0] * 6))
   cot = jax.random.normal(jax.random.PRNGKey(7), x.shape)
@@ -868,6 +909,15 @@ def test_all_to_all_transport_equals_unsharded(shape, skewed, monkeypatch):
   got = _ep_out_grads_stats(shape, skewed)
   _assert_same_layer(got, _ep_reference(skewed))
   assert float(got[2]['overflow']) == 0  # the default buffer is the worst case
+
+
+@pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
+def test_all_to_all_transport_carries_gpt_oss_biases(monkeypatch):
+  """gpt-oss's expert biases travel with their experts through the all_to_all transport too (tensor × expert)."""
+  monkeypatch.setattr(moe, 'ragged_all_to_all', _emulated_ragged_all_to_all)
+  monkeypatch.setattr(moe, 'transport', lambda name: 'all_to_all')
+  gpt_oss = _LAYER_CASES['gpt-oss']
+  _assert_same_layer(_ep_out_grads_stats((1, 1, 2, 4), False, **gpt_oss), _ep_out_grads_stats(None, False, **gpt_oss))
 
 
 @pytest.mark.parametrize('fsdp', grid([1, 2], fast=[2]))

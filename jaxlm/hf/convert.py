@@ -399,7 +399,7 @@ def checkpoint_overrides(hf: dict, tensors: dict) -> dict:
 def from_hf(tensors: dict[str, np.ndarray], m: model_lib.ModelConfig, *, scan_layers: bool) -> dict:
   """jaxlm params (float32 numpy) of a Hugging Face Llama state dict: the inverse of export.to_hf."""
   D, L = m.d_model, m.num_layers
-  tensors = {k.removeprefix('model.'): v for k, v in tensors.items()}
+  tensors = {k.removeprefix('model.'): v for k, v in gpt_oss.dequantized(tensors).items()}
   if m.mla.kv_lora_rank:  # DeepSeek-V3's multi-token prediction layers follow the last block
     deepseek.refuse_mtp_layers(tensors, L + m.mtp_depth)
 

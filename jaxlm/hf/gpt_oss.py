@@ -6,7 +6,9 @@ The block: pre-norm RMSNorm, attention with biases and a sink per head, alternat
 layers, YaRN RoPE, and a mixture of experts in every layer whose router takes the top-k logits (plus a bias) and
 softmaxes over those k, and whose experts run gpt-oss's clamped SwiGLU (blocks.clamped_swiglu) with biases.
 Its checkpoints store each expert's gate and up columns interleaved in one `gate_up_proj` (X, D, 2F): gate in the
-even columns, up in the odd ones; jaxlm keeps them apart (X, D, F) each.
+even columns, up in the odd ones; jaxlm keeps them apart (X, D, F) each. The released checkpoints quantize the
+experts' projections to MXFP4 (quantization_config quant_method mxfp4: `<proj>_blocks` and `<proj>_scales`);
+the import dequantizes them exactly (`dequantize_mxfp4`) and trains and exports the result unquantized.
 """
 
 import numpy as np
@@ -17,7 +19,7 @@ from jaxlm.hf.families import ExportError, HFImportError, pattern
 ARCHITECTURE, MODEL_TYPE = 'GptOssForCausalLM', 'gpt_oss'
 DEFAULT_THETA = 150_000.0  # transformers' GptOssConfig.default_theta, when config.json gives no rope_theta
 # config.json keys with the one value jaxlm computes; anything else there is refused by name.
-_FIXED = {'quantization_config': (None,), 'attention_dropout': (0.0, 0, None), 'partial_rotary_factor': (1.0, None)}
+_FIXED = {'attention_dropout': (0.0, 0, None), 'partial_rotary_factor': (1.0, None)}
 # Keys read below or without effect on the forward pass (training, bookkeeping; hidden_act: the experts ignore it).
 _KNOWN = {'architectures', 'model_type', 'vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers',
           'num_attention_heads', 'num_key_value_heads', 'head_dim', 'num_local_experts', 'num_experts_per_tok',
@@ -25,15 +27,22 @@ _KNOWN = {'architectures', 'model_type', 'vocab_size', 'hidden_size', 'intermedi
           'max_position_embeddings', 'initial_context_length', 'rms_norm_eps', 'swiglu_alpha', 'swiglu_limit',
           'attention_bias', 'tie_word_embeddings', 'router_aux_loss_coef', 'output_router_logits',
           'initializer_range', 'use_cache', 'bos_token_id', 'eos_token_id', 'pad_token_id', 'dtype', 'torch_dtype',
-          'transformers_version', 'hidden_act', '_name_or_path', *_FIXED}
+          'transformers_version', 'hidden_act', '_name_or_path', 'quantization_config', *_FIXED}
+# MXFP4's element type, E2M1, by its 4-bit code (the OCP Microscaling spec): sign bit, then the magnitudes.
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                      np.float32)
+_MXFP4_PROJECTIONS = ('experts.gate_up_proj', 'experts.down_proj')  # what the released checkpoints quantize
 
 
 def overrides(hf: dict, rope: dict) -> dict:
   """cfg.model values for a gpt-oss config.json; `rope`: convert._rope's reading of its RoPE."""
   for key, allowed in _FIXED.items():
     if key in hf and hf[key] not in allowed:
-      hint = ' (a quantised checkpoint: import a bfloat16 copy)' if key == 'quantization_config' else ''
-      raise HFImportError(f'{key}={hf[key]!r} is not supported for {MODEL_TYPE}: jaxlm computes {allowed[0]!r}{hint}.')
+      raise HFImportError(f'{key}={hf[key]!r} is not supported for {MODEL_TYPE}: jaxlm computes {allowed[0]!r}.')
+  quant = hf.get('quantization_config')
+  if quant is not None and (quant or {}).get('quant_method') != 'mxfp4':
+    raise HFImportError(f'quantization_config={quant!r} is not supported for {MODEL_TYPE}: jaxlm dequantizes '
+                        f'quant_method mxfp4 only; import a bfloat16 copy.')
   unknown = sorted(set(hf) - _KNOWN)
   if unknown:
     raise HFImportError(f'config.json field {unknown[0]!r} (={hf[unknown[0]]!r}) is not handled by jaxlm\'s '
@@ -57,6 +66,32 @@ def overrides(hf: dict, rope: dict) -> dict:
               moe_first_dense=0, moe_router='gpt_oss', moe_expert_bias=True, moe_router_bias=True,
               moe_bias_rate=0.0,  # its router has a learned bias; a selection bias would not export
               moe_aux_loss=float(hf.get('router_aux_loss_coef', 0.0)))
+
+
+def dequantize_mxfp4(blocks, scales) -> np.ndarray:
+  """An MXFP4 tensor as float32 (exact: every value is a power of two times an E2M1 value), in the layout of the
+  unquantized one: blocks (X, R, G, 16) uint8, two E2M1 codes a byte (the low nibble first), and scales (X, R, G)
+  uint8, one E8M0 exponent (bias 127) per 32 values -> (X, G·32, R), as transformers dequantizes them."""
+  blocks, exponents = np.asarray(blocks, np.uint8), np.asarray(scales, np.int32) - 127
+  if blocks.shape[:-1] != exponents.shape:
+    raise HFImportError(f'MXFP4 blocks of shape {blocks.shape} do not match their scales {exponents.shape}.')
+  values = np.stack([FP4_VALUES[blocks & 0x0F], FP4_VALUES[blocks >> 4]], axis=-1)  # (X, R, G, 16, 2)
+  values = np.ldexp(values.reshape(*exponents.shape, -1), exponents[..., None])  # (X, R, G, 32)
+  return np.swapaxes(values.reshape(*blocks.shape[:-2], -1), -1, -2)
+
+
+def dequantized(tensors: dict) -> dict:
+  """`tensors` with each MXFP4 expert projection (`<proj>_blocks`, `<proj>_scales`) replaced by `<proj>` in
+  float32; a checkpoint without them comes back as it was."""
+  names = [k.removesuffix('_blocks') for k in tensors
+           if k.endswith('_blocks') and k.removesuffix('_blocks').endswith(_MXFP4_PROJECTIONS)]
+  out = dict(tensors)
+  for name in names:
+    scales = out.pop(name + '_scales', None)
+    if scales is None:
+      raise HFImportError(f'tensor {name + "_scales"!r} is missing from the checkpoint ({name}_blocks needs it).')
+    out[name] = dequantize_mxfp4(out.pop(name + '_blocks'), scales)
+  return out
 
 
 def attention_from_hf(get, pre: str, m) -> dict:

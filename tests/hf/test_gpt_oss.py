@@ -123,6 +123,45 @@ def test_greedy_with_the_kv_cache_equals_transformers_generate(gpt_oss):
   assert len(set(ours)) > 3  # not one token repeated
 
 
+def test_mxfp4_checkpoint_imports_with_transformers_dequantized_logits(tmp_path):
+  """A checkpoint quantized as the released ones are (quantization_config quant_method mxfp4: the experts'
+  projections as E2M1 blocks and E8M0 scales) imports dequantized: jaxlm's logits equal those of transformers
+  loading the same directory (it dequantizes on a CPU), 1e-4; the dequantization itself is bit-exact."""
+  torch = pytest.importorskip('torch')
+  transformers = pytest.importorskip('transformers')
+  from safetensors.numpy import save_file
+  from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+  from jaxlm.hf import gpt_oss as gpt_oss_lib
+  os.environ['HF_HUB_OFFLINE'] = '1'
+  X, D, F = 4, 64, 32  # MXFP4 scales blocks of 32 along the contracted axis: D and F multiples of 32
+  config = transformers.GptOssConfig(**dict(CONFIG, hidden_size=D, intermediate_size=F, vocab_size=101))
+  torch.manual_seed(0)
+  tensors = {k: v.numpy() for k, v in transformers.GptOssForCausalLM(config).float().state_dict().items()}
+  rng = np.random.default_rng(0)
+  for name, (rows, cols) in ((n, s) for i in range(2) for n, s in (
+      (f'model.layers.{i}.mlp.experts.gate_up_proj', (2 * F, D)), (f'model.layers.{i}.mlp.experts.down_proj', (D, F)))):
+    del tensors[name]
+    tensors[name + '_blocks'] = rng.integers(0, 256, (X, rows, cols // 32, 16)).astype(np.uint8)
+    tensors[name + '_scales'] = rng.integers(120, 125, (X, rows, cols // 32)).astype(np.uint8)
+  blocks, scales = (tensors[f'model.layers.0.mlp.experts.down_proj_{part}'] for part in ('blocks', 'scales'))
+  want = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32).numpy()
+  np.testing.assert_array_equal(gpt_oss_lib.dequantize_mxfp4(blocks, scales), want)
+  config.quantization_config = {'quant_method': 'mxfp4', 'modules_to_not_convert': [
+      'model.layers.*.self_attn', 'model.layers.*.mlp.router', 'model.embed_tokens', 'lm_head']}
+  config.save_pretrained(str(tmp_path / 'hf'))
+  save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp_path / 'hf' / 'model.safetensors'),
+            metadata={'format': 'pt'})
+  theirs_model = transformers.GptOssForCausalLM.from_pretrained(
+      str(tmp_path / 'hf'), quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32)
+  theirs_model.config._attn_implementation = 'eager'  # pylint: disable=protected-access  (the sinks' reference)
+  tokens = np.random.default_rng(1).integers(3, 101, (2, SEQ)).astype(np.int32)
+  with torch.no_grad():
+    theirs = theirs_model.eval()(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+  result = import_hf.import_hf(str(tmp_path / 'hf'), str(tmp_path / 'run'))
+  _, m, params = _imported(tmp_path, result)
+  assert np.abs(_logits(m, params, tokens) - theirs).max() <= 1e-4
+
+
 def test_yarn_frequencies_match_transformers_for_gpt_oss_20b():
   """configs/gpt_oss_20b's YaRN (factor 32 over 4k, untruncated ramp, base 150k) against transformers' own."""
   torch = pytest.importorskip('torch')
@@ -137,11 +176,13 @@ def test_yarn_frequencies_match_transformers_for_gpt_oss_20b():
 
 
 def test_import_refuses_what_jaxlm_does_not_compute():
-  """A quantised checkpoint, an unknown config field and an unknown layer type are each refused in one line naming
-  the key; the export of a gpt_oss-routed model without sinks is refused by name."""
+  """A quantised checkpoint other than MXFP4 (which imports dequantized), an unknown config field and an unknown
+  layer type are each refused in one line naming the key; the export of a gpt_oss-routed model without sinks is
+  refused by name."""
   hf = dict(CONFIG, model_type='gpt_oss', layer_types=['sliding_attention', 'full_attention'])
   assert import_hf.model_overrides(hf)['moe_top_k'] == 2
-  for bad, match in [(dict(hf, quantization_config={'quant_method': 'mxfp4'}), 'quantization_config'),
+  assert import_hf.model_overrides(dict(hf, quantization_config={'quant_method': 'mxfp4'}))['moe_top_k'] == 2
+  for bad, match in [(dict(hf, quantization_config={'quant_method': 'bitsandbytes'}), 'quantization_config'),
                      (dict(hf, router_jitter=0.1), "'router_jitter'"),
                      (dict(hf, layer_types=['sliding_attention', 'chunked_attention']), 'chunked_attention')]:
     with pytest.raises(import_hf.HFImportError, match=match) as e:
