@@ -159,6 +159,19 @@ def test_requests_equal_lm_evals_hf_backend_on_the_export(harness_run, tmp_path,
                  {'role': 'assistant', 'content': 'return 1 '}]
       for prompt, turns in ((True, history[:2]), (False, history)):
         assert chat.apply_chat_template(turns, prompt) == hf.apply_chat_template(turns, prompt), (prompt, turns)
+      # Whole tasks rendered through the template (`--apply_chat_template`): the same requests, the same answers.
+      chats = [harness.evaluate(m, ['h_mc', 'h_gen'], include_path=tasks, log_samples=True, apply_chat_template=True)
+               for m in (chat, hf)]
+      for task in ('h_mc', 'h_gen'):
+        mine, samples = chats[0]['samples'][task], chats[1]['samples'][task]
+        assert [s['arguments'] for s in mine] == [s['arguments'] for s in samples]
+        assert '<|im_start|>user' in str(mine[0]['arguments']), mine[0]['arguments']
+        for a, b in zip(mine, samples):
+          fa, fb = flat_responses(a['resps']), flat_responses(b['resps'])
+          assert [x if isinstance(x, float) else None for x in fa] == pytest.approx(
+              [y if isinstance(y, float) else None for y in fb], abs=1e-4), (task, fa, fb)
+          assert [x for x in fa if not isinstance(x, float)] == [y for y in fb if not isinstance(y, float)]
+        assert chats[0]['results'][task] == pytest.approx(chats[1]['results'][task], rel=1e-5, abs=1e-6)
   worst, counts = 0.0, {}
   for task, (results, samples) in theirs.items():
     mine = ours['samples'][task]
