@@ -235,6 +235,40 @@ def test_tasks_command_equals_the_in_loop_scores_and_writes_lm_evals_files(harne
     assert len(samples.read_text().splitlines()) == len(docs)
 
 
+@pytest.mark.e2e  # two short in-process runs
+@pytest.mark.parametrize('kind', ['lora', 'moe'])
+def test_tasks_on_a_lora_or_moe_checkpoint_equal_the_in_loop_scores(tmp_path, data_cache, offline, kind):
+  """`--tasks` from any run's checkpoint: a LoRA run (its adapters on the base it holds) and a mixture of experts
+  score what their loop scored at that step, exactly."""
+  from jaxlm import harness, train
+  from jaxlm.tools import eval as eval_lib
+  tasks = write_tasks(tmp_path / 'tasks', {'h_mc': TASKS['h_mc']})
+  cfg = load_config('moe_tiny' if kind == 'moe' else 'palm_tiny')
+  if kind == 'lora':
+    cfg.model.lora.update(rank=4, alpha=8.0)
+  cfg.data.cache_dir = str(data_cache)
+  cfg.train.update(steps=2, eval_every=0, eval_batches=1, harness_tasks=('h_mc',), harness_every=0,
+                   harness_limit=0, harness_include_path=tasks)
+  cfg.optim.update(warmup_steps=1, lr=3e-2)  # large enough that two steps move the adapters off zero
+  cfg.checkpoint.update(every=0, async_save=False)
+  cfg.log.update(tensorboard=False, compilation_cache='')
+  workdir = str(tmp_path / kind)
+  train.run(cfg, workdir)
+  logged = _in_loop(workdir, step=2)
+  assert set(logged) == {'harness/h_mc/acc', 'harness/h_mc/acc_norm'}, logged
+  lm, step = eval_lib.harness_lm(workdir)
+  model_cfg = lm.scoring.model_cfg  # the run's own model, read back from its checkpoint
+  assert step == 2 and (model_cfg.moe.experts == 4 if kind == 'moe' else model_cfg.lora.rank == 4)
+  scored = harness.evaluate(lm, ['h_mc'], include_path=tasks, log_samples=True)
+  assert harness.metrics(scored) == logged
+  if kind == 'lora':  # the adapters count: the base alone answers otherwise
+    from jaxlm import lora as lora_lib
+    base = eval_lib.harness_lm(workdir)[0]
+    base.scoring.params = lora_lib.adapters_off(base.scoring.params)
+    plain = harness.evaluate(base, ['h_mc'], include_path=tasks, log_samples=True)
+    assert plain['samples']['h_mc'][0]['resps'] != scored['samples']['h_mc'][0]['resps']
+
+
 def test_a_task_that_cannot_run_offline_is_refused_before_step_0(tmp_path, data_cache, offline):
   """A task whose data is not on this machine: one line naming it, before any training step or checkpoint. (An
   unknown name is refused the same way, after indexing lm-eval's whole registry: too slow for the suite.)"""
