@@ -235,6 +235,36 @@ def test_tasks_command_equals_the_in_loop_scores_and_writes_lm_evals_files(harne
     assert len(samples.read_text().splitlines()) == len(docs)
 
 
+@pytest.mark.e2e  # two processes (launch/local.sh)
+def test_two_processes_score_a_task_once_as_one_process_does(harness_run, tmp_path, data_cache):
+  """A multi-process run scores a task in its loop as one SPMD program over every process's devices and logs one
+  result: the in-process run's numbers (the fixture: the same training on one process of 8 devices; it scored the
+  multiple-choice task beside two others, so batches differ and the numbers agree to float rounding)."""
+  import subprocess
+  import sys
+  from tests.conftest import ROOT
+  from tests.helpers import train_env
+  workdir, tasks = harness_run
+  run = tmp_path / 'two'
+  argv = ['launch/local.sh', '-n', '2', '-d', '4', '--', sys.executable, '-m', 'jaxlm.train', '--config=configs/palm_tiny.py',
+          f'--workdir={run}', f'--config.data.cache_dir={data_cache}', '--config.train.steps=4',
+          '--config.train.eval_every=0', '--config.train.eval_batches=1', '--config.train.log_every=2',
+          "--config.train.harness_tasks=('h_mc',)", '--config.train.harness_every=0',
+          '--config.train.harness_limit=0', f'--config.train.harness_include_path={tasks}',
+          '--config.optim.warmup_steps=2', '--config.checkpoint.every=0',
+          '--config.checkpoint.async_save=False', '--config.log.tensorboard=False', '--config.log.compilation_cache=',
+          '--config.dist.peer_timeout_s=60']
+  env = {**train_env(4), 'HF_DATASETS_OFFLINE': '1', 'HF_HUB_OFFLINE': '1',
+         'HF_DATASETS_CACHE': str(tmp_path / 'datasets')}
+  out = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  with open(run / 'metrics.jsonl') as f:
+    assert sum(json.loads(line)['kind'] == 'eval' for line in f) == 1  # one record, from process 0
+  two = _in_loop(str(run))
+  one = {k: v for k, v in _in_loop(workdir).items() if k.startswith('harness/h_mc/')}  # the EMA is off here
+  assert set(two) == {'harness/h_mc/acc', 'harness/h_mc/acc_norm'} and two == pytest.approx(one, rel=1e-6, abs=1e-7)
+
+
 @pytest.mark.e2e  # two short in-process runs
 @pytest.mark.parametrize('kind', ['lora', 'moe'])
 def test_tasks_on_a_lora_or_moe_checkpoint_equal_the_in_loop_scores(tmp_path, data_cache, offline, kind):
