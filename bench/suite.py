@@ -50,6 +50,21 @@ def kinds(r: dict) -> dict:
           'waiting': max(0.0, r['wall_s'] - max(r['cpu_self_s'], jax_s) - r['cpu_children_s'])}
 
 
+def tail_line(records: list[dict]) -> str:
+  """When each worker ran out of tests, from the first test's start: a worker idle at the end leaves its core to
+  the others, so the spread is the run's tail (files from before the records carried `ended_at` have none)."""
+  timed = [r for r in records if 'ended_at' in r]
+  if not timed:
+    return ''
+  start = min(r['ended_at'] - r['wall_s'] for r in timed)
+  ends = collections.defaultdict(float)
+  for r in timed:
+    ends[r['worker']] = max(ends[r['worker']], r['ended_at'] - start)
+  done = sorted(ends.values())
+  return (f'workers out of tests at {", ".join(f"{t:.0f}" for t in done)} s after the first test started '
+          f'(tail: {done[-1] - done[0]:.0f} s with fewer workers than at the start)')
+
+
 def summary(records: list[dict]) -> dict:
   total = collections.Counter()
   for r in records:
@@ -81,6 +96,8 @@ def main() -> None:
         f'{sum(r["e2e"] for r in after)} e2e; in-process compiles {sum(r["compiles"] for r in after):.0f}, '
         f'persistent-cache hits {sum(r["cache_hits"] for r in after):.0f}')
   print(speed)
+  if line := tail_line(after):
+    print(line)
   failed = [r['id'] for r in after if r.get('outcome', 'passed') == 'failed']
   if failed:
     print(f'{len(failed)} failed: ' + ', '.join(failed))

@@ -159,6 +159,19 @@ def test_requests_equal_lm_evals_hf_backend_on_the_export(harness_run, tmp_path,
                  {'role': 'assistant', 'content': 'return 1 '}]
       for prompt, turns in ((True, history[:2]), (False, history)):
         assert chat.apply_chat_template(turns, prompt) == hf.apply_chat_template(turns, prompt), (prompt, turns)
+      # Whole tasks rendered through the template (`--apply_chat_template`): the same requests, the same answers.
+      chats = [harness.evaluate(m, ['h_mc', 'h_gen'], include_path=tasks, log_samples=True, apply_chat_template=True)
+               for m in (chat, hf)]
+      for task in ('h_mc', 'h_gen'):
+        mine, samples = chats[0]['samples'][task], chats[1]['samples'][task]
+        assert [s['arguments'] for s in mine] == [s['arguments'] for s in samples]
+        assert '<|im_start|>user' in str(mine[0]['arguments']), mine[0]['arguments']
+        for a, b in zip(mine, samples):
+          fa, fb = flat_responses(a['resps']), flat_responses(b['resps'])
+          assert [x if isinstance(x, float) else None for x in fa] == pytest.approx(
+              [y if isinstance(y, float) else None for y in fb], abs=1e-4), (task, fa, fb)
+          assert [x for x in fa if not isinstance(x, float)] == [y for y in fb if not isinstance(y, float)]
+        assert chats[0]['results'][task] == pytest.approx(chats[1]['results'][task], rel=1e-5, abs=1e-6)
   worst, counts = 0.0, {}
   for task, (results, samples) in theirs.items():
     mine = ours['samples'][task]
@@ -220,6 +233,70 @@ def test_tasks_command_equals_the_in_loop_scores_and_writes_lm_evals_files(harne
   for task, (_, docs, _) in TASKS.items():
     [samples] = list((tmp_path / 'out').rglob(f'samples_{task}_*.jsonl'))
     assert len(samples.read_text().splitlines()) == len(docs)
+
+
+@pytest.mark.e2e  # two processes (launch/local.sh)
+def test_two_processes_score_a_task_once_as_one_process_does(harness_run, tmp_path, data_cache):
+  """A multi-process run scores a task in its loop as one SPMD program over every process's devices and logs one
+  result: the in-process run's numbers (the fixture: the same training on one process of 8 devices; it scored the
+  multiple-choice task beside two others, so batches differ and the numbers agree to float rounding)."""
+  import subprocess
+  import sys
+  from tests.conftest import ROOT
+  from tests.helpers import train_env
+  workdir, tasks = harness_run
+  run = tmp_path / 'two'
+  argv = ['launch/local.sh', '-n', '2', '-d', '4', '--', sys.executable, '-m', 'jaxlm.train', '--config=configs/palm_tiny.py',
+          f'--workdir={run}', f'--config.data.cache_dir={data_cache}', '--config.train.steps=4',
+          '--config.train.eval_every=0', '--config.train.eval_batches=1', '--config.train.log_every=2',
+          "--config.train.harness_tasks=('h_mc',)", '--config.train.harness_every=0',
+          '--config.train.harness_limit=0', f'--config.train.harness_include_path={tasks}',
+          '--config.optim.warmup_steps=2', '--config.checkpoint.every=0',
+          '--config.checkpoint.async_save=False', '--config.log.tensorboard=False', '--config.log.compilation_cache=',
+          '--config.dist.peer_timeout_s=60']
+  env = {**train_env(4), 'HF_DATASETS_OFFLINE': '1', 'HF_HUB_OFFLINE': '1',
+         'HF_DATASETS_CACHE': str(tmp_path / 'datasets')}
+  out = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  with open(run / 'metrics.jsonl') as f:
+    assert sum(json.loads(line)['kind'] == 'eval' for line in f) == 1  # one record, from process 0
+  two = _in_loop(str(run))
+  one = {k: v for k, v in _in_loop(workdir).items() if k.startswith('harness/h_mc/')}  # the EMA is off here
+  assert set(two) == {'harness/h_mc/acc', 'harness/h_mc/acc_norm'} and two == pytest.approx(one, rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.e2e  # two short in-process runs
+@pytest.mark.parametrize('kind', ['lora', 'moe'])
+def test_tasks_on_a_lora_or_moe_checkpoint_equal_the_in_loop_scores(tmp_path, data_cache, offline, kind):
+  """`--tasks` from any run's checkpoint: a LoRA run (its adapters on the base it holds) and a mixture of experts
+  score what their loop scored at that step, exactly."""
+  from jaxlm import harness, train
+  from jaxlm.tools import eval as eval_lib
+  tasks = write_tasks(tmp_path / 'tasks', {'h_mc': TASKS['h_mc']})
+  cfg = load_config('moe_tiny' if kind == 'moe' else 'palm_tiny')
+  if kind == 'lora':
+    cfg.model.lora.update(rank=4, alpha=8.0)
+  cfg.data.cache_dir = str(data_cache)
+  cfg.train.update(steps=2, eval_every=0, eval_batches=1, harness_tasks=('h_mc',), harness_every=0,
+                   harness_limit=0, harness_include_path=tasks)
+  cfg.optim.update(warmup_steps=1, lr=3e-2)  # large enough that two steps move the adapters off zero
+  cfg.checkpoint.update(every=0, async_save=False)
+  cfg.log.update(tensorboard=False, compilation_cache='')
+  workdir = str(tmp_path / kind)
+  train.run(cfg, workdir)
+  logged = _in_loop(workdir, step=2)
+  assert set(logged) == {'harness/h_mc/acc', 'harness/h_mc/acc_norm'}, logged
+  lm, step = eval_lib.harness_lm(workdir)
+  model_cfg = lm.scoring.model_cfg  # the run's own model, read back from its checkpoint
+  assert step == 2 and (model_cfg.moe.experts == 4 if kind == 'moe' else model_cfg.lora.rank == 4)
+  scored = harness.evaluate(lm, ['h_mc'], include_path=tasks, log_samples=True)
+  assert harness.metrics(scored) == logged
+  if kind == 'lora':  # the adapters count: the base alone answers otherwise
+    from jaxlm import lora as lora_lib
+    base = eval_lib.harness_lm(workdir)[0]
+    base.scoring.params = lora_lib.adapters_off(base.scoring.params)
+    plain = harness.evaluate(base, ['h_mc'], include_path=tasks, log_samples=True)
+    assert plain['samples']['h_mc'][0]['resps'] != scored['samples']['h_mc'][0]['resps']
 
 
 def test_a_task_that_cannot_run_offline_is_refused_before_step_0(tmp_path, data_cache, offline):

@@ -87,3 +87,13 @@ def pytest_configure(config):
   result.assert_outcomes(passed=3)
   # At the start-up probe's scale (x0.5) the 0.15 s test would cost 0.075 s, under the budget, and go unreported.
   result.stdout.fnmatch_lines(['over budget: test_dummy.py::test_costly * s (CPU * s x 1.00 *'])
+
+
+def test_the_timeline_says_when_each_worker_ran_out_of_tests():
+  from bench import suite
+  records = [dict(worker='gw0', ended_at=110.0, wall_s=10.0), dict(worker='gw0', ended_at=130.0, wall_s=20.0),
+             dict(worker='gw1', ended_at=190.0, wall_s=40.0), dict(worker='gw2', ended_at=150.0, wall_s=50.0)]
+  # The first test started at 100 (gw0's first and gw2's only); workers ran out at 30, 50 and 90 s.
+  assert suite.tail_line(records) == ('workers out of tests at 30, 50, 90 s after the first test started (tail: '
+                                      '60 s with fewer workers than at the start)')
+  assert suite.tail_line([dict(worker='gw0', wall_s=1.0)]) == ''  # a file from before `ended_at`

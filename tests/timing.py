@@ -94,7 +94,8 @@ def pytest_runtest_protocol(item, nextitem):
                 e2e=item.get_closest_marker('e2e') is not None,
                 wall_s=time.monotonic() - start[0], cpu_self_s=_cpu(resource.RUSAGE_SELF) - start[1],
                 cpu_children_s=_cpu(resource.RUSAGE_CHILDREN) - start[2],
-                **{k: _totals[k] - before[k] for k in _totals}, worker=os.environ.get('PYTEST_XDIST_WORKER', ''))
+                **{k: _totals[k] - before[k] for k in _totals}, worker=os.environ.get('PYTEST_XDIST_WORKER', ''),
+                ended_at=time.time())  # the run's timeline: when each worker ran out of tests (bench/suite.py)
   if budget := _budgets.pop(item.nodeid, None):
     record['budget'] = budget
   _write(record)
