@@ -577,18 +577,7 @@ class Decoder(nn.Module):
   def __call__(self, inputs, segment_ids, positions, deterministic: bool = True):
     """inputs, segment_ids, positions: (B, T) int32 -> logits (B, T, V) in the compute dtype."""
     m = self.config
-    D, V = m.d_model, m.vocab_size
-    # PaLM: N(0, 1) embeddings, since no norm follows the lookup; logits are then scaled by 1/sqrt(D) when tied.
-    embedding = _param(self, 'embedding', ('vocab', 'embed'), (V, D), 1.0, m)
-    # Gather from a view of the table whole along V and split along D over tensor: a gather from a vocab-split
-    # table makes XLA rematerialise the whole result, and a replicated view would hold the whole (V, D) table,
-    # and backward its whole float32 gradient, on every device. The looked-up rows then move to the residual
-    # stream's sequence split (an all-to-all over tensor).
-    table = nn.with_logical_constraint(embedding, (None, 'act_table_embed'))
-    x = jnp.take(table, inputs, axis=0).astype(m.dtype)  # (B, T, D)
-    if m.embed_scale:  # Gemma: its N(0, 1/D)-scale table brought to unit scale, in the compute dtype as Gemma does
-      x = x * jnp.asarray(math.sqrt(D), m.dtype)
-    x = nn.with_logical_constraint(x, RESIDUAL)
+    embedding, table, x = self.embed(inputs)
 
     # The scanned unit: one layer, or with MoE every n-th layer a group of n (jaxlm/moe.py); the stack's
     # variables (parameters, fp8 scales, routing statistics) get a leading axis, one entry per unit.
@@ -645,6 +634,22 @@ class Decoder(nn.Module):
     if depths:
       self.sow(mtp_lib.COLLECTION, 'logits', jnp.stack(logits[1:]))  # (mtp_depth, B, T, V)
     return logits[0]
+
+  def embed(self, inputs):
+    """(the (V, D) embedding parameter, its gather view, the looked-up (B, T, D) residual stream)."""
+    m = self.config
+    D, V = m.d_model, m.vocab_size
+    # PaLM: N(0, 1) embeddings, since no norm follows the lookup; logits are then scaled by 1/sqrt(D) when tied.
+    embedding = _param(self, 'embedding', ('vocab', 'embed'), (V, D), 1.0, m)
+    # Gather from a view of the table whole along V and split along D over tensor: a gather from a vocab-split
+    # table makes XLA rematerialise the whole result, and a replicated view would hold the whole (V, D) table,
+    # and backward its whole float32 gradient, on every device. The looked-up rows then move to the residual
+    # stream's sequence split (an all-to-all over tensor).
+    table = nn.with_logical_constraint(embedding, (None, 'act_table_embed'))
+    x = jnp.take(table, inputs, axis=0).astype(m.dtype)  # (B, T, D)
+    if m.embed_scale:  # Gemma: its N(0, 1/D)-scale table brought to unit scale, in the compute dtype as Gemma does
+      x = x * jnp.asarray(math.sqrt(D), m.dtype)
+    return embedding, table, nn.with_logical_constraint(x, RESIDUAL)
 
   def decode_one_by_one(self, x, segment_ids, positions, local, first, units, fields):
     """Decoding (jaxlm/generate.py: the `cache` collection mutable) through a scanned stack that mixes local and
