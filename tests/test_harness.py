@@ -91,6 +91,9 @@ def offline(tmp_path_factory):
         os.environ[k] = v
 
 
+SEQ_LEN = 128  # room for the shipped jaxlm_generations' 64 new tokens after a context
+
+
 @pytest.fixture(scope='module')
 def harness_run(tmp_path_factory, data_cache, offline):
   """A palm_tiny run trained 4 steps that scored the three tasks in the loop at its end (checkpointed there);
@@ -98,7 +101,7 @@ def harness_run(tmp_path_factory, data_cache, offline):
   from jaxlm import train
   tasks = write_tasks(tmp_path_factory.mktemp('tasks'))
   cfg = load_config('palm_tiny')
-  cfg.data.cache_dir = str(data_cache)
+  cfg.data.update(cache_dir=str(data_cache), seq_len=SEQ_LEN)
   cfg.train.update(steps=4, eval_every=0, eval_batches=1, log_every=2, harness_tasks=tuple(TASKS),
                    harness_every=0, harness_limit=0, harness_include_path=tasks)
   cfg.optim.update(warmup_steps=2, ema=0.5)  # the averaged weights are scored too (harness/..._ema)
@@ -139,15 +142,19 @@ def test_requests_equal_lm_evals_hf_backend_on_the_export(harness_run, tmp_path,
   os.makedirs(tmp_path / 'jaxlm')
   os.symlink(harness.TASKS_DIR, tmp_path / 'jaxlm' / 'lm_eval_tasks')
   eval_lib.write_jsonl(str(tmp_path / 'documents.jsonl'), [d['text'] for d in DOCS])
+  with open(tmp_path / 'prompts.jsonl', 'w') as f:  # the shipped generation task's file: greedy to 64 tokens
+    f.writelines(json.dumps({'prompt': g['prompt'], 'reference': g['answer']}) + '\n' for g in GEN[:3])
   monkeypatch.chdir(tmp_path)
   lm, step = eval_lib.harness_lm(workdir)
   assert step == 4
-  ours = harness.evaluate(lm, [*TASKS, 'jaxlm_code_mc', 'jaxlm_documents'], include_path=tasks, log_samples=True)
+  shipped = ['jaxlm_code_mc', 'jaxlm_documents', 'jaxlm_generations']
+  ours = harness.evaluate(lm, [*TASKS, *shipped], include_path=tasks, log_samples=True)
   export_lib.export(workdir, str(tmp_path / 'hf'))
   theirs = {}
   # The start token once before every context (add_bos_token=True); rolling documents get it from lm-eval's
   # prefix token, so there the tokenizer must not add it (add_bos_token=False), as jaxlm's rolling does.
-  for add_bos, names in ((True, ['h_mc', 'h_gen', 'jaxlm_code_mc']), (False, ['h_roll', 'jaxlm_documents'])):
+  for add_bos, names in ((True, ['h_mc', 'h_gen', 'jaxlm_code_mc', 'jaxlm_generations']),
+                         (False, ['h_roll', 'jaxlm_documents'])):
     hf = HFLM(pretrained=str(tmp_path / 'hf'), dtype='float32', add_bos_token=add_bos, batch_size=8, device='cpu')
     out = harness.evaluate(hf, names, include_path=tasks, log_samples=True)
     theirs.update({k: (out['results'][k], out['samples'][k]) for k in names})
@@ -247,7 +254,8 @@ def test_two_processes_score_a_task_once_as_one_process_does(harness_run, tmp_pa
   workdir, tasks = harness_run
   run = tmp_path / 'two'
   argv = ['launch/local.sh', '-n', '2', '-d', '4', '--', sys.executable, '-m', 'jaxlm.train', '--config=configs/palm_tiny.py',
-          f'--workdir={run}', f'--config.data.cache_dir={data_cache}', '--config.train.steps=4',
+          f'--workdir={run}', f'--config.data.cache_dir={data_cache}', f'--config.data.seq_len={SEQ_LEN}',
+          '--config.train.steps=4',
           '--config.train.eval_every=0', '--config.train.eval_batches=1', '--config.train.log_every=2',
           "--config.train.harness_tasks=('h_mc',)", '--config.train.harness_every=0',
           '--config.train.harness_limit=0', f'--config.train.harness_include_path={tasks}',
