@@ -13,7 +13,8 @@ import numpy as np
 from jaxlm import model as model_lib
 from jaxlm.hf import deepseek, gpt_oss
 from jaxlm.hf.families import (FAMILY_BLOCKS, FAMILY_MODEL_TYPES, ExportError, HFImportError,  # noqa: F401
-                               family_architecture, family_config, family_overrides, features, norm_names)
+                               family_architecture, family_config, family_overrides, features, norm_names,
+                               refuse_quantized)
 
 # A Hugging Face model directory's tokenizer files (import copies them beside a run's checkpoints; export looks there).
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'chat_template.jinja',
@@ -351,6 +352,7 @@ def _moe_overrides(hf: dict) -> dict:
 
 def model_overrides(hf: dict) -> dict:
   """cfg.model values that compute what the Hugging Face `config.json` dict `hf` describes."""
+  refuse_quantized(hf)  # every family: before its own key checks, with the fix
   if hf.get('vision_config') is not None or hf.get('model_type') == 'gemma3':
     raise HFImportError(f'{hf.get("architectures") or hf.get("model_type")} has a vision tower (vision_config): '
                         f'jaxlm imports text models only; import the text model (Gemma3ForCausalLM, model_type '

@@ -190,10 +190,20 @@ def test_export_refuses_what_deepseek_v3_does_not_compute(imported):
       export.architecture(changed)
 
 
-def test_import_refuses_fields_jaxlm_does_not_handle():
+# The released DeepSeek-V3 config.json's quantization_config: FP8 weights in 128 × 128 blocks with their scales.
+FP8 = {'activation_scheme': 'dynamic', 'fmt': 'e4m3', 'quant_method': 'fp8', 'weight_block_size': [128, 128]}
+
+
+def test_import_refuses_fields_jaxlm_does_not_handle(tmp_path):
   """A config.json field jaxlm does not read, or one with a value it does not compute, is refused in one line that
-  names it; a plain query projection (q_lora_rank null, V2-Lite) is accepted as q_lora_rank=0."""
+  names it, the released FP8 quantization_config before any tensor is read; a plain query projection
+  (q_lora_rank null, V2-Lite) is accepted as q_lora_rank=0."""
   hf = dict(CONFIG, model_type='deepseek_v3', rope_interleave=True)
+  (tmp_path / 'config.json').write_text(json.dumps(dict(hf, quantization_config=FP8)))  # no tensors at all
+  with pytest.raises(import_hf.HFImportError, match=r"field 'quantization_config' \(quant_method='fp8'\).*"
+                                                    r"weight_scale_inv.*bfloat16 copy") as e:
+    import_hf.import_hf(str(tmp_path), str(tmp_path / 'run'))
+  assert '\n' not in str(e.value)
   assert import_hf.model_overrides(dict(hf, q_lora_rank=None))['q_lora_rank'] == 0
   for bad, match in [(dict(hf, attention_bias=True), 'attention_bias=True'),
                      (dict(hf, scoring_func='softmax'), "scoring_func='softmax'"),
