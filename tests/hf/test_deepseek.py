@@ -18,14 +18,16 @@ from jaxlm import config as config_lib
 from jaxlm import errors
 from jaxlm import mla as mla_lib
 from jaxlm import model as model_lib
+from jaxlm.data import tokenizer as tokenizer_lib
 from jaxlm.hf import export
 from jaxlm.hf import import_llama as import_hf
+from tests.data import chat_fixtures
 from tests.helpers import export_round_trip, load_config, odd_config, random_batch
 from tests.hf.test_families import _logits, _torch_logits
 from tests.test_sharding import _two_steps
 
 SEQ = 24
-CONFIG = dict(vocab_size=97, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
+CONFIG = dict(vocab_size=300, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
               routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
               qk_nope_head_dim=10, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
@@ -60,7 +62,14 @@ def imported(tmp_path_factory):
       layer.mlp.gate.e_score_correction_bias.copy_(torch.rand(CONFIG['n_routed_experts']) * 0.2 - 0.1)
   root = tmp_path_factory.mktemp('deepseek')
   original.save_pretrained(str(root / 'hf'), safe_serialization=True)
+  # The model's tokenizer (vocab_size ids), chat template and generation_config.json with two end-of-sequence
+  # ids, as a DeepSeek directory ships them: the import carries them beside the run.
+  tok = tokenizer_lib.load(chat_fixtures.make_tokenizer(str(root / 'hf'), vocab_size=CONFIG['vocab_size']))
+  assert tok.vocab_size == CONFIG['vocab_size']
+  (root / 'hf' / 'generation_config.json').write_text(json.dumps(
+      {'bos_token_id': tok.bos_id, 'eos_token_id': [tok.eos_id, tok.token_to_id('<|im_end|>')]}))
   result = import_hf.import_hf(str(root / 'hf'), str(root / 'run'))
+  ORIGINAL['import'] = result
   cfg = export.read_config(result['checkpoint'])
   cfg.model.dtype = 'float32'
   m = model_lib.ModelConfig.from_config(cfg.model)
@@ -176,6 +185,16 @@ def test_export_round_trips_to_transformers(imported):
   assert written['model_type'] == 'deepseek_v3'
   MAX_ABS['export'] = float(np.abs(_torch_logits((torch, transformers), back, tokens) - theirs).max())
   assert MAX_ABS['export'] <= 1e-4
+  # The tokenizer, its chat template and the end-of-sequence ids went through the import and came back out.
+  assert ORIGINAL['import']['tokenizer_files'] == ['tokenizer.json', 'tokenizer_config.json', 'generation_config.json']
+  source, exported = (transformers.AutoTokenizer.from_pretrained(str(root / d)) for d in ('hf', 'back'))
+  text = 'Zed has 7 quartzs.\n    return y  # ü'
+  assert exported(text)['input_ids'] == source(text)['input_ids']
+  messages = chat_fixtures.conversations(3)[2]['messages']
+  assert exported.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+      source.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+  end_ids = json.loads((root / 'hf' / 'generation_config.json').read_text())['eos_token_id']
+  assert json.loads((root / 'back' / 'generation_config.json').read_text())['eos_token_id'][:2] == end_ids
 
 
 def test_export_refuses_what_deepseek_v3_does_not_compute(imported):
