@@ -430,7 +430,8 @@ def _reference_mtp(torch, original, layer, tokens):
 def test_mtp_layer_imports_exports_and_matches_the_v3_formula(imported, tmp_path):
   """A checkpoint with a released-style MTP layer (model.layers.L.*, its block a mixture of experts as V3's)
   imports as model.mtp_depth=1 with the main logits still transformers' (1e-4); the stored tensors land exactly
-  in jaxlm's MTP parameters and export back bit for bit under the same names; jaxlm's MTP logits and loss equal
+  in jaxlm's MTP parameters and export back bit for bit under the same names, which transformers loads with no
+  main-model key missing and the original's logits (1e-4); jaxlm's MTP logits and loss equal
   a torch computation of DeepSeek-V3's MTP formula on the same tensors (1e-4)."""
   import shutil
   import torch
@@ -464,6 +465,15 @@ def test_mtp_layer_imports_exports_and_matches_the_v3_formula(imported, tmp_path
   for name, x in {**main, **layer}.items():
     np.testing.assert_array_equal(after[name], x, err_msg=name)
   assert json.loads((tmp_path / 'back' / 'config.json').read_text())['num_nextn_predict_layers'] == 1
+  # transformers loads the export as DeepseekV3ForCausalLM: every main-model weight found, only the MTP layer's
+  # left over (it ignores that layer, as for a released checkpoint), and the original's logits.
+  back, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / 'back'), attn_implementation='eager',
+                                                                 output_loading_info=True)
+  assert type(back).__name__ == 'DeepseekV3ForCausalLM' and not info['missing_keys'] and not info['mismatched_keys']
+  assert all(k.startswith('model.layers.2.') for k in info['unexpected_keys']), info['unexpected_keys']
+  MAX_ABS['export with MTP'] = float(np.abs(_torch_logits((torch, transformers), back.float().eval(), tokens)
+                                            - theirs).max())
+  assert MAX_ABS['export with MTP'] <= 1e-4
 
   B, T = tokens.shape
   positions = np.tile(np.arange(T, dtype=np.int32), (B, 1))
