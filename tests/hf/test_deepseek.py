@@ -496,3 +496,48 @@ def test_mtp_layer_imports_exports_and_matches_the_v3_formula(imported, tmp_path
       - want[:, :-2].max(-1, keepdims=True)
   reference = -np.take_along_axis(logp, tokens[:, 2:, None], -1).mean()  # position i predicts t_{i+2}
   np.testing.assert_allclose(float(got), reference, rtol=1e-5)
+
+
+
+def _sft_losses(cfg, params, batch):
+  """[loss 1, loss 2] of two train steps of step.build_program's (one device) from the imported `params` joined
+  to the LoRA adapters init drew (B = 0: the import's function to begin with)."""
+  from jaxlm import lora as lora_lib
+  from jaxlm import sharding, train
+  from tests.helpers import plain_program
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, cfg.mesh.expert = 1, 1, 1, 1
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+  program = plain_program(cfg, mesh, steps=10)
+  state = program.init()
+  params = lora_lib.join_adapters(params, lora_lib.split_adapters(jax.device_get(state.params))[1])
+  state = dataclasses.replace(state, params=jax.device_put(params, program.state_shardings.params))
+  b = train.global_batch(batch, program.batch_sharding)
+  state, m1 = program.train_step(state, b)
+  state, m2 = program.train_step(state, b)
+  return [float(m1['loss']), float(m2['loss'])]
+
+
+def test_lora_sft_on_the_import_starts_from_transformers_loss_and_lowers_it(imported):
+  """Fine-tuning the imported DeepSeek-V3 through the trainer's step (step.build_program) with SFT loss weights
+  (prompts and padding weighted 0) and LoRA on every MLA projection: the first step's loss is transformers'
+  cross-entropy on the same tokens and weights (1e-5), the second's lower. (Full-parameter steps of MLA and
+  DeepSeek's MoE are the sharded tests'; one program here keeps the test cheap.)"""
+  _, _, _, params, tokens, theirs = imported
+  B, T = tokens.shape
+  weights = np.ones((B, T), np.float32)
+  weights[0, :8], weights[1, :5], weights[:, -1] = 0, 0, 0  # the prompts, and the last token (no target)
+  segment_ids = np.ones_like(tokens)
+  segment_ids[1, -4:] = 0  # row 1 padded at the end
+  weights[segment_ids == 0] = 0
+  batch = dict(inputs=tokens, targets=np.concatenate([tokens[:, 1:], tokens[:, :1] * 0], 1), weights=weights,
+               segment_ids=segment_ids, positions=np.tile(np.arange(T, dtype=np.int32), (B, 1)))
+  logp = theirs - theirs.max(-1, keepdims=True)
+  logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+  reference = -(np.take_along_axis(logp, batch['targets'][..., None], -1)[..., 0] * weights).sum() / weights.sum()
+  cfg = export.read_config(ORIGINAL['import']['checkpoint'])
+  cfg.model.update(dtype='float32', z_loss=0.0, remat='none')
+  cfg.model.lora.update(rank=4, alpha=8.0, targets=('query', 'out', 'query_a', 'kv_a', 'kv_b'))
+  cfg.optim.update(warmup_steps=0, lr=1e-2)
+  losses = _sft_losses(cfg, params, batch)
+  np.testing.assert_allclose(losses[0], reference, rtol=1e-5)
+  assert losses[1] < losses[0] - 1e-2
