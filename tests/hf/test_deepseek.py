@@ -24,7 +24,6 @@ from jaxlm.hf import import_llama as import_hf
 from tests.data import chat_fixtures
 from tests.helpers import export_round_trip, load_config, odd_config, random_batch
 from tests.hf.test_families import _logits, _torch_logits
-from tests.test_sharding import _two_steps
 
 SEQ = 24
 CONFIG = dict(vocab_size=300, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
@@ -81,10 +80,11 @@ def imported(tmp_path_factory):
 
 
 def test_import_equals_transformers_and_rope_and_latent_norms_matter(imported, monkeypatch):
-  """An imported DeepSeek-V3's logits == transformers' (1e-4) under DeepSeek's YaRN (mscale != mscale_all_dim);
+  """An imported DeepSeek-V3's logits == transformers' (1e-4) under DeepSeek's YaRN (mscale != mscale_all_dim),
+  its layers scanned or unrolled;
   the same weights without the decoupled RoPE (positions all 0), with its rotary dims left interleaved, without
   the latent norms or without YaRN's softmax correction (mscale_all_dim) move them by >= 1e-2."""
-  _, _, m, params, tokens, theirs = imported
+  _, root, m, params, tokens, theirs = imported
   assert m.mla.kv_lora_rank == 16 and m.moe.first_dense == 1 and m.moe.router == 'deepseek_v3'
   assert m.rope_scaling == 'yarn' and m.rope_mscale_all_dim == 1.0 and m.rope_attention_factor != 1.0
   no_mscale = dataclasses.replace(m, rope_mscale_all_dim=0.0)
@@ -97,6 +97,11 @@ def test_import_equals_transformers_and_rope_and_latent_norms_matter(imported, m
   logits = lambda p, pos=positions: np.asarray(apply({'params': p}, tokens, np.ones_like(tokens), pos))  # noqa: E731
   MAX_ABS['import'] = float(np.abs(logits(params) - theirs).max())
   assert MAX_ABS['import'] <= 1e-4
+  unrolled = dataclasses.replace(m, scan_layers=False)  # layers_0 (dense), layers_1 (MoE): no stacks
+  per_layer = import_hf.from_hf(import_hf.read_safetensors(str(root / 'hf')), unrolled, scan_layers=False)
+  assert {'layers_0', 'layers_1'} <= set(per_layer) and 'layers' not in per_layer
+  MAX_ABS['import unrolled'] = float(np.abs(_logits(model_lib.Decoder(unrolled), per_layer, tokens) - theirs).max())
+  assert MAX_ABS['import unrolled'] <= 1e-4
   assert model_lib.param_count(m) == sum(np.size(x) for x in jax.tree.leaves(params))
 
   no_rope = logits(params, np.zeros_like(tokens))
@@ -256,18 +261,53 @@ def _mla_config(q_lora_rank: int):
   return cfg
 
 
+def _mla_steps(cfg, batch, init=None, **axes):
+  """([loss 1, loss 2, grad norm], state) of two train steps on the mesh `axes` (mesh.* sizes, the others 1), from
+  the host state `init` (None: the program's own init, which then is returned instead, on the host)."""
+  from jaxlm import sharding, train
+  from tests.helpers import plain_program
+  cfg.mesh.update(**{**dict(data=1, fsdp=1, tensor=1, context=1, stage=1, expert=1), **axes})
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:int(np.prod(list(axes.values()) or [1]))])
+  program = plain_program(cfg, mesh, steps=10)
+  if init is None:
+    return jax.device_get(program.init())
+  state = jax.device_put(init, program.state_shardings)
+  b = train.global_batch(batch, program.batch_sharding)
+  state, m1 = program.train_step(state, b)
+  state, m2 = program.train_step(state, b)
+  return [float(m1['loss']), float(m2['loss']), float(m1['grad_norm'])], state
+
+
+def _unrolled(tree, num_layers: int):
+  """A scanned state's every `layers` stack (params, Adam's moments) as unrolled layers_0 … layers_{L-1}."""
+  def unroll(d):
+    if not (isinstance(d, dict) and 'layers' in d):
+      return d
+    out = {k: v for k, v in d.items() if k != 'layers'}
+    return {**out, **{f'layers_{i}': jax.tree.map(lambda x, i=i: x[i], d['layers']) for i in range(num_layers)}}
+  return jax.tree.map(unroll, tree, is_leaf=lambda d: isinstance(d, dict) and 'layers' in d)
+
+
 def test_sharded_mla_step_matches_single_device():
-  """Two training steps of an MLA model (plain query projection) on fsdp 4 × tensor 2 (heads split) equal one
-  device (1e-5) in loss and gradient norm; documents packed two to a row."""
+  """Two training steps of an MLA model (plain query projection) equal one device's (1e-5) in loss and gradient
+  norm on fsdp 4 × tensor 2 (heads split over tensor), on context 2 × fsdp 2 × tensor 2 (the sequence split, in
+  zig-zag order), on 2 pipeline stages × fsdp 2, and unrolled (model.scan_layers=False) on fsdp 2 × tensor 2;
+  documents packed two to a row. Every mesh starts from the one device's initial state (one init compiled)."""
   q_lora_rank = 0
   cfg = _mla_config(q_lora_rank)
   batch = random_batch(8, 24, cfg.model.vocab_size, docs=2)
-  reference, _ = _two_steps(cfg.copy_and_resolve_references(), (1, 1, 1), batch)
+  init = _mla_steps(cfg.copy_and_resolve_references(), batch)
+  reference, _ = _mla_steps(cfg.copy_and_resolve_references(), batch, init)
   assert reference[1] < reference[0]  # the step did something
-  got, state = _two_steps(cfg, (1, 4, 2), batch)
-  np.testing.assert_allclose(got, reference, rtol=1e-5)
-  wq = state.params['layers']['attention']['query_b' if q_lora_rank else 'query']
-  assert 'tensor' in str(wq.sharding.spec)  # heads over tensor, not replicated
+  for axes, scan in ((dict(fsdp=4, tensor=2), True), (dict(context=2, fsdp=2, tensor=2), True),
+                     (dict(stage=2, fsdp=2), True), (dict(fsdp=2, tensor=2), False)):
+    c = cfg.copy_and_resolve_references()
+    c.model.scan_layers = scan
+    got, state = _mla_steps(c, batch, init if scan else _unrolled(init, c.model.num_layers), **axes)
+    np.testing.assert_allclose(got, reference, rtol=1e-5, err_msg=f'{axes} scan_layers={scan}')
+    if 'tensor' in axes:
+      wq = state.params['layers' if scan else 'layers_0']['attention']['query_b' if q_lora_rank else 'query']
+      assert 'tensor' in str(wq.sharding.spec)  # heads over tensor, not replicated
 
 
 def test_latent_cache_greedy_equals_full_recompute():
