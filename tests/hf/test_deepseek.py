@@ -242,6 +242,7 @@ def test_import_refuses_fields_jaxlm_does_not_handle(tmp_path):
 
 @pytest.mark.parametrize('overrides, says', [
     (dict(attention='splash'), 'model.attention=splash with MLA'),
+    (dict(attention='cudnn'), 'model.attention=cudnn with MLA: queries and keys are En [+] Er wide and values Ev'),
     (dict(qk_rope_head_dim=7), 'model.qk_rope_head_dim=7 must be even'),
     (dict(v_head_dim=0), 'model.v_head_dim=0 must be > 0'),
     (dict(attention_window=8), 'model.attention_window=8 with MLA'),
@@ -252,6 +253,16 @@ def test_validate_refuses_what_mla_cannot_run(overrides, says):
   c.model.update(parallel_block=False, kv_lora_rank=16, **overrides)
   with pytest.raises(errors.ConfigError, match=says):
     config_lib.validate(c, num_devices=8)
+
+
+def test_start_up_line_names_the_kernel_mla_runs():
+  """model.attention=auto with MLA: the trainer's attention line says xla and why, not the fused kernel auto
+  would pick for another model; without MLA the line is attention.select's."""
+  c = load_config('palm_tiny')
+  c.model.update(attention='auto', kv_lora_rank=16)
+  assert mla_lib.kernel_reason(c.model).startswith('xla attention: multi-head latent attention')
+  c.model.kv_lora_rank = 0
+  assert mla_lib.kernel_reason(c.model) is None
 
 
 def _mla_config(q_lora_rank: int):
