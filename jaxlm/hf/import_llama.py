@@ -2,7 +2,7 @@
 
 One command for every family jaxlm computes exactly (convert.IMPORTABLE): Llama, Qwen3 (dense, QK-norm), Mixtral,
 Qwen3-MoE, OLMoE, (hf/families.py) Gemma 2, Gemma 3 (text), Mistral, OLMo 2 and OLMo 3, (hf/gpt_oss.py) gpt-oss,
-and (hf/deepseek.py) DeepSeek-V3; config.json's model_type picks the mapping.
+and (hf/deepseek.py) DeepSeek-V3 and -V2; config.json's model_type picks the mapping.
 
   python -m jaxlm.hf.import_llama --hf_dir=path/to/llama --out=runs/llama_import [--config=configs/base.py]
 

@@ -592,3 +592,47 @@ def test_lora_sft_on_the_import_starts_from_transformers_loss_and_lowers_it(impo
   losses = _sft_losses(cfg, params, batch)
   np.testing.assert_allclose(losses[0], reference, rtol=1e-5)
   assert losses[1] < losses[0] - 1e-2
+
+
+def test_deepseek_v2_imports_and_exports_with_transformers_logits(imported, tmp_path):
+  """DeepseekV2ForCausalLM (V2-Lite's plain query projection; V2's softmax routing limited to the groups with the
+  best single score, no renormalisation, no selection bias) imports with transformers' logits (1e-4), which
+  renormalising or dropping the group limit moves by >= 1e-2, and exports back bit for bit as DeepseekV2ForCausalLM, which transformers reloads with the same logits."""
+  import shutil
+  import torch
+  transformers, root = imported[:2]
+  torch.manual_seed(1)
+  # One group of two experts per token (topk_group 1): its best single score picks it, not its best two's sum.
+  v2 = {k: v for k, v in CONFIG.items() if k not in ('q_lora_rank', 'topk_group')}
+  config = transformers.DeepseekV2Config(**v2, q_lora_rank=None, topk_method='group_limited_greedy', topk_group=1)
+  config._attn_implementation = 'eager'  # pylint: disable=protected-access
+  original = transformers.DeepseekV2ForCausalLM(config).float().eval()
+  with torch.no_grad():
+    for name, p in original.named_parameters():
+      if name.endswith('norm.weight'):
+        p.copy_(torch.rand_like(p) + 0.5)
+      elif name.endswith('mlp.gate.weight'):  # large router logits: the chosen experts win by a wide margin
+        p.copy_(torch.randn_like(p))
+  original.save_pretrained(str(tmp_path / 'hf'), safe_serialization=True)
+  for name in ('tokenizer.json', 'tokenizer_config.json'):  # the V3 fixture's tokenizer (its vocabulary size)
+    shutil.copy(root / 'hf' / name, tmp_path / 'hf' / name)
+  result = import_hf.import_hf(str(tmp_path / 'hf'), str(tmp_path / 'run'))
+  assert result['overrides']['moe_router'] == 'deepseek_v2' and result['overrides']['moe_groups'] == 4
+  cfg = export.read_config(result['checkpoint'])
+  cfg.model.dtype = 'float32'
+  m = model_lib.ModelConfig.from_config(cfg.model)
+  params = import_hf.from_hf(import_hf.read_safetensors(str(tmp_path / 'hf')), m, scan_layers=True)
+  tokens = np.random.default_rng(2).integers(3, 97, (2, SEQ)).astype(np.int32)
+  theirs = _torch_logits((torch, transformers), original, tokens)
+  MAX_ABS['v2 import'] = float(np.abs(_logits(model_lib.Decoder(m), params, tokens) - theirs).max())
+  assert MAX_ABS['v2 import'] <= 1e-4
+  # V2's routing matters here: renormalising the top-k weights, or dropping the group limit, moves the logits.
+  for what, moe in (('v2 renormalised', dataclasses.replace(m.moe, norm_topk_prob=True)),
+                    ('v2 without group limit', dataclasses.replace(m.moe, groups=1, top_groups=1))):
+    MAX_ABS[what] = float(np.abs(_logits(model_lib.Decoder(dataclasses.replace(m, moe=moe)), params, tokens)
+                                 - theirs).max())
+    assert MAX_ABS[what] >= 1e-2, what
+  written, back = export_round_trip(tmp_path / 'hf', tmp_path / 'run', tmp_path / 'back', 'DeepseekV2ForCausalLM')
+  assert written['model_type'] == 'deepseek_v2' and written['topk_method'] == 'group_limited_greedy'
+  MAX_ABS['v2 export'] = float(np.abs(_torch_logits((torch, transformers), back, tokens) - theirs).max())
+  assert MAX_ABS['v2 export'] <= 1e-4
