@@ -597,7 +597,8 @@ def test_lora_sft_on_the_import_starts_from_transformers_loss_and_lowers_it(impo
 def test_deepseek_v2_imports_and_exports_with_transformers_logits(imported, tmp_path):
   """DeepseekV2ForCausalLM (V2-Lite's plain query projection; V2's softmax routing limited to the groups with the
   best single score, no renormalisation, no selection bias) imports with transformers' logits (1e-4), which
-  renormalising or dropping the group limit moves by >= 1e-2, and exports back bit for bit as DeepseekV2ForCausalLM, which transformers reloads with the same logits."""
+  renormalising or dropping the group limit moves by >= 1e-2, and exports back bit for bit as
+  DeepseekV2ForCausalLM, which transformers reloads with the same logits."""
   import shutil
   import torch
   transformers, root = imported[:2]
