@@ -139,9 +139,9 @@ def _moe_errors(c, num_devices: int) -> list[str]:
   if groups < 1 or X % groups or not 1 <= top_groups <= groups:
     e.append(f'model.moe_groups={groups} must divide model.moe_experts={X}, and model.moe_top_groups={top_groups} '
              f'be between 1 and it (1/1: no group-limited routing).')
-  elif groups > 1 and m.moe_router != 'deepseek_v3':
-    e.append(f'model.moe_groups={groups} is DeepSeek-V3\'s group-limited routing; use model.moe_router=deepseek_v3 '
-             f'or model.moe_groups=1.')
+  elif groups > 1 and m.moe_router not in ('deepseek_v3', 'deepseek_v2'):
+    e.append(f'model.moe_groups={groups} is DeepSeek-V3\'s group-limited routing (and V2\'s); use '
+             f'model.moe_router=deepseek_v3 or deepseek_v2, or model.moe_groups=1.')
   elif top_groups < groups and (X // groups < 2 or m.moe_top_k > top_groups * (X // groups)):
     e.append(f'model.moe_top_groups={top_groups} of model.moe_groups={groups} leaves {top_groups * (X // groups)} '
              f'experts in groups of {X // groups} for model.moe_top_k={m.moe_top_k}: groups score by their best two '

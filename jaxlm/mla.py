@@ -64,6 +64,15 @@ def mla_errors(model_cfg) -> list[str]:
   return e
 
 
+def kernel_reason(model_cfg) -> str | None:
+  """The trainer's start-up line on the attention kernel when MLA decides it (always xla: model.attention=auto
+  would otherwise report the fused kernel it picks for other models), else None."""
+  if not model_cfg.get('kv_lora_rank', 0):
+    return None
+  return (f'xla attention: multi-head latent attention (model.kv_lora_rank > 0) has values narrower than its '
+          f'queries and keys, which the fused kernels do not take (model.attention={model_cfg.get("attention")})')
+
+
 def attention_params(m) -> int:
   """MLA's parameters per layer: the query and latent projections, their norms, the up-projections, the output."""
   c, D, H = m.mla, m.d_model, m.num_heads

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlm import sharding
 
-ROUTERS = ('mixtral', 'qwen3_moe', 'olmoe', 'deepseek_v3', 'gpt_oss')  # model.moe_router
+ROUTERS = ('mixtral', 'qwen3_moe', 'olmoe', 'deepseek_v3', 'deepseek_v2', 'gpt_oss')  # model.moe_router
 IMPLS = ('ragged', 'dense')  # model.moe_impl: sorted grouped GEMMs, or every expert on every token (reference)
 TRANSPORTS = ('auto', 'gather', 'all_to_all')  # model.moe_transport: how tokens reach their experts' devices
 STATS = 'moe_stats'  # the Flax collection each MoE layer writes its routing statistics into, when mutable
@@ -78,12 +78,15 @@ def route(logits, preset: str, top_k: int, norm_topk_prob: bool, routed_scale: f
   olmoe        the same formula as qwen3_moe (OLMoE checkpoints leave norm_topk_prob off).
   deepseek_v3  sigmoid scores; the top-k chosen on scores + bias (the checkpoint's e_score_correction_bias),
                weighted by the unbiased scores, renormalised with norm_topk_prob, times routed_scale.
+  deepseek_v2  softmax over all X, top-k (greedy, or group-limited), renormalised only with norm_topk_prob (the
+               released V2 checkpoints leave it off), times routed_scale.
   gpt_oss      top-k over the logits (+ bias), weighted by a softmax over the k chosen logits alone: mixtral's
                weights in exact arithmetic, computed as gpt-oss does (scores stay the softmax over all X).
   `bias` (X,) shifts the choice only, never the weights (auxiliary-loss-free balancing, DeepSeek-V3 §2.1.2).
   groups > 1: DeepSeek-V3's group-limited routing (n_group, topk_group): the X experts in `groups` equal groups,
-  each group scored by the sum of its two best (biased) scores, and the top-k chosen only inside the
-  `top_groups` best groups, which bounds the devices a token is sent to when groups map to devices.
+  each group scored by the sum of its two best (biased) scores (deepseek_v2's group_limited_greedy: by its best
+  one), and the top-k chosen only inside the `top_groups` best groups, which bounds the devices a token is sent
+  to when groups map to devices.
   The same operations in the same order as transformers' routers (tests/test_moe.py compares them).
   """
   logits = logits.astype(jnp.float32)
@@ -91,7 +94,7 @@ def route(logits, preset: str, top_k: int, norm_topk_prob: bool, routed_scale: f
   choice = logits if preset == 'gpt_oss' else scores
   choice = choice if bias is None else choice + bias
   if top_groups < groups:
-    choice = limit_groups(choice, groups, top_groups)
+    choice = limit_groups(choice, groups, top_groups, best=1 if preset == 'deepseek_v2' else 2)
   _, experts = jax.lax.top_k(choice, top_k)
   weights = jnp.take_along_axis(scores, experts, axis=-1)
   if preset == 'gpt_oss':
@@ -103,11 +106,12 @@ def route(logits, preset: str, top_k: int, norm_topk_prob: bool, routed_scale: f
   return weights, experts.astype(jnp.int32), scores
 
 
-def limit_groups(choice, groups: int, top_groups: int):
-  """choice (N, X) with every expert outside each token's `top_groups` best groups set to -inf (DeepSeek-V3)."""
+def limit_groups(choice, groups: int, top_groups: int, best: int = 2):
+  """choice (N, X) with every expert outside each token's `top_groups` best groups set to -inf, a group scored by
+  the sum of its `best` highest choices (DeepSeek-V3: 2, DeepSeek-V2: 1)."""
   N, X = choice.shape
-  best_two = jax.lax.top_k(choice.reshape(N, groups, X // groups), 2)[0].sum(-1)  # (N, groups)
-  _, chosen = jax.lax.top_k(best_two, top_groups)  # (N, top_groups)
+  group_scores = jax.lax.top_k(choice.reshape(N, groups, X // groups), best)[0].sum(-1)  # (N, groups)
+  _, chosen = jax.lax.top_k(group_scores, top_groups)  # (N, top_groups)
   mask = jax.nn.one_hot(chosen, groups, dtype=jnp.bool_).any(axis=1)  # (N, groups)
   return jnp.where(jnp.repeat(mask, X // groups, axis=-1), choice, -jnp.inf)
 

@@ -35,6 +35,7 @@ from jaxlm import pipeline as pipeline_lib
 from jaxlm import preference as preference_lib
 from jaxlm import preflight
 from jaxlm import metrics as metrics_lib
+from jaxlm import mla as mla_lib
 from jaxlm import lora as lora_lib
 from jaxlm import model as model_lib
 from jaxlm import moe as moe_lib
@@ -194,8 +195,9 @@ def report_setup(cfg, mesh, cache, say) -> None:
   if cfg.log.compilation_cache:
     say(f'compilation cache: {cache or perf.CPU_MESH_CACHE_OFF}')
   m = cfg.model  # which attention kernel runs, and why (deterministic mode rules cuDNN's out on a GPU)
-  say('attention: ' + attention_lib.select(m.attention, dtype=m.dtype, head_dim=model_lib.head_dim(m),
-                                           seq_len=cfg.data.seq_len, context=mesh.shape.get('context', 1))[1])
+  say('attention: ' + (mla_lib.kernel_reason(m) or attention_lib.select(
+      m.attention, dtype=m.dtype, head_dim=model_lib.head_dim(m), seq_len=cfg.data.seq_len,
+      context=mesh.shape.get('context', 1))[1]))
   if experts := moe_lib.describe(moe_lib.MoeConfig.from_config(m), mesh):  # expert parallelism: transport, buffers
     say(experts)
 

@@ -148,6 +148,35 @@ def test_route_presets_normalise_as_their_families():
 
 
 @pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
+def test_deepseek_v2_routing_equals_transformers():
+  """moe_router=deepseek_v2: softmax scores, top-k greedy or in the groups with the best single score
+  (group_limited_greedy), no renormalisation, times routed_scale: transformers' DeepseekV2TopkRouter's experts and
+  weights; group-limited routing changes the choice of some tokens."""
+  import torch
+  import transformers
+  from transformers.models.deepseek_v2 import modeling_deepseek_v2 as ds
+  n, hidden, experts, k = 64, 16, 8, 3
+  rng = np.random.default_rng(5)
+  x = rng.normal(size=(n, hidden)).astype(np.float32)
+  weight = rng.normal(size=(experts, hidden)).astype(np.float32) * 0.5
+  chosen = {}
+  for method, groups, top_groups in (('greedy', 1, 1), ('group_limited_greedy', 4, 2)):
+    config = transformers.DeepseekV2Config(hidden_size=hidden, n_routed_experts=experts, num_experts_per_tok=k,
+                                           n_group=groups, topk_group=top_groups, topk_method=method,
+                                           routed_scaling_factor=2.5, num_attention_heads=4)
+    router = ds.DeepseekV2TopkRouter(config)
+    with torch.no_grad():
+      router.weight.copy_(torch.tensor(weight))
+      logits, want_w, want_e = (t.numpy() for t in router(torch.tensor(x)))
+    w, e, _ = moe.route(jnp.asarray(logits), 'deepseek_v2', k, False, 2.5, groups=groups, top_groups=top_groups)
+    got, want = np.argsort(np.asarray(e), -1), np.argsort(want_e, -1)  # HF's top-k is unsorted: compare sets
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(e), got, -1), np.take_along_axis(want_e, want, -1))
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(w), got, -1), np.take_along_axis(want_w, want, -1),
+                               rtol=1e-6)
+    chosen[method] = np.sort(np.asarray(e), -1)
+  assert (chosen['greedy'] != chosen['group_limited_greedy']).any(axis=1).sum() >= 5
+
+
 def test_deepseek_v3_group_limited_routing_equals_transformers():
   import torch
   import transformers

@@ -13,7 +13,8 @@ import numpy as np
 from jaxlm import model as model_lib
 from jaxlm.hf import deepseek, gpt_oss
 from jaxlm.hf.families import (FAMILY_BLOCKS, FAMILY_MODEL_TYPES, ExportError, HFImportError,  # noqa: F401
-                               family_architecture, family_config, family_overrides, features, norm_names)
+                               family_architecture, family_config, family_overrides, features, norm_names,
+                               refuse_quantized)
 
 # A Hugging Face model directory's tokenizer files (import copies them beside a run's checkpoints; export looks there).
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'chat_template.jinja',
@@ -82,9 +83,9 @@ def architecture(m: model_lib.ModelConfig) -> str:
     raise ExportError(f'model.mtp_depth={m.mtp_depth}: the multi-token prediction modules have a Hugging Face '
                       f'layout only in DeepSeek-V3 (MLA, model.kv_lora_rank > 0); export a copy of the run with '
                       f'model.mtp_depth=0 to write the main model alone.')
-  if m.mla.kv_lora_rank:  # multi-head latent attention: DeepSeek-V3's class only (hf/deepseek.py)
+  if m.mla.kv_lora_rank:  # multi-head latent attention: DeepSeek-V3's or -V2's class only (hf/deepseek.py)
     deepseek.check_exportable(m, features(m))
-    return deepseek.ARCHITECTURE
+    return deepseek.architecture(m)
   if m.moe.experts and m.moe.router == 'gpt_oss':  # attention sinks and biases, clamped experts (hf/gpt_oss.py)
     gpt_oss.check_exportable(m, features(m))
     return gpt_oss.ARCHITECTURE
@@ -229,7 +230,7 @@ def hf_config(m: model_lib.ModelConfig, *, max_positions: int, dtype: str, bos_i
       'bos_token_id': bos_id, 'eos_token_id': eos_id, 'pad_token_id': None, 'use_cache': True,
       'torch_dtype': dtype, 'dtype': dtype,
   }
-  if m.moe.experts and arch not in (deepseek.ARCHITECTURE, gpt_oss.ARCHITECTURE):
+  if m.moe.experts and arch not in (*deepseek.ARCHITECTURES, gpt_oss.ARCHITECTURE):
     _, model_type, _ = MOE_ARCHITECTURES[m.moe.router]
     c.update(model_type=model_type, num_local_experts=m.moe.experts, num_experts=m.moe.experts,
              num_experts_per_tok=m.moe.top_k, norm_topk_prob=m.moe.norm_topk_prob, output_router_logits=False,
@@ -245,7 +246,7 @@ def hf_config(m: model_lib.ModelConfig, *, max_positions: int, dtype: str, bos_i
              tie_word_embeddings=False)
   if arch in FAMILY_MODEL_TYPES:
     c.update(family_config(m, arch, max_positions, rope_scaling_to_hf(m)))
-  if arch == deepseek.ARCHITECTURE:
+  if arch in deepseek.ARCHITECTURES:
     c.update(deepseek.hf_config(m))
   if arch == gpt_oss.ARCHITECTURE:
     c.update(gpt_oss.hf_config(m, max_positions))
@@ -322,7 +323,7 @@ def _rope(hf: dict) -> dict:
 MOE_FAMILIES = {'mixtral': ('mixtral', 'none'), 'qwen3_moe': ('qwen3_moe', 'head'), 'olmoe': ('olmoe', 'full')}
 # Dense families: model_type -> QK-norm (Qwen3: Llama's block with a per-head RMSNorm on queries and keys).
 DENSE_FAMILIES = {'llama': 'none', 'qwen3': 'head'}
-IMPORTABLE = (*DENSE_FAMILIES, *MOE_FAMILIES, *FAMILY_BLOCKS, deepseek.MODEL_TYPE, gpt_oss.MODEL_TYPE)
+IMPORTABLE = (*DENSE_FAMILIES, *MOE_FAMILIES, *FAMILY_BLOCKS, *deepseek.MODEL_TYPES, gpt_oss.MODEL_TYPE)
 
 
 def _moe_overrides(hf: dict) -> dict:
@@ -351,11 +352,12 @@ def _moe_overrides(hf: dict) -> dict:
 
 def model_overrides(hf: dict) -> dict:
   """cfg.model values that compute what the Hugging Face `config.json` dict `hf` describes."""
+  refuse_quantized(hf)  # every family: before its own key checks, with the fix
   if hf.get('vision_config') is not None or hf.get('model_type') == 'gemma3':
     raise HFImportError(f'{hf.get("architectures") or hf.get("model_type")} has a vision tower (vision_config): '
                         f'jaxlm imports text models only; import the text model (Gemma3ForCausalLM, model_type '
                         f'gemma3_text).')
-  if hf.get('model_type') == deepseek.MODEL_TYPE:  # multi-head latent attention: its own keys (hf/deepseek.py)
+  if hf.get('model_type') in deepseek.MODEL_TYPES:  # multi-head latent attention: its own keys (hf/deepseek.py)
     return deepseek.overrides(hf, _rope(hf))
   if hf.get('model_type') == gpt_oss.MODEL_TYPE:  # sinks, biases, clamped experts: its own keys (hf/gpt_oss.py)
     return gpt_oss.overrides(hf, _rope({**hf, 'rope_theta': hf.get('rope_theta') or gpt_oss.DEFAULT_THETA}))

@@ -1,6 +1,11 @@
-"""DeepSeek-V3 (DeepseekV3ForCausalLM) both directions side by side: config.json <-> cfg.model keys, and the tensors
-of multi-head latent attention (jaxlm/mla.py) and of the DeepSeek mixture of experts (shared experts, the
-expert-selection bias). convert.py keeps the tensors' mapping common to every family and calls these.
+"""DeepSeek-V3 (DeepseekV3ForCausalLM) and DeepSeek-V2 (DeepseekV2ForCausalLM) both directions side by side:
+config.json <-> cfg.model keys, and the tensors of multi-head latent attention (jaxlm/mla.py) and of the DeepSeek
+mixture of experts (shared experts, the expert-selection bias). convert.py keeps the tensors' mapping common to
+every family and calls these.
+
+V2 is V3's model but for the router (model.moe_router=deepseek_v2): softmax scores, top-k greedy or limited to
+the groups with the best single score (topk_method group_limited_greedy), no renormalisation, no selection bias
+(e_score_correction_bias), and no MTP layers. V2's checkpoints always store the rotary dims interleaved.
 
 RoPE: DeepSeek's checkpoints store the rotary dims of q_b_proj's and kv_a_proj_with_mqa's rows as interleaved
 pairs (2i, 2i+1) (config rope_interleave, on in the released ones); jaxlm rotates half-split pairs (i, i + Er/2),
@@ -16,11 +21,17 @@ import numpy as np
 from jaxlm.hf.families import ExportError, HFImportError
 
 ARCHITECTURE, MODEL_TYPE = 'DeepseekV3ForCausalLM', 'deepseek_v3'
+V2_ARCHITECTURE, V2_MODEL_TYPE = 'DeepseekV2ForCausalLM', 'deepseek_v2'
+ARCHITECTURES, MODEL_TYPES = (ARCHITECTURE, V2_ARCHITECTURE), (MODEL_TYPE, V2_MODEL_TYPE)
 # config.json keys with the one value jaxlm computes; anything else there is refused by name.
 _FIXED = {'attention_bias': (False, None), 'hidden_act': ('silu',), 'scoring_func': ('sigmoid', None),
           'topk_method': ('noaux_tc', None), 'moe_layer_freq': (1, None), 'quantization_config': (None,),
           'pretraining_tp': (1, None), 'attention_dropout': (0.0, 0, None),
           'rope_interleave': (True, None)}  # the released layout, which attention_from_hf de-interleaves
+# DeepSeek-V2's: softmax routing, greedy or group-limited; transformers' V2 never renormalises the top-k weights.
+_FIXED_V2 = {**{k: v for k, v in _FIXED.items() if k not in ('scoring_func', 'topk_method', 'rope_interleave')},
+             'scoring_func': ('softmax', None), 'topk_method': ('greedy', 'group_limited_greedy', None),
+             'norm_topk_prob': (False, None), 'mlp_bias': (False, None)}
 # Keys read below or without effect on the forward pass (training or bookkeeping).
 _KNOWN = {'architectures', 'model_type', 'vocab_size', 'hidden_size', 'intermediate_size', 'moe_intermediate_size',
           'num_hidden_layers', 'num_attention_heads', 'num_key_value_heads', 'n_shared_experts', 'n_routed_experts',
@@ -30,18 +41,21 @@ _KNOWN = {'architectures', 'model_type', 'vocab_size', 'hidden_size', 'intermedi
           'rope_theta', 'tie_word_embeddings', 'num_nextn_predict_layers', 'qk_head_dim',
           'head_dim', 'initializer_range', 'use_cache', 'bos_token_id', 'eos_token_id', 'pad_token_id', 'dtype',
           'torch_dtype', 'transformers_version', 'output_router_logits', 'aux_loss_alpha', 'seq_aux', 'ep_size',
-          'router_aux_loss_coef', '_name_or_path', *_FIXED}
+          'router_aux_loss_coef', '_name_or_path', 'auto_map'}  # auto_map: the remote code, not used
 
 
 def overrides(hf: dict, rope: dict) -> dict:
-  """cfg.model values for a DeepSeek-V3 config.json; `rope`: convert._rope's reading of its RoPE."""
-  for key, allowed in _FIXED.items():
+  """cfg.model values for a DeepSeek-V3 or -V2 config.json; `rope`: convert._rope's reading of its RoPE."""
+  kind = hf['model_type']
+  fixed = _FIXED_V2 if kind == V2_MODEL_TYPE else _FIXED
+  for key, allowed in fixed.items():
     if key in hf and hf[key] not in allowed:
-      raise HFImportError(f'{key}={hf[key]!r} is not supported for {MODEL_TYPE}: jaxlm computes {allowed[0]!r}.')
-  unknown = sorted(set(hf) - _KNOWN)
+      raise HFImportError(f'{key}={hf[key]!r} is not supported for {kind}: jaxlm computes '
+                          f'{" or ".join(repr(a) for a in allowed if a is not None)}.')
+  unknown = sorted(set(hf) - _KNOWN - set(fixed))
   if unknown:
     raise HFImportError(f'config.json field {unknown[0]!r} (={hf[unknown[0]]!r}) is not handled by jaxlm\'s '
-                        f'{MODEL_TYPE} import; remove it if it does not change the model.')
+                        f'{kind} import; remove it if it does not change the model.')
   params = {**(hf.get('rope_parameters') or {}), **(hf.get('rope_scaling') or {})}
   mscale_all_dim = float(params.get('mscale_all_dim') or 0.0) if rope['rope_scaling'] != 'none' else 0.0
   if mscale_all_dim and rope['rope_scaling'] != 'yarn':  # transformers would scale the softmax; jaxlm: yarn only
@@ -50,16 +64,30 @@ def overrides(hf: dict, rope: dict) -> dict:
   if mscale_all_dim:  # YaRN's softmax correction (rope.softmax_mscale); the cos/sin ratio is in `rope` already
     rope = dict(rope, rope_mscale_all_dim=mscale_all_dim)
   H, En, Er = hf['num_attention_heads'], hf['qk_nope_head_dim'], hf['qk_rope_head_dim']
+  return dict(**_mla_and_moe(hf, H, En, Er), **rope, **_router(hf))
+
+
+def _router(hf: dict) -> dict:
+  """cfg.model's router keys: V3's sigmoid routing with its selection bias, or V2's softmax routing (greedy, or
+  group-limited) with none (model.moe_bias_rate=0: none grows in training either, so the model stays V2's)."""
+  if hf['model_type'] == MODEL_TYPE:
+    return dict(moe_router='deepseek_v3', moe_groups=hf.get('n_group') or 1, moe_top_groups=hf.get('topk_group') or 1,
+                moe_norm_topk_prob=bool(hf.get('norm_topk_prob', True)))
+  limited = hf.get('topk_method') == 'group_limited_greedy'
+  return dict(moe_router='deepseek_v2', moe_groups=hf['n_group'] if limited else 1,
+              moe_top_groups=hf['topk_group'] if limited else 1, moe_norm_topk_prob=False, moe_bias_rate=0.0)
+
+
+def _mla_and_moe(hf: dict, H: int, En: int, Er: int) -> dict:
+  """cfg.model's sizes, MLA and mixture-of-experts keys common to V2 and V3."""
   return dict(vocab_size=hf['vocab_size'], d_model=hf['hidden_size'], num_layers=hf['num_hidden_layers'],
               num_heads=H, num_kv_heads=H, head_dim=En + Er, mlp_dim=hf['intermediate_size'], parallel_block=False,
-              tie_embeddings=False, norm_eps=float(hf.get('rms_norm_eps', 1e-6)), qk_norm='none', **rope,
+              tie_embeddings=False, norm_eps=float(hf.get('rms_norm_eps', 1e-6)), qk_norm='none',
               kv_lora_rank=hf['kv_lora_rank'], q_lora_rank=hf.get('q_lora_rank') or 0, qk_nope_head_dim=En,
               qk_rope_head_dim=Er, v_head_dim=hf['v_head_dim'], moe_experts=hf['n_routed_experts'],
               moe_top_k=hf['num_experts_per_tok'], moe_mlp_dim=hf['moe_intermediate_size'],
               moe_shared_experts=hf.get('n_shared_experts') or 0, moe_every=1,
-              moe_first_dense=hf.get('first_k_dense_replace') or 0, moe_router='deepseek_v3',
-              moe_groups=hf.get('n_group') or 1, moe_top_groups=hf.get('topk_group') or 1,
-              moe_norm_topk_prob=bool(hf.get('norm_topk_prob', True)),
+              moe_first_dense=hf.get('first_k_dense_replace') or 0,
               moe_routed_scale=float(hf.get('routed_scaling_factor', 1.0)))
 
 
@@ -192,7 +220,8 @@ def moe_from_hf(get, pre: str, m, experts: dict) -> dict:
   """A MoE layer's parameters: the routed `experts` (convert's reading) plus the selection bias and the shared
   experts (one SwiGLU, jaxlm's `shared`)."""
   X, D, F = m.moe.experts, m.d_model, m.moe.mlp_dim * m.moe.shared_experts
-  out = dict(experts, bias=get(pre + 'mlp.gate.e_score_correction_bias', (X,)))
+  v2 = m.moe.router == 'deepseek_v2'  # no selection bias: zeros, which route as none
+  out = dict(experts, bias=np.zeros((X,), np.float32) if v2 else get(pre + 'mlp.gate.e_score_correction_bias', (X,)))
   if m.moe.shared_experts:
     s = pre + 'mlp.shared_experts.'
     out['shared'] = {'gate': get(s + 'gate_proj.weight', (F, D)).T, 'up': get(s + 'up_proj.weight', (F, D)).T,
@@ -203,7 +232,12 @@ def moe_from_hf(get, pre: str, m, experts: dict) -> dict:
 def moe_to_hf(p: dict, pre: str, m) -> dict:
   """A MoE layer's tensors in the per-expert layout transformers' save_pretrained writes."""
   f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
-  out = {pre + 'mlp.gate.weight': f32(p['router']).T, pre + 'mlp.gate.e_score_correction_bias': f32(p['bias'])}
+  out = {pre + 'mlp.gate.weight': f32(p['router']).T}
+  if m.moe.router != 'deepseek_v2':
+    out[pre + 'mlp.gate.e_score_correction_bias'] = f32(p['bias'])
+  elif np.any(f32(p['bias']) != 0):
+    raise ExportError(f'the expert-selection biases of layer {pre} are not zero (model.moe_bias_rate > 0): '
+                      f'{V2_ARCHITECTURE} has none; train with model.moe_bias_rate=0 to export.')
   for key in ('gate', 'up', 'down'):
     for e in range(m.moe.experts):
       out[f'{pre}mlp.experts.{e}.{key}_proj.weight'] = f32(p[key][e]).T
@@ -212,24 +246,42 @@ def moe_to_hf(p: dict, pre: str, m) -> dict:
   return out
 
 
+def architecture(m) -> str:
+  """The class of an MLA model: DeepSeek-V2's for its router, else V3's (check_exportable says what fits)."""
+  return V2_ARCHITECTURE if m.moe.experts and m.moe.router == 'deepseek_v2' else ARCHITECTURE
+
+
 def check_exportable(m, features: list[str]) -> None:
-  """An ExportError unless DeepseekV3ForCausalLM computes `m` (an MLA model)."""
+  """An ExportError unless DeepseekV3ForCausalLM or DeepseekV2ForCausalLM computes `m` (an MLA model)."""
   moe = m.moe
   problems = list(features)
   if m.parallel_block or m.attention.qk_norm != 'none':
     problems.append(f'parallel_block={m.parallel_block}, qk_norm={m.attention.qk_norm}')
-  if moe.experts and (moe.router != 'deepseek_v3' or moe.every != 1):
+  if moe.experts and (moe.router not in ('deepseek_v3', 'deepseek_v2') or moe.every != 1):
     problems.append(f'model.moe_router={moe.router}, moe_every={moe.every}')
+  if moe.router == 'deepseek_v2' and (m.mtp_depth or moe.norm_topk_prob):
+    problems.append(f'model.mtp_depth={m.mtp_depth}, moe_norm_topk_prob={moe.norm_topk_prob} with the deepseek_v2 '
+                    f'router ({V2_ARCHITECTURE} has no MTP layers and never renormalises)')
   if not moe.experts or m.tie_embeddings:
     problems.append(f'moe_experts={moe.experts}, tie_embeddings={m.tie_embeddings}')
   if problems:
-    raise ExportError(f'{"; ".join(problems)}: {ARCHITECTURE} (the one class with MLA) computes the sequential '
-                      f'pre-norm block with deepseek_v3 routing in every layer after moe_first_dense and an untied '
-                      f'head; change those keys to export.')
+    raise ExportError(f'{"; ".join(problems)}: {ARCHITECTURE} and {V2_ARCHITECTURE} (the classes with MLA) '
+                      f'compute the sequential pre-norm block with deepseek_v3 (or deepseek_v2) routing in every '
+                      f'layer after moe_first_dense and an untied head; change those keys to export.')
 
 
 def hf_config(m) -> dict:
-  """config.json's DeepSeek-V3 keys for `m` (beside convert.hf_config's common ones)."""
+  """config.json's DeepSeek-V3 (or -V2) keys for `m` (beside convert.hf_config's common ones)."""
+  moe = m.moe
+  if architecture(m) == V2_ARCHITECTURE:  # no rope_interleave (always interleaved) nor MTP layers
+    return {**{k: v for k, v in _v3_config(m).items() if k not in ('rope_interleave', 'num_nextn_predict_layers')},
+            'model_type': V2_MODEL_TYPE, 'norm_topk_prob': False,
+            'topk_method': 'group_limited_greedy' if moe.groups > 1 else 'greedy'}
+  return _v3_config(m)
+
+
+def _v3_config(m) -> dict:
+  """DeepSeek-V3's keys (V2's are these less two)."""
   c, moe = m.mla, m.moe
   return {'model_type': MODEL_TYPE, 'kv_lora_rank': c.kv_lora_rank, 'q_lora_rank': c.q_lora_rank or None,
           'qk_nope_head_dim': c.qk_nope_head_dim, 'qk_rope_head_dim': c.qk_rope_head_dim,

@@ -16,6 +16,19 @@ class HFImportError(errors.ConfigError):
   """A Hugging Face directory jaxlm cannot import exactly; the message says why."""
 
 
+def refuse_quantized(hf: dict) -> None:
+  """An HFImportError naming config.json's quantization_config (the released DeepSeek-V3's FP8 blocks, gpt-oss's
+  MXFP4): jaxlm reads plain weights and would take the quantised ones without their scales."""
+  q = hf.get('quantization_config')
+  if q is None:
+    return
+  method = q.get('quant_method', '?') if isinstance(q, dict) else q
+  scales = ' (its weight_scale_inv block scales)' if method == 'fp8' else ''
+  raise HFImportError(f'config.json field \'quantization_config\' (quant_method={method!r}): a quantised checkpoint '
+                      f'jaxlm would read without its scales{scales}; import a bfloat16 copy (DeepSeek-V3: its '
+                      f'inference/fp8_cast_bf16.py) and drop the field.')
+
+
 _GEMMA = dict(norm_placement='sandwich', norm_offset=True, mlp_activation='geglu', embed_scale=True)
 # model_type -> the cfg.model block keys every checkpoint of the family has (its window, caps and RoPE: its config).
 FAMILY_BLOCKS = {'gemma2': dict(_GEMMA, qk_norm='none'), 'gemma3_text': dict(_GEMMA, qk_norm='head'),

@@ -2,7 +2,7 @@
 
 One command for every family jaxlm computes exactly (convert.IMPORTABLE): Llama, Qwen3 (dense, QK-norm), Mixtral,
 Qwen3-MoE, OLMoE, (hf/families.py) Gemma 2, Gemma 3 (text), Mistral, OLMo 2 and OLMo 3, (hf/gpt_oss.py) gpt-oss,
-and (hf/deepseek.py) DeepSeek-V3; config.json's model_type picks the mapping.
+and (hf/deepseek.py) DeepSeek-V3 and -V2; config.json's model_type picks the mapping.
 
   python -m jaxlm.hf.import_llama --hf_dir=path/to/llama --out=runs/llama_import [--config=configs/base.py]
 
@@ -99,8 +99,9 @@ def import_hf(hf_dir: str, out: str, cfg: ml_collections.ConfigDict | None = Non
     raise HFImportError(f'{given} has no config.json; give a Hugging Face model directory.')
   with open(config_path) as f:
     hf = json.load(f)
+  overrides = model_overrides(hf)  # a config jaxlm refuses fails before hundreds of GB of tensors are read
   tensors = read_safetensors(hf_dir)
-  overrides = {**model_overrides(hf), **checkpoint_overrides(hf, tensors)}
+  overrides.update(checkpoint_overrides(hf, tensors))
   cfg = (cfg or _default_config()).copy_and_resolve_references()
   cfg.model.update(**overrides)
   m = model_lib.ModelConfig.from_config(cfg.model)

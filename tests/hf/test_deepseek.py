@@ -18,14 +18,15 @@ from jaxlm import config as config_lib
 from jaxlm import errors
 from jaxlm import mla as mla_lib
 from jaxlm import model as model_lib
+from jaxlm.data import tokenizer as tokenizer_lib
 from jaxlm.hf import export
 from jaxlm.hf import import_llama as import_hf
+from tests.data import chat_fixtures
 from tests.helpers import export_round_trip, load_config, odd_config, random_batch
 from tests.hf.test_families import _logits, _torch_logits
-from tests.test_sharding import _two_steps
 
 SEQ = 24
-CONFIG = dict(vocab_size=97, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
+CONFIG = dict(vocab_size=300, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
               routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
               qk_nope_head_dim=10, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
@@ -60,7 +61,14 @@ def imported(tmp_path_factory):
       layer.mlp.gate.e_score_correction_bias.copy_(torch.rand(CONFIG['n_routed_experts']) * 0.2 - 0.1)
   root = tmp_path_factory.mktemp('deepseek')
   original.save_pretrained(str(root / 'hf'), safe_serialization=True)
+  # The model's tokenizer (vocab_size ids), chat template and generation_config.json with two end-of-sequence
+  # ids, as a DeepSeek directory ships them: the import carries them beside the run.
+  tok = tokenizer_lib.load(chat_fixtures.make_tokenizer(str(root / 'hf'), vocab_size=CONFIG['vocab_size']))
+  assert tok.vocab_size == CONFIG['vocab_size']
+  (root / 'hf' / 'generation_config.json').write_text(json.dumps(
+      {'bos_token_id': tok.bos_id, 'eos_token_id': [tok.eos_id, tok.token_to_id('<|im_end|>')]}))
   result = import_hf.import_hf(str(root / 'hf'), str(root / 'run'))
+  ORIGINAL['import'] = result
   cfg = export.read_config(result['checkpoint'])
   cfg.model.dtype = 'float32'
   m = model_lib.ModelConfig.from_config(cfg.model)
@@ -72,10 +80,11 @@ def imported(tmp_path_factory):
 
 
 def test_import_equals_transformers_and_rope_and_latent_norms_matter(imported, monkeypatch):
-  """An imported DeepSeek-V3's logits == transformers' (1e-4) under DeepSeek's YaRN (mscale != mscale_all_dim);
+  """An imported DeepSeek-V3's logits == transformers' (1e-4) under DeepSeek's YaRN (mscale != mscale_all_dim),
+  its layers scanned or unrolled;
   the same weights without the decoupled RoPE (positions all 0), with its rotary dims left interleaved, without
   the latent norms or without YaRN's softmax correction (mscale_all_dim) move them by >= 1e-2."""
-  _, _, m, params, tokens, theirs = imported
+  _, root, m, params, tokens, theirs = imported
   assert m.mla.kv_lora_rank == 16 and m.moe.first_dense == 1 and m.moe.router == 'deepseek_v3'
   assert m.rope_scaling == 'yarn' and m.rope_mscale_all_dim == 1.0 and m.rope_attention_factor != 1.0
   no_mscale = dataclasses.replace(m, rope_mscale_all_dim=0.0)
@@ -88,6 +97,11 @@ def test_import_equals_transformers_and_rope_and_latent_norms_matter(imported, m
   logits = lambda p, pos=positions: np.asarray(apply({'params': p}, tokens, np.ones_like(tokens), pos))  # noqa: E731
   MAX_ABS['import'] = float(np.abs(logits(params) - theirs).max())
   assert MAX_ABS['import'] <= 1e-4
+  unrolled = dataclasses.replace(m, scan_layers=False)  # layers_0 (dense), layers_1 (MoE): no stacks
+  per_layer = import_hf.from_hf(import_hf.read_safetensors(str(root / 'hf')), unrolled, scan_layers=False)
+  assert {'layers_0', 'layers_1'} <= set(per_layer) and 'layers' not in per_layer
+  MAX_ABS['import unrolled'] = float(np.abs(_logits(model_lib.Decoder(unrolled), per_layer, tokens) - theirs).max())
+  assert MAX_ABS['import unrolled'] <= 1e-4
   assert model_lib.param_count(m) == sum(np.size(x) for x in jax.tree.leaves(params))
 
   no_rope = logits(params, np.zeros_like(tokens))
@@ -176,6 +190,16 @@ def test_export_round_trips_to_transformers(imported):
   assert written['model_type'] == 'deepseek_v3'
   MAX_ABS['export'] = float(np.abs(_torch_logits((torch, transformers), back, tokens) - theirs).max())
   assert MAX_ABS['export'] <= 1e-4
+  # The tokenizer, its chat template and the end-of-sequence ids went through the import and came back out.
+  assert ORIGINAL['import']['tokenizer_files'] == ['tokenizer.json', 'tokenizer_config.json', 'generation_config.json']
+  source, exported = (transformers.AutoTokenizer.from_pretrained(str(root / d)) for d in ('hf', 'back'))
+  text = 'Zed has 7 quartzs.\n    return y  # ü'
+  assert exported(text)['input_ids'] == source(text)['input_ids']
+  messages = chat_fixtures.conversations(3)[2]['messages']
+  assert exported.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+      source.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+  end_ids = json.loads((root / 'hf' / 'generation_config.json').read_text())['eos_token_id']
+  assert json.loads((root / 'back' / 'generation_config.json').read_text())['eos_token_id'][:2] == end_ids
 
 
 def test_export_refuses_what_deepseek_v3_does_not_compute(imported):
@@ -190,10 +214,20 @@ def test_export_refuses_what_deepseek_v3_does_not_compute(imported):
       export.architecture(changed)
 
 
-def test_import_refuses_fields_jaxlm_does_not_handle():
+# The released DeepSeek-V3 config.json's quantization_config: FP8 weights in 128 × 128 blocks with their scales.
+FP8 = {'activation_scheme': 'dynamic', 'fmt': 'e4m3', 'quant_method': 'fp8', 'weight_block_size': [128, 128]}
+
+
+def test_import_refuses_fields_jaxlm_does_not_handle(tmp_path):
   """A config.json field jaxlm does not read, or one with a value it does not compute, is refused in one line that
-  names it; a plain query projection (q_lora_rank null, V2-Lite) is accepted as q_lora_rank=0."""
+  names it, the released FP8 quantization_config before any tensor is read; a plain query projection
+  (q_lora_rank null, V2-Lite) is accepted as q_lora_rank=0."""
   hf = dict(CONFIG, model_type='deepseek_v3', rope_interleave=True)
+  (tmp_path / 'config.json').write_text(json.dumps(dict(hf, quantization_config=FP8)))  # no tensors at all
+  with pytest.raises(import_hf.HFImportError, match=r"field 'quantization_config' \(quant_method='fp8'\).*"
+                                                    r"weight_scale_inv.*bfloat16 copy") as e:
+    import_hf.import_hf(str(tmp_path), str(tmp_path / 'run'))
+  assert '\n' not in str(e.value)
   assert import_hf.model_overrides(dict(hf, q_lora_rank=None))['q_lora_rank'] == 0
   for bad, match in [(dict(hf, attention_bias=True), 'attention_bias=True'),
                      (dict(hf, scoring_func='softmax'), "scoring_func='softmax'"),
@@ -208,6 +242,7 @@ def test_import_refuses_fields_jaxlm_does_not_handle():
 
 @pytest.mark.parametrize('overrides, says', [
     (dict(attention='splash'), 'model.attention=splash with MLA'),
+    (dict(attention='cudnn'), 'model.attention=cudnn with MLA: queries and keys are En [+] Er wide and values Ev'),
     (dict(qk_rope_head_dim=7), 'model.qk_rope_head_dim=7 must be even'),
     (dict(v_head_dim=0), 'model.v_head_dim=0 must be > 0'),
     (dict(attention_window=8), 'model.attention_window=8 with MLA'),
@@ -220,6 +255,16 @@ def test_validate_refuses_what_mla_cannot_run(overrides, says):
     config_lib.validate(c, num_devices=8)
 
 
+def test_start_up_line_names_the_kernel_mla_runs():
+  """model.attention=auto with MLA: the trainer's attention line says xla and why, not the fused kernel auto
+  would pick for another model; without MLA the line is attention.select's."""
+  c = load_config('palm_tiny')
+  c.model.update(attention='auto', kv_lora_rank=16)
+  assert mla_lib.kernel_reason(c.model).startswith('xla attention: multi-head latent attention')
+  c.model.kv_lora_rank = 0
+  assert mla_lib.kernel_reason(c.model) is None
+
+
 def _mla_config(q_lora_rank: int):
   cfg = odd_config(parallel_block=False)
   cfg.model.update(kv_lora_rank=12, q_lora_rank=q_lora_rank, qk_nope_head_dim=10, qk_rope_head_dim=6,
@@ -227,18 +272,53 @@ def _mla_config(q_lora_rank: int):
   return cfg
 
 
+def _mla_steps(cfg, batch, init=None, **axes):
+  """([loss 1, loss 2, grad norm], state) of two train steps on the mesh `axes` (mesh.* sizes, the others 1), from
+  the host state `init` (None: the program's own init, which then is returned instead, on the host)."""
+  from jaxlm import sharding, train
+  from tests.helpers import plain_program
+  cfg.mesh.update(**{**dict(data=1, fsdp=1, tensor=1, context=1, stage=1, expert=1), **axes})
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:int(np.prod(list(axes.values()) or [1]))])
+  program = plain_program(cfg, mesh, steps=10)
+  if init is None:
+    return jax.device_get(program.init())
+  state = jax.device_put(init, program.state_shardings)
+  b = train.global_batch(batch, program.batch_sharding)
+  state, m1 = program.train_step(state, b)
+  state, m2 = program.train_step(state, b)
+  return [float(m1['loss']), float(m2['loss']), float(m1['grad_norm'])], state
+
+
+def _unrolled(tree, num_layers: int):
+  """A scanned state's every `layers` stack (params, Adam's moments) as unrolled layers_0 … layers_{L-1}."""
+  def unroll(d):
+    if not (isinstance(d, dict) and 'layers' in d):
+      return d
+    out = {k: v for k, v in d.items() if k != 'layers'}
+    return {**out, **{f'layers_{i}': jax.tree.map(lambda x, i=i: x[i], d['layers']) for i in range(num_layers)}}
+  return jax.tree.map(unroll, tree, is_leaf=lambda d: isinstance(d, dict) and 'layers' in d)
+
+
 def test_sharded_mla_step_matches_single_device():
-  """Two training steps of an MLA model (plain query projection) on fsdp 4 × tensor 2 (heads split) equal one
-  device (1e-5) in loss and gradient norm; documents packed two to a row."""
+  """Two training steps of an MLA model (plain query projection) equal one device's (1e-5) in loss and gradient
+  norm on fsdp 4 × tensor 2 (heads split over tensor), on context 2 × fsdp 2 × tensor 2 (the sequence split, in
+  zig-zag order), on 2 pipeline stages × fsdp 2, and unrolled (model.scan_layers=False) on fsdp 2 × tensor 2;
+  documents packed two to a row. Every mesh starts from the one device's initial state (one init compiled)."""
   q_lora_rank = 0
   cfg = _mla_config(q_lora_rank)
   batch = random_batch(8, 24, cfg.model.vocab_size, docs=2)
-  reference, _ = _two_steps(cfg.copy_and_resolve_references(), (1, 1, 1), batch)
+  init = _mla_steps(cfg.copy_and_resolve_references(), batch)
+  reference, _ = _mla_steps(cfg.copy_and_resolve_references(), batch, init)
   assert reference[1] < reference[0]  # the step did something
-  got, state = _two_steps(cfg, (1, 4, 2), batch)
-  np.testing.assert_allclose(got, reference, rtol=1e-5)
-  wq = state.params['layers']['attention']['query_b' if q_lora_rank else 'query']
-  assert 'tensor' in str(wq.sharding.spec)  # heads over tensor, not replicated
+  for axes, scan in ((dict(fsdp=4, tensor=2), True), (dict(context=2, fsdp=2, tensor=2), True),
+                     (dict(stage=2, fsdp=2), True), (dict(fsdp=2, tensor=2), False)):
+    c = cfg.copy_and_resolve_references()
+    c.model.scan_layers = scan
+    got, state = _mla_steps(c, batch, init if scan else _unrolled(init, c.model.num_layers), **axes)
+    np.testing.assert_allclose(got, reference, rtol=1e-5, err_msg=f'{axes} scan_layers={scan}')
+    if 'tensor' in axes:
+      wq = state.params['layers' if scan else 'layers_0']['attention']['query_b' if q_lora_rank else 'query']
+      assert 'tensor' in str(wq.sharding.spec)  # heads over tensor, not replicated
 
 
 def test_latent_cache_greedy_equals_full_recompute():
@@ -401,7 +481,8 @@ def _reference_mtp(torch, original, layer, tokens):
 def test_mtp_layer_imports_exports_and_matches_the_v3_formula(imported, tmp_path):
   """A checkpoint with a released-style MTP layer (model.layers.L.*, its block a mixture of experts as V3's)
   imports as model.mtp_depth=1 with the main logits still transformers' (1e-4); the stored tensors land exactly
-  in jaxlm's MTP parameters and export back bit for bit under the same names; jaxlm's MTP logits and loss equal
+  in jaxlm's MTP parameters and export back bit for bit under the same names, which transformers loads with no
+  main-model key missing and the original's logits (1e-4); jaxlm's MTP logits and loss equal
   a torch computation of DeepSeek-V3's MTP formula on the same tensors (1e-4)."""
   import shutil
   import torch
@@ -435,6 +516,15 @@ def test_mtp_layer_imports_exports_and_matches_the_v3_formula(imported, tmp_path
   for name, x in {**main, **layer}.items():
     np.testing.assert_array_equal(after[name], x, err_msg=name)
   assert json.loads((tmp_path / 'back' / 'config.json').read_text())['num_nextn_predict_layers'] == 1
+  # transformers loads the export as DeepseekV3ForCausalLM: every main-model weight found, only the MTP layer's
+  # left over (it ignores that layer, as for a released checkpoint), and the original's logits.
+  back, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / 'back'), attn_implementation='eager',
+                                                                 output_loading_info=True)
+  assert type(back).__name__ == 'DeepseekV3ForCausalLM' and not info['missing_keys'] and not info['mismatched_keys']
+  assert all(k.startswith('model.layers.2.') for k in info['unexpected_keys']), info['unexpected_keys']
+  MAX_ABS['export with MTP'] = float(np.abs(_torch_logits((torch, transformers), back.float().eval(), tokens)
+                                            - theirs).max())
+  assert MAX_ABS['export with MTP'] <= 1e-4
 
   B, T = tokens.shape
   positions = np.tile(np.arange(T, dtype=np.int32), (B, 1))
@@ -457,3 +547,93 @@ def test_mtp_layer_imports_exports_and_matches_the_v3_formula(imported, tmp_path
       - want[:, :-2].max(-1, keepdims=True)
   reference = -np.take_along_axis(logp, tokens[:, 2:, None], -1).mean()  # position i predicts t_{i+2}
   np.testing.assert_allclose(float(got), reference, rtol=1e-5)
+
+
+
+def _sft_losses(cfg, params, batch):
+  """[loss 1, loss 2] of two train steps of step.build_program's (one device) from the imported `params` joined
+  to the LoRA adapters init drew (B = 0: the import's function to begin with)."""
+  from jaxlm import lora as lora_lib
+  from jaxlm import sharding, train
+  from tests.helpers import plain_program
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, cfg.mesh.expert = 1, 1, 1, 1
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+  program = plain_program(cfg, mesh, steps=10)
+  state = program.init()
+  params = lora_lib.join_adapters(params, lora_lib.split_adapters(jax.device_get(state.params))[1])
+  state = dataclasses.replace(state, params=jax.device_put(params, program.state_shardings.params))
+  b = train.global_batch(batch, program.batch_sharding)
+  state, m1 = program.train_step(state, b)
+  state, m2 = program.train_step(state, b)
+  return [float(m1['loss']), float(m2['loss'])]
+
+
+def test_lora_sft_on_the_import_starts_from_transformers_loss_and_lowers_it(imported):
+  """Fine-tuning the imported DeepSeek-V3 through the trainer's step (step.build_program) with SFT loss weights
+  (prompts and padding weighted 0) and LoRA on every MLA projection: the first step's loss is transformers'
+  cross-entropy on the same tokens and weights (1e-5), the second's lower. (Full-parameter steps of MLA and
+  DeepSeek's MoE are the sharded tests'; one program here keeps the test cheap.)"""
+  _, _, _, params, tokens, theirs = imported
+  B, T = tokens.shape
+  weights = np.ones((B, T), np.float32)
+  weights[0, :8], weights[1, :5], weights[:, -1] = 0, 0, 0  # the prompts, and the last token (no target)
+  segment_ids = np.ones_like(tokens)
+  segment_ids[1, -4:] = 0  # row 1 padded at the end
+  weights[segment_ids == 0] = 0
+  batch = dict(inputs=tokens, targets=np.concatenate([tokens[:, 1:], tokens[:, :1] * 0], 1), weights=weights,
+               segment_ids=segment_ids, positions=np.tile(np.arange(T, dtype=np.int32), (B, 1)))
+  logp = theirs - theirs.max(-1, keepdims=True)
+  logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+  reference = -(np.take_along_axis(logp, batch['targets'][..., None], -1)[..., 0] * weights).sum() / weights.sum()
+  cfg = export.read_config(ORIGINAL['import']['checkpoint'])
+  cfg.model.update(dtype='float32', z_loss=0.0, remat='none')
+  cfg.model.lora.update(rank=4, alpha=8.0, targets=('query', 'out', 'query_a', 'kv_a', 'kv_b'))
+  cfg.optim.update(warmup_steps=0, lr=1e-2)
+  losses = _sft_losses(cfg, params, batch)
+  np.testing.assert_allclose(losses[0], reference, rtol=1e-5)
+  assert losses[1] < losses[0] - 1e-2
+
+
+def test_deepseek_v2_imports_and_exports_with_transformers_logits(imported, tmp_path):
+  """DeepseekV2ForCausalLM (V2-Lite's plain query projection; V2's softmax routing limited to the groups with the
+  best single score, no renormalisation, no selection bias) imports with transformers' logits (1e-4), which
+  renormalising or dropping the group limit moves by >= 1e-2, and exports back bit for bit as
+  DeepseekV2ForCausalLM, which transformers reloads with the same logits."""
+  import shutil
+  import torch
+  transformers, root = imported[:2]
+  torch.manual_seed(1)
+  # One group of two experts per token (topk_group 1): its best single score picks it, not its best two's sum.
+  v2 = {k: v for k, v in CONFIG.items() if k not in ('q_lora_rank', 'topk_group')}
+  config = transformers.DeepseekV2Config(**v2, q_lora_rank=None, topk_method='group_limited_greedy', topk_group=1)
+  config._attn_implementation = 'eager'  # pylint: disable=protected-access
+  original = transformers.DeepseekV2ForCausalLM(config).float().eval()
+  with torch.no_grad():
+    for name, p in original.named_parameters():
+      if name.endswith('norm.weight'):
+        p.copy_(torch.rand_like(p) + 0.5)
+      elif name.endswith('mlp.gate.weight'):  # large router logits: the chosen experts win by a wide margin
+        p.copy_(torch.randn_like(p))
+  original.save_pretrained(str(tmp_path / 'hf'), safe_serialization=True)
+  for name in ('tokenizer.json', 'tokenizer_config.json'):  # the V3 fixture's tokenizer (its vocabulary size)
+    shutil.copy(root / 'hf' / name, tmp_path / 'hf' / name)
+  result = import_hf.import_hf(str(tmp_path / 'hf'), str(tmp_path / 'run'))
+  assert result['overrides']['moe_router'] == 'deepseek_v2' and result['overrides']['moe_groups'] == 4
+  cfg = export.read_config(result['checkpoint'])
+  cfg.model.dtype = 'float32'
+  m = model_lib.ModelConfig.from_config(cfg.model)
+  params = import_hf.from_hf(import_hf.read_safetensors(str(tmp_path / 'hf')), m, scan_layers=True)
+  tokens = np.random.default_rng(2).integers(3, 97, (2, SEQ)).astype(np.int32)
+  theirs = _torch_logits((torch, transformers), original, tokens)
+  MAX_ABS['v2 import'] = float(np.abs(_logits(model_lib.Decoder(m), params, tokens) - theirs).max())
+  assert MAX_ABS['v2 import'] <= 1e-4
+  # V2's routing matters here: renormalising the top-k weights, or dropping the group limit, moves the logits.
+  for what, moe in (('v2 renormalised', dataclasses.replace(m.moe, norm_topk_prob=True)),
+                    ('v2 without group limit', dataclasses.replace(m.moe, groups=1, top_groups=1))):
+    MAX_ABS[what] = float(np.abs(_logits(model_lib.Decoder(dataclasses.replace(m, moe=moe)), params, tokens)
+                                 - theirs).max())
+    assert MAX_ABS[what] >= 1e-2, what
+  written, back = export_round_trip(tmp_path / 'hf', tmp_path / 'run', tmp_path / 'back', 'DeepseekV2ForCausalLM')
+  assert written['model_type'] == 'deepseek_v2' and written['topk_method'] == 'group_limited_greedy'
+  MAX_ABS['v2 export'] = float(np.abs(_torch_logits((torch, transformers), back, tokens) - theirs).max())
+  assert MAX_ABS['v2 export'] <= 1e-4
