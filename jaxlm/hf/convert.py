@@ -352,7 +352,8 @@ def _moe_overrides(hf: dict) -> dict:
 
 def model_overrides(hf: dict) -> dict:
   """cfg.model values that compute what the Hugging Face `config.json` dict `hf` describes."""
-  refuse_quantized(hf)  # every family: before its own key checks, with the fix
+  if hf.get('model_type') != gpt_oss.MODEL_TYPE:  # gpt-oss dequantizes its MXFP4 experts itself (hf/gpt_oss.py)
+    refuse_quantized(hf)  # every other family: before its own key checks, with the fix
   if hf.get('vision_config') is not None or hf.get('model_type') == 'gemma3':
     raise HFImportError(f'{hf.get("architectures") or hf.get("model_type")} has a vision tower (vision_config): '
                         f'jaxlm imports text models only; import the text model (Gemma3ForCausalLM, model_type '

@@ -17,8 +17,8 @@ class HFImportError(errors.ConfigError):
 
 
 def refuse_quantized(hf: dict) -> None:
-  """An HFImportError naming config.json's quantization_config (the released DeepSeek-V3's FP8 blocks, gpt-oss's
-  MXFP4): jaxlm reads plain weights and would take the quantised ones without their scales."""
+  """An HFImportError naming config.json's quantization_config (the released DeepSeek-V3's FP8 blocks): jaxlm reads
+  plain weights and would take the quantised ones without their scales (gpt-oss's MXFP4 is dequantized instead)."""
   q = hf.get('quantization_config')
   if q is None:
     return
