@@ -107,10 +107,11 @@ _PROGRAMS = collections.OrderedDict()  # what decides a program -> (Program, its
 _KEEP = 4  # programs kept per process, each with its compiled executables
 
 
-def cached_program(cfg, mesh, objective=None) -> tuple[Program, dict]:
+def cached_program(cfg, mesh, objective=None, keep: int = _KEEP) -> tuple[Program, dict]:
   """build_program's Program, reused by every later run of the same program in this process (a resumed run, a
   sweep's trials, tests), with the train steps already compiled for it: a dict {(batch size, seq len): compiled
-  step} that the caller fills. Only init is rebuilt for another train.seed (it alone draws from it)."""
+  step} that the caller fills. Only init is rebuilt for another train.seed (it alone draws from it). `keep`: the
+  newest programs kept, with their executables (the tests' grids keep more)."""
   t, kind = cfg.train, cfg.train.get('objective', 'lm')
   section = lambda name: cfg[name].to_json() if name in cfg else None  # noqa: E731
   key = (cfg.model.to_json(), cfg.optim.to_json(), section('pipeline'), t.steps, t.microbatches, kind,
@@ -124,7 +125,7 @@ def cached_program(cfg, mesh, objective=None) -> tuple[Program, dict]:
     return program, compiled
   program, compiled = build_program(cfg, mesh, objective), {}
   _PROGRAMS[key] = (program, t.seed, compiled)
-  while len(_PROGRAMS) > _KEEP:
+  while len(_PROGRAMS) > keep:
     _PROGRAMS.popitem(last=False)
   return program, compiled
 

@@ -36,25 +36,19 @@ def load_config(name: str = 'palm_tiny'):
   return cli.load_file(ROOT / 'configs' / f'{name}.py')
 
 
-_PROGRAMS = {}  # (config, mesh) -> Program, newest last (see plain_program)
 
 
 def plain_program(cfg, mesh, steps: int = 10, microbatches: int = 1):
   """The plain step (no finiteness check, no update multiplier) for `cfg`'s model and optimizer on `mesh`.
 
-  The same config on the same mesh gets the same Program back within a test process: its jitted functions are
-  compiled once, not once per test that builds it again (a Program holds no state; a test that patches the model's
-  code builds its own with step.build_program)."""
+  The same program on the same mesh is the same Program within a test process (step.cached_program, as the
+  trainer's resumed runs get it): its jitted functions are compiled once, not once per test that builds it again
+  (a Program holds no state; a test that patches the model's code builds its own with step.build_program)."""
   from jaxlm import step
   cfg.train.update(steps=steps, seed=0, microbatches=microbatches)
   cfg.stability.policy = 'off'
   cfg.faults.lr_spike_steps = ''
-  key = (cfg.to_json(sort_keys=True), mesh)
-  program = _PROGRAMS.pop(key, None) or step.build_program(cfg, mesh)
-  _PROGRAMS[key] = program
-  while len(_PROGRAMS) > 16:  # a bound on the compiled executables kept alive
-    del _PROGRAMS[next(iter(_PROGRAMS))]
-  return program
+  return step.cached_program(cfg, mesh, keep=16)[0]  # 16: a bound on the compiled executables kept alive
 
 
 def odd_config(parallel_block: bool = True):
