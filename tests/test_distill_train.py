@@ -37,29 +37,94 @@ def teacher(trained_tiny) -> str:
   return trained_tiny
 
 
+@pytest.fixture(scope='module')
+def distilled(teacher, data_cache, tmp_path_factory):
+  """The uninterrupted distillation run of _student_cfg, trained once for this module: (its workdir, its last
+  record). The in-process resume and the command-line kill drill both compare against it."""
+  cfg = _student_cfg(data_cache, teacher)
+  config_lib.validate(cfg, jax.device_count())
+  workdir = tmp_path_factory.mktemp('distilled')
+  return workdir, train.run(cfg, str(workdir))
+
+
 @pytest.mark.e2e  # three trainer runs: seconds of compiles
-def test_a_distilled_student_beats_hard_labels_and_resumes_bit_for_bit(teacher, data_cache, tmp_path):
+def test_a_distilled_student_beats_hard_labels_and_resumes_bit_for_bit(teacher, data_cache, distilled, tmp_path):
   """Forward KL from the teacher vs cross-entropy on the same batches, steps, seed and student: the distilled one
   has the lower held-out cross-entropy. A run resumed from its step-10 checkpoint logs the same losses and saves
   the same parameters and optimizer state as the uninterrupted run."""
   import orbax.checkpoint as ocp
   distilled_cfg = _student_cfg(data_cache, teacher)
-  config_lib.validate(distilled_cfg, jax.device_count())
-  distilled = train.run(distilled_cfg, str(tmp_path / 'distilled'))
+  distilled_dir, distilled = distilled
   hard = train.run(_student_cfg(data_cache, teacher, objective='lm'), str(tmp_path / 'hard'))
   teacher_loss = read_records(teacher, 'eval')[-1]['eval_loss']
   assert distilled['eval_loss'] < hard['eval_loss'] - 0.02, (distilled['eval_loss'], hard['eval_loss'], teacher_loss)
   assert teacher_loss < distilled['eval_loss']  # the teacher is the better model: there is something to learn
 
   (tmp_path / 'resumed' / 'checkpoints').mkdir(parents=True)
-  shutil.copytree(tmp_path / 'distilled' / 'checkpoints' / '10', tmp_path / 'resumed' / 'checkpoints' / '10')
+  shutil.copytree(distilled_dir / 'checkpoints' / '10', tmp_path / 'resumed' / 'checkpoints' / '10')
   train.run(distilled_cfg, str(tmp_path / 'resumed'))
-  full, resumed = read_records(tmp_path / 'distilled'), read_records(tmp_path / 'resumed')
+  full, resumed = read_records(distilled_dir), read_records(tmp_path / 'resumed')
   assert [r['step'] for r in resumed] == list(range(11, STUDENT_STEPS + 1))
   keys = ('loss', 'divergence', 'ce', 'grad_norm')
   assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in full[10:]]
-  want, got = (ocp.StandardCheckpointer().restore(tmp_path / run / 'checkpoints' / str(STUDENT_STEPS) / 'state')
-               for run in ('distilled', 'resumed'))
+  want, got = (ocp.StandardCheckpointer().restore(run / 'checkpoints' / str(STUDENT_STEPS) / 'state')
+               for run in (distilled_dir, tmp_path / 'resumed'))
+  for item in ('params', 'opt_state'):
+    jax.tree.map(np.testing.assert_array_equal, got[item], want[item])
+
+
+def _overrides(cfg) -> list[str]:
+  """`--config.<key>=<value>` for each setting of `cfg` that differs from configs/palm_tiny.py's: the same run as a
+  user types it."""
+  def leaves(d, prefix=''):
+    for k, v in d.items():
+      yield from leaves(v, f'{prefix}{k}.') if isinstance(v, dict) else [(prefix + k, v)]
+  base = dict(leaves(load_config('palm_tiny').to_dict()))
+  return [f'--config.{k}={v}' for k, v in leaves(cfg.to_dict()) if base[k] != v]
+
+
+def test_a_distillation_command_stopped_by_sigterm_then_killed_resumes_bit_for_bit(distilled, teacher, data_cache,
+                                                                                     tmp_path):
+  """`python -m jaxlm.train` of the module's distillation run: SIGTERM at step 5 saves and exits 0; the rerun is
+  killed with SIGKILL past its step-20 checkpoint; the next rerun finishes. Every loss logged, redone steps
+  included, and the final parameters and optimizer state are the uninterrupted run's, bit for bit: the teacher's
+  targets and the data position come back with the checkpoint."""
+  import signal
+  import subprocess
+  import orbax.checkpoint as ocp
+  from tests.conftest import ROOT
+  from tests.helpers import train_command, train_env
+  from tests.test_checkpoint import _trainer_of, _wait_for_step  # the checkpoint tests' drill helpers
+  command = train_command(tmp_path, *_overrides(_student_cfg(data_cache, teacher)))
+  start = lambda: subprocess.Popen(command, cwd=ROOT, env=train_env(), stdout=subprocess.PIPE,  # noqa: E731
+                                   stderr=subprocess.STDOUT, text=True)
+  proc = start()
+  _wait_for_step(proc, tmp_path, 5)
+  proc.send_signal(signal.SIGTERM)
+  output = proc.communicate(timeout=300)[0]
+  assert proc.returncode == 0, output[-3000:]
+  stopped = [r for r in read_records(tmp_path, 'event') if r['event'] == 'preempted'][-1]
+  assert 'checkpoint saved' in stopped['message'] and (tmp_path / 'checkpoints' / str(stopped['step'])).is_dir()
+
+  proc = start()
+  _wait_for_step(proc, tmp_path, 21)  # past the step-20 checkpoint (saved before step 21 runs): 21.. are redone
+  trainer = _trainer_of(proc)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  trainer.wait(timeout=10)  # it dies with its watcher: nothing trains on behind a kill -9
+  out = subprocess.run(command, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0 and 'resumed from checkpoint step 20' in out.stdout, out.stdout[-3000:] + out.stderr
+
+  distilled_dir = distilled[0]
+  want = {r['step']: r['loss'] for r in read_records(distilled_dir)}
+  got = [(r['step'], r['loss']) for r in read_records(tmp_path)]
+  steps = [step for step, _ in got]
+  killed = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])  # steps logged before the kill
+  # After SIGTERM no step lost or redone; after the kill, 21.. redone.
+  assert killed >= 21 and steps == list(range(1, killed + 1)) + list(range(21, STUDENT_STEPS + 1))
+  assert [(step, want[step]) for step in steps] == got
+  ckpt, final = ocp.StandardCheckpointer(), str(STUDENT_STEPS)
+  want, got = (ckpt.restore(run / 'checkpoints' / final / 'state') for run in (distilled_dir, tmp_path))
   for item in ('params', 'opt_state'):
     jax.tree.map(np.testing.assert_array_equal, got[item], want[item])
 
