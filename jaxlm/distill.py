@@ -348,7 +348,7 @@ def cached(c) -> str:
 def cache_identity(teacher_step_dir: str, data: str, meta: dict, top_k: int, temperature: float,
                    vocab_size: int) -> dict:
   """What a teacher cache belongs to (jaxlm/tools/teacher.py writes it, `cache_errors` compares it)."""
-  return {'teacher': os.path.abspath(teacher_step_dir), 'data': os.path.abspath(os.path.expanduser(data)),
+  return {'teacher': storage.normalize(teacher_step_dir), 'data': storage.normalize(data),
           'documents': meta['splits']['train']['documents'], 'tokenizer_sha256': meta['tokenizer_sha256'],
           'top_k': int(top_k), 'temperature': float(temperature), 'vocab_size': int(vocab_size)}
 
@@ -356,18 +356,15 @@ def cache_identity(teacher_step_dir: str, data: str, meta: dict, top_k: int, tem
 def cache_errors(c) -> list[str]:
   """distill.cached against the run: one prepared chat dataset, the one the cache was made from (its tokenizer,
   its documents), at this run's top_k, temperature and vocabulary."""
-  import json  # pylint: disable=import-outside-toplevel
   from jaxlm.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
   d, cache = c.distill, c.distill.cached
   make = f'make it with `python -m jaxlm.tools.teacher --teacher=RUN --data=DATA --top_k=K --out={cache}`'
   if c.data.source != 'prepared' or ',' in c.data.paths:
     return [f'distill.cached reads one prepared chat dataset (data.source=prepared, one data.paths); {make}.']
   data = c.data.paths.strip()
-  try:
-    with open(os.path.join(os.path.expanduser(cache), data_lib.TEACHER_MANIFEST)) as f:
-      saved = json.load(f)
-    with open(os.path.join(os.path.expanduser(data), 'metadata.json')) as f:
-      meta = json.load(f)
+  try:  # either on a bucket too (the data as pipeline.dataset_dirs reads it, the cache as the pipeline fetches it)
+    saved = storage.read_json(storage.join(cache, data_lib.TEACHER_MANIFEST))
+    meta = storage.read_json(storage.join(data, 'metadata.json'))
   except (OSError, ValueError) as ex:
     return [f'distill.cached={cache} or data.paths={data} is unreadable ({ex}); {make}.']
   if not saved.get('complete'):

@@ -14,8 +14,10 @@ from jaxlm import config as config_lib
 from jaxlm import errors
 from jaxlm import train
 from tests.helpers import load_config, read_records
+from tests import stores
 
 STUDENT_STEPS = 30
+s3_emulator = stores.s3_emulator  # the session's moto server (skips where moto is missing)
 
 
 def _student_cfg(data_cache, teacher: str, objective: str = 'distill', steps: int = STUDENT_STEPS):
@@ -209,28 +211,38 @@ def _chat_cfg(chat: str, steps: int = 2, **distill):
   return c
 
 
+@pytest.fixture(scope='module')
+def cached_teacher(chat, tmp_path_factory):
+  """A teacher trained 3 steps on the chat data, its K = V cache at temperature 0.7 (jaxlm.tools.teacher) and a
+  2-step student run reading it: (teacher, cache, the cache's manifest, the student's workdir, its last record)."""
+  from jaxlm.tools import teacher as teacher_tool
+  tmp = tmp_path_factory.mktemp('cached_teacher')
+  train.run(_chat_cfg(chat, steps=3), str(tmp / 'teacher'))
+  manifest = teacher_tool.compute(str(tmp / 'teacher'), chat, str(tmp / 'cache'), top_k=512, temperature=0.7)
+  cfg = _chat_cfg(chat, cached=str(tmp / 'cache'), top_k=512, temperature=0.7, beta=0.5)
+  config_lib.validate(cfg, jax.device_count())
+  return tmp / 'teacher', tmp / 'cache', manifest, tmp / 'student', train.run(cfg, str(tmp / 'student'))
+
+
 @pytest.mark.e2e  # two trainer runs and the cache command: seconds of compiles
-def test_a_cached_top_v_teacher_feeds_the_full_vocabulary_loss_and_other_caches_are_refused(chat, tmp_path):
+def test_a_cached_top_v_teacher_feeds_the_full_vocabulary_loss_and_other_caches_are_refused(chat, cached_teacher,
+                                                                                           tmp_path):
   """K = V cached at temperature 0.7: the batches' teacher keys give the same loss as the online teacher's full
   log-probabilities on the same batch (1e-5); a run reads them and trains; a cache for another K, temperature,
   data or tokenizer, or an unfinished one, is refused in one line."""
   import json
   from jaxlm import distill, sharding, step as step_lib
   from jaxlm.data import pipeline as data_lib
-  from jaxlm.tools import teacher as teacher_tool
-  train.run(_chat_cfg(chat, steps=3), str(tmp_path / 'teacher'))
-  cache = tmp_path / 'cache'
-  manifest = teacher_tool.compute(str(tmp_path / 'teacher'), chat, str(cache), top_k=512, temperature=0.7)
+  teacher, cache, manifest, _, record = cached_teacher
   assert manifest['top_k'] == 512 and (cache / data_lib.TEACHER_MANIFEST).exists()
   cfg = _chat_cfg(chat, cached=str(cache), top_k=512, temperature=0.7, beta=0.5)
-  config_lib.validate(cfg, jax.device_count())
 
   mesh = sharding.make_mesh(cfg.mesh)
   bs = sharding.batch_sharding(mesh)
   it = data_lib.make_train_iterator(cfg.data, batch_size=8, seed=0, vocab_size=512, teacher_cache=str(cache))
   cached = step_lib.global_batch(next(it), bs)
   plain = {k: cached[k] for k in ('inputs', 'targets', 'segment_ids', 'positions', 'weights')}
-  online = distill.Teacher(ml_collections.ConfigDict(dict(teacher=str(tmp_path / 'teacher'), temperature=0.7,
+  online = distill.Teacher(ml_collections.ConfigDict(dict(teacher=str(teacher), temperature=0.7,
                                                           top_k=0, teacher_dtype='float32')), mesh, bs)(plain)
   student = jax.random.normal(jax.random.PRNGKey(3), (8, 64, 512)) * 2
   loss = jax.jit(lambda batch, k: distill.DistillObjective(beta=0.5, temperature=0.7, top_k=k).loss(  # noqa: E731
@@ -238,8 +250,9 @@ def test_a_cached_top_v_teacher_feeds_the_full_vocabulary_loss_and_other_caches_
   assert float(cached['weights'].sum()) > 50
   np.testing.assert_allclose(float(loss(cached, 512)), float(loss(online, 0)), rtol=1e-5)
 
-  record = train.run(cfg, str(tmp_path / 'student'))
   assert np.isfinite(record['loss']) and record['divergence'] > 0
+  shutil.copytree(cache, tmp_path / 'cache')  # a copy to spoil below: the module's cache stays whole
+  cache = tmp_path / 'cache'
 
   def refused(cfg, *words):
     with pytest.raises(errors.ConfigError) as e:
@@ -256,6 +269,47 @@ def test_a_cached_top_v_teacher_feeds_the_full_vocabulary_loss_and_other_caches_
   refused(_chat_cfg(chat, cached=str(cache), top_k=512, temperature=0.7), 'tokenizer_sha256=')
   (cache / data_lib.TEACHER_MANIFEST).write_text(json.dumps(dict(saved, complete=False)))
   refused(_chat_cfg(chat, cached=str(cache), top_k=512, temperature=0.7), 'unfinished')
+
+
+def test_a_teacher_cache_on_a_bucket_is_written_resumed_and_read_as_the_local_one(chat, cached_teacher, s3_emulator,
+                                                                                     monkeypatch, tmp_path):
+  """jaxlm.tools.teacher --out=s3://... (moto): the local cache's objects byte for byte; resumable there (an
+  unfinished manifest is refused, then the same command keeps the finished shard and writes the marker last); a
+  run with distill.cached=s3://... reads a verified copy under data.cache_dir and logs the local-cache run's
+  losses bit for bit."""
+  import os
+  import uuid
+  from jaxlm.data import pipeline as data_lib, storage
+  from jaxlm.tools import teacher as teacher_tool
+  for name, value in stores.store_env('s3', s3=s3_emulator).items():
+    monkeypatch.setenv(name, value)
+  teacher, cache, manifest, local_run, _ = cached_teacher
+  url = f's3://{stores.BUCKET}/{uuid.uuid4().hex[:12]}/teacher'
+  assert teacher_tool.compute(str(teacher), chat, url, top_k=512, temperature=0.7) == manifest
+  names = sorted(os.listdir(cache))
+  assert storage.listdir(url) == names and len(names) > 1
+  for name in names:
+    assert storage.read_bytes(storage.join(url, name)) == (cache / name).read_bytes(), name
+
+  marker = storage.join(url, data_lib.TEACHER_MANIFEST)
+  shard = [n for n in names if n != data_lib.TEACHER_MANIFEST][0]
+  storage.write_json(marker, dict(manifest, complete=False))  # as a killed command leaves it
+  storage.write_bytes(storage.join(url, shard), b'finished before the kill')
+  cfg = _chat_cfg(chat, cached=url, top_k=512, temperature=0.7, beta=0.5)
+  cfg.data.cache_dir = str(tmp_path / 'data_cache')
+  with pytest.raises(errors.ConfigError, match='unfinished'):
+    config_lib.validate(cfg, jax.device_count())
+  teacher_tool.compute(str(teacher), chat, url, top_k=512, temperature=0.7)
+  assert storage.read_bytes(storage.join(url, shard)) == b'finished before the kill'  # kept, not made again
+  assert storage.read_json(marker) == dict(manifest, complete=True)
+  storage.write_bytes(storage.join(url, shard), (cache / shard).read_bytes())
+
+  config_lib.validate(cfg, jax.device_count())
+  train.run(cfg, str(tmp_path / 'student'))
+  assert (tmp_path / 'data_cache' / 'remote').is_dir()
+  keys = ('step', 'loss', 'divergence', 'ce', 'grad_norm')
+  assert [[r[k] for k in keys] for r in read_records(tmp_path / 'student')] == \
+      [[r[k] for k in keys] for r in read_records(local_run)]
 
 
 def test_the_teacher_is_sharded_by_the_rules_table_and_equals_an_unsharded_forward(teacher):
