@@ -38,7 +38,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlm import checkpoint as checkpoint_lib
-from jaxlm import errors
 from jaxlm import model as model_lib
 from jaxlm import rundir
 from jaxlm import sharding
@@ -229,11 +228,9 @@ def teacher_source(cfg, inner, mesh, program, to_global) -> TeacherSource:
   on_policy = None
   if d.get('on_policy'):
     from jaxlm.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
-    if jax.process_count() > 1:  # the rows are read back from the global batch, which one process cannot see whole
-      raise errors.ConfigError(f'distill.on_policy={d.on_policy} runs in one process for now, not '
-                               f'{jax.process_count()}; set distill.on_policy=0 or train on one host.')
     stops = getattr(data_lib.load_tokenizer(cfg.data, cfg.model.vocab_size), 'stop_ids', None) or []
-    on_policy = OnPolicy(d, cfg.train, program.model.config, mesh, cfg.data.seq_len, stops, to_global)
+    on_policy = OnPolicy(d, cfg.train, program.model.config, mesh, cfg.data.seq_len, stops, to_global,
+                         sharding.row_share(program.batch_sharding))
   return TeacherSource(inner, Teacher(d, mesh, program.batch_sharding), on_policy)
 
 
@@ -242,14 +239,16 @@ class OnPolicy:
   by the student's sampler at distill.temperature; only the sampled tokens are weighted.
 
   Whether step s samples is a function of (train.seed, s), and so is its sampling seed: a resumed run draws the
-  same batches. One process only (the rows are read back from the global batch).
+  same batches. Multi-process as RL is (rl.Rollouts): every process gathers the whole global batch, samples
+  every row alike (the same prompts, seed and parameters) and gives the step its own share of the rows.
   """
 
-  def __init__(self, d, train_cfg, model_cfg, mesh, seq_len: int, stop_ids, to_global):
+  def __init__(self, d, train_cfg, model_cfg, mesh, seq_len: int, stop_ids, to_global, row_share=(0, 1)):
     self.fraction, self.max_new = float(d.on_policy), int(d.max_new_tokens)
     self.temperature, self.seed = float(d.temperature), int(train_cfg.seed)
     self.model_cfg, self.mesh, self.seq_len = model_cfg, mesh, seq_len
     self.stop_ids, self.to_global = list(stop_ids), to_global  # to_global: step.global_batch on the run's sharding
+    self.row_share = row_share  # (index, count): sharding.row_share of the run's batch sharding
 
   def due(self, step: int) -> bool:
     """Whether the step after `step` trains on the student's samples."""
@@ -257,15 +256,21 @@ class OnPolicy:
 
   def __call__(self, params, batch: dict, step: int) -> dict:
     """`batch` (a global batch) with every row replaced by its prompt and the student's completion of it."""
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
     from jaxlm import generate  # pylint: disable=import-outside-toplevel
-    host = {k: np.asarray(jax.device_get(batch[k])) for k in ('inputs', 'weights', 'segment_ids')}
+    # The whole global batch on every process (one process: a plain read-back).
+    host = {k: np.asarray(multihost_utils.process_allgather(batch[k], tiled=True))
+            for k in ('inputs', 'weights', 'segment_ids')}
     prompts = [prompt_of(*(host[k][i] for k in ('inputs', 'weights', 'segment_ids')), self.seq_len - self.max_new)
                for i in range(host['inputs'].shape[0])]
     out = generate.generate(self.model_cfg, params, prompts, self.max_new,
                             sampling=generate.Sampling(self.temperature), seed=self.seed * 1_000_003 + step,
                             eos_id=self.stop_ids or None, mesh=self.mesh, max_len=self.seq_len)
     completions = [ids + [end] * (end is not None) for ids, end in zip(out.tokens, out.ends)]  # the stop id trained
-    return self.to_global(on_policy_rows(prompts, completions, self.seq_len))
+    rows = on_policy_rows(prompts, completions, self.seq_len)
+    index, count = self.row_share
+    share = len(prompts) // count
+    return self.to_global({k: v[index * share:(index + 1) * share] for k, v in rows.items()})
 
 
 def prompt_of(inputs, weights, segment_ids, longest: int) -> list[int]:

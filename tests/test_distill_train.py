@@ -13,7 +13,7 @@ import pytest
 from jaxlm import config as config_lib
 from jaxlm import errors
 from jaxlm import train
-from tests.helpers import load_config, read_records
+from tests.helpers import load_config, read_records, train_command
 from tests import stores
 
 STUDENT_STEPS = 30
@@ -95,7 +95,7 @@ def test_a_distillation_command_stopped_by_sigterm_then_killed_resumes_bit_for_b
   import subprocess
   import orbax.checkpoint as ocp
   from tests.conftest import ROOT
-  from tests.helpers import train_command, train_env
+  from tests.helpers import train_env
   from tests.test_checkpoint import _trainer_of, _wait_for_step  # the checkpoint tests' drill helpers
   command = train_command(tmp_path, *_overrides(_student_cfg(data_cache, teacher)))
   start = lambda: subprocess.Popen(command, cwd=ROOT, env=train_env(), stdout=subprocess.PIPE,  # noqa: E731
@@ -131,16 +131,22 @@ def test_a_distillation_command_stopped_by_sigterm_then_killed_resumes_bit_for_b
     jax.tree.map(np.testing.assert_array_equal, got[item], want[item])
 
 
+def _on_policy_cfg(data_cache, teacher):
+  """4 steps of which the 4th samples (distill.on_policy=0.5 at seed 1), 8 tokens each, GKD's beta 0.5."""
+  cfg = _student_cfg(data_cache, teacher, steps=4)
+  cfg.distill.update(on_policy=0.5, max_new_tokens=8, beta=0.5)
+  cfg.optim.warmup_steps = 1
+  cfg.stability.policy = 'skip'  # no rollback: four steps
+  return cfg
+
+
 @pytest.mark.e2e  # two trainer runs with the sampler: seconds of compiles
 def test_on_policy_steps_train_on_the_students_samples_and_resume_bit_for_bit(teacher, data_cache, tmp_path):
   """distill.on_policy=0.5 (seed 1: the 4th step is drawn on-policy): the sampled step is logged as such, and a run
   resumed from step 2 logs the same losses and saves the same parameters as the uninterrupted one."""
   import orbax.checkpoint as ocp
-  cfg = _student_cfg(data_cache, teacher, steps=4)
-  cfg.distill.update(on_policy=0.5, max_new_tokens=8, beta=0.5)
+  cfg = _on_policy_cfg(data_cache, teacher)
   cfg.checkpoint.every = 2
-  cfg.optim.warmup_steps = 1
-  cfg.stability.policy = 'skip'  # no rollback: four steps
   config_lib.validate(cfg, jax.device_count())
   train.run(cfg, str(tmp_path / 'full'))
   (tmp_path / 'resumed' / 'checkpoints').mkdir(parents=True)
@@ -153,6 +159,27 @@ def test_on_policy_steps_train_on_the_students_samples_and_resume_bit_for_bit(te
   want, got = (ocp.StandardCheckpointer().restore(tmp_path / run / 'checkpoints' / '4' / 'state')
                for run in ('full', 'resumed'))
   jax.tree.map(np.testing.assert_array_equal, got['params'], want['params'])
+
+
+@pytest.mark.e2e  # 2 processes x 2 devices (launch/local.sh) against 1 process in this one
+def test_on_policy_distillation_in_two_processes_trains_as_one(teacher, data_cache, tmp_path):
+  """launch/local.sh -n 2 -d 2 (as tests/test_rl.py runs RL): each process gathers the whole batch, samples every
+  row alike and trains on its share; every step's losses equal one process's on 4 devices, the on-policy step
+  included (its samples are the same, or its divergence would not be)."""
+  import subprocess
+  from tests.conftest import ROOT
+  from tests.helpers import train_env
+  cfg = _on_policy_cfg(data_cache, teacher)
+  cfg.checkpoint.every = 0
+  config_lib.validate(cfg, 4)
+  train.run(cfg, str(tmp_path / 'one'), devices=jax.devices()[:4])
+  command = ['launch/local.sh', '-n', '2', '-d', '2', '--', *train_command(tmp_path / 'two', *_overrides(cfg))]
+  out = subprocess.run(command, cwd=ROOT, env=train_env(devices=2), capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  one, two = read_records(tmp_path / 'one'), read_records(tmp_path / 'two')
+  assert [r.get('on_policy', 0.0) for r in two] == [r.get('on_policy', 0.0) for r in one] == [0.0, 0.0, 0.0, 1.0]
+  for key in ('loss', 'divergence', 'ce'):
+    np.testing.assert_allclose([r[key] for r in two], [r[key] for r in one], rtol=2e-5, err_msg=key)
 
 
 def test_a_teacher_of_another_vocabulary_or_tokenizer_is_refused(teacher, data_cache, tmp_path):
