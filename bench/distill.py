@@ -58,9 +58,10 @@ def _config(name: str, **sections):
   return c
 
 
-def _student(teacher: pathlib.Path, vocab: int, objective: str, how: dict, steps: int, **extra):
-  """The palm_tiny-sized student of the teacher's vocabulary; `extra`: more settings per section."""
-  sections = dict(data=dict(seq_len=64), model=dict(vocab_size=vocab, dtype='float32'),
+def _student(teacher: pathlib.Path, vocab: int, cap: float, objective: str, how: dict, steps: int, **extra):
+  """The palm_tiny-sized student of the teacher's vocabulary and corpus cap (so its tokenizer); `extra`: more
+  settings per section."""
+  sections = dict(data=dict(seq_len=64, stdlib_max_mb=cap), model=dict(vocab_size=vocab, dtype='float32'),
                   train=dict(objective=objective, steps=steps, batch_size=8, log_every=1, eval_every=0,
                              eval_batches=4, seed=1),
                   optim=dict(lr=1e-2, warmup_steps=5), distill=dict(dict(teacher=str(teacher), top_k=0), **how))
@@ -128,19 +129,19 @@ def main(argv):
   teacher = work / 'teacher'
   if not (teacher / 'checkpoints').exists():
     train.run(_config(FLAGS.teacher, train=dict(steps=FLAGS.teacher_steps, eval_every=0)), str(teacher))
-  vocab = rundir.read_config(rundir.step_dir(str(teacher))).model.vocab_size
+  saved = rundir.read_config(rundir.step_dir(str(teacher)))
+  vocab, cap = saved.model.vocab_size, saved.data.stdlib_max_mb
   rows = []
   for name, objective, how in STUDENTS:
-    cfg = _student(teacher, vocab, objective, how, FLAGS.student_steps)
+    cfg = _student(teacher, vocab, cap, objective, how, FLAGS.student_steps)
     rows.append(_row(name, cfg, work / _slug(name)))
   base = rundir.step_dir(str(work / _slug(STUDENTS[0][0])))  # the hard-label student's final weights
   for name, objective, how in LORA if FLAGS.lora_steps else ():
-    cfg = _student(teacher, vocab, objective, how, FLAGS.lora_steps, model=dict(lora=dict(rank=8)),
+    cfg = _student(teacher, vocab, cap, objective, how, FLAGS.lora_steps, model=dict(lora=dict(rank=8)),
                    checkpoint=dict(init_from=base))
     rows.append(_row(name, cfg, work / _slug(name)))
   teacher_loss = [r for r in rundir.read_metrics(str(teacher)) if r.get('kind') == 'eval'][-1]['eval_loss']
-  seq_len = rundir.read_config(rundir.step_dir(str(teacher))).data.seq_len
-  print(f'teacher {FLAGS.teacher}: held-out loss {teacher_loss:.4f} (rows of {seq_len} tokens) after '
+  print(f'teacher {FLAGS.teacher}: held-out loss {teacher_loss:.4f} (rows of {saved.data.seq_len} tokens) after '
         f'{FLAGS.teacher_steps} steps')
   print(format_table(rows, header=['student', 'held-out loss', 'tokens/s', 'step bytes/device', 'teacher bytes/device'],
                      right=(False, True, True, True, True)))

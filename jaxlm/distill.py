@@ -136,7 +136,8 @@ def teacher_step_dir(path: str) -> str:
 
 def tokenizer_identity(cfg, workdir: str | None = None) -> str | None:
   """What names a run's tokenizer: the sha256 of the tokenizer files beside an import, of data.tokenizer (stream)
-  or in its prepared data's metadata.json; the stdlib corpus's per-size tokenizer; None when it cannot be read."""
+  or in its prepared data's metadata.json; the stdlib corpus's tokenizer by its size, cap and split (what its
+  prepared directory is named by: data/prepare.py, stdlib_dataset); None when it cannot be read."""
   import json  # pylint: disable=import-outside-toplevel
   from jaxlm.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
   d = cfg.data
@@ -149,7 +150,9 @@ def tokenizer_identity(cfg, workdir: str | None = None) -> str | None:
     if d.source == 'prepared':
       with open(os.path.join(os.path.expanduser(d.paths.split(',')[0].strip()), 'metadata.json')) as f:
         return json.load(f)['tokenizer_sha256']
-    return f'the stdlib corpus tokenizer of {cfg.model.vocab_size} entries'
+    # Trained on the corpus sample the cap and the held-out split leave: two caps, two tokenizers of one size.
+    return (f'the stdlib corpus tokenizer of {cfg.model.vocab_size} entries (data.stdlib_max_mb='
+            f'{d.stdlib_max_mb:g}, data.eval_fraction={d.eval_fraction:g})')
   except (OSError, ValueError, KeyError, AttributeError):
     return None
 

@@ -200,6 +200,12 @@ def test_a_teacher_of_another_vocabulary_or_tokenizer_is_refused(teacher, data_c
   lines = [line for line in str(e.value).splitlines() if 'distill.teacher' in line]
   assert len(lines) == 1 and 'uses sha256 ' in lines[0] and 'stdlib corpus tokenizer of 512 entries' in lines[0]
 
+  other_cap = _student_cfg(data_cache, teacher)  # the stdlib corpus under another cap: another tokenizer of 512
+  other_cap.data.stdlib_max_mb = 24
+  with pytest.raises(errors.ConfigError) as e:
+    config_lib.validate(other_cap, jax.device_count())
+  assert 'data.stdlib_max_mb=2,' in str(e.value) and 'data.stdlib_max_mb=24,' in str(e.value)
+
   bad = _student_cfg(data_cache, teacher)
   bad.distill.update(beta=1.5, temperature=0.0, top_k=1000, teacher_dtype='int8')
   with pytest.raises(errors.ConfigError) as e:
