@@ -38,7 +38,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlm import checkpoint as checkpoint_lib
-from jaxlm import errors
 from jaxlm import model as model_lib
 from jaxlm import rundir
 from jaxlm import sharding
@@ -137,7 +136,8 @@ def teacher_step_dir(path: str) -> str:
 
 def tokenizer_identity(cfg, workdir: str | None = None) -> str | None:
   """What names a run's tokenizer: the sha256 of the tokenizer files beside an import, of data.tokenizer (stream)
-  or in its prepared data's metadata.json; the stdlib corpus's per-size tokenizer; None when it cannot be read."""
+  or in its prepared data's metadata.json; the stdlib corpus's tokenizer by its size, cap and split (what its
+  prepared directory is named by: data/prepare.py, stdlib_dataset); None when it cannot be read."""
   import json  # pylint: disable=import-outside-toplevel
   from jaxlm.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
   d = cfg.data
@@ -150,7 +150,9 @@ def tokenizer_identity(cfg, workdir: str | None = None) -> str | None:
     if d.source == 'prepared':
       with open(os.path.join(os.path.expanduser(d.paths.split(',')[0].strip()), 'metadata.json')) as f:
         return json.load(f)['tokenizer_sha256']
-    return f'the stdlib corpus tokenizer of {cfg.model.vocab_size} entries'
+    # Trained on the corpus sample the cap and the held-out split leave: two caps, two tokenizers of one size.
+    return (f'the stdlib corpus tokenizer of {cfg.model.vocab_size} entries (data.stdlib_max_mb='
+            f'{d.stdlib_max_mb:g}, data.eval_fraction={d.eval_fraction:g})')
   except (OSError, ValueError, KeyError, AttributeError):
     return None
 
@@ -229,11 +231,9 @@ def teacher_source(cfg, inner, mesh, program, to_global) -> TeacherSource:
   on_policy = None
   if d.get('on_policy'):
     from jaxlm.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
-    if jax.process_count() > 1:  # the rows are read back from the global batch, which one process cannot see whole
-      raise errors.ConfigError(f'distill.on_policy={d.on_policy} runs in one process for now, not '
-                               f'{jax.process_count()}; set distill.on_policy=0 or train on one host.')
     stops = getattr(data_lib.load_tokenizer(cfg.data, cfg.model.vocab_size), 'stop_ids', None) or []
-    on_policy = OnPolicy(d, cfg.train, program.model.config, mesh, cfg.data.seq_len, stops, to_global)
+    on_policy = OnPolicy(d, cfg.train, program.model.config, mesh, cfg.data.seq_len, stops, to_global,
+                         sharding.row_share(program.batch_sharding))
   return TeacherSource(inner, Teacher(d, mesh, program.batch_sharding), on_policy)
 
 
@@ -242,14 +242,16 @@ class OnPolicy:
   by the student's sampler at distill.temperature; only the sampled tokens are weighted.
 
   Whether step s samples is a function of (train.seed, s), and so is its sampling seed: a resumed run draws the
-  same batches. One process only (the rows are read back from the global batch).
+  same batches. Multi-process as RL is (rl.Rollouts): every process gathers the whole global batch, samples
+  every row alike (the same prompts, seed and parameters) and gives the step its own share of the rows.
   """
 
-  def __init__(self, d, train_cfg, model_cfg, mesh, seq_len: int, stop_ids, to_global):
+  def __init__(self, d, train_cfg, model_cfg, mesh, seq_len: int, stop_ids, to_global, row_share=(0, 1)):
     self.fraction, self.max_new = float(d.on_policy), int(d.max_new_tokens)
     self.temperature, self.seed = float(d.temperature), int(train_cfg.seed)
     self.model_cfg, self.mesh, self.seq_len = model_cfg, mesh, seq_len
     self.stop_ids, self.to_global = list(stop_ids), to_global  # to_global: step.global_batch on the run's sharding
+    self.row_share = row_share  # (index, count): sharding.row_share of the run's batch sharding
 
   def due(self, step: int) -> bool:
     """Whether the step after `step` trains on the student's samples."""
@@ -257,15 +259,21 @@ class OnPolicy:
 
   def __call__(self, params, batch: dict, step: int) -> dict:
     """`batch` (a global batch) with every row replaced by its prompt and the student's completion of it."""
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
     from jaxlm import generate  # pylint: disable=import-outside-toplevel
-    host = {k: np.asarray(jax.device_get(batch[k])) for k in ('inputs', 'weights', 'segment_ids')}
+    # The whole global batch on every process (one process: a plain read-back).
+    host = {k: np.asarray(multihost_utils.process_allgather(batch[k], tiled=True))
+            for k in ('inputs', 'weights', 'segment_ids')}
     prompts = [prompt_of(*(host[k][i] for k in ('inputs', 'weights', 'segment_ids')), self.seq_len - self.max_new)
                for i in range(host['inputs'].shape[0])]
     out = generate.generate(self.model_cfg, params, prompts, self.max_new,
                             sampling=generate.Sampling(self.temperature), seed=self.seed * 1_000_003 + step,
                             eos_id=self.stop_ids or None, mesh=self.mesh, max_len=self.seq_len)
     completions = [ids + [end] * (end is not None) for ids, end in zip(out.tokens, out.ends)]  # the stop id trained
-    return self.to_global(on_policy_rows(prompts, completions, self.seq_len))
+    rows = on_policy_rows(prompts, completions, self.seq_len)
+    index, count = self.row_share
+    share = len(prompts) // count
+    return self.to_global({k: v[index * share:(index + 1) * share] for k, v in rows.items()})
 
 
 def prompt_of(inputs, weights, segment_ids, longest: int) -> list[int]:
@@ -348,7 +356,7 @@ def cached(c) -> str:
 def cache_identity(teacher_step_dir: str, data: str, meta: dict, top_k: int, temperature: float,
                    vocab_size: int) -> dict:
   """What a teacher cache belongs to (jaxlm/tools/teacher.py writes it, `cache_errors` compares it)."""
-  return {'teacher': os.path.abspath(teacher_step_dir), 'data': os.path.abspath(os.path.expanduser(data)),
+  return {'teacher': storage.normalize(teacher_step_dir), 'data': storage.normalize(data),
           'documents': meta['splits']['train']['documents'], 'tokenizer_sha256': meta['tokenizer_sha256'],
           'top_k': int(top_k), 'temperature': float(temperature), 'vocab_size': int(vocab_size)}
 
@@ -356,18 +364,15 @@ def cache_identity(teacher_step_dir: str, data: str, meta: dict, top_k: int, tem
 def cache_errors(c) -> list[str]:
   """distill.cached against the run: one prepared chat dataset, the one the cache was made from (its tokenizer,
   its documents), at this run's top_k, temperature and vocabulary."""
-  import json  # pylint: disable=import-outside-toplevel
   from jaxlm.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
   d, cache = c.distill, c.distill.cached
   make = f'make it with `python -m jaxlm.tools.teacher --teacher=RUN --data=DATA --top_k=K --out={cache}`'
   if c.data.source != 'prepared' or ',' in c.data.paths:
     return [f'distill.cached reads one prepared chat dataset (data.source=prepared, one data.paths); {make}.']
   data = c.data.paths.strip()
-  try:
-    with open(os.path.join(os.path.expanduser(cache), data_lib.TEACHER_MANIFEST)) as f:
-      saved = json.load(f)
-    with open(os.path.join(os.path.expanduser(data), 'metadata.json')) as f:
-      meta = json.load(f)
+  try:  # either on a bucket too (the data as pipeline.dataset_dirs reads it, the cache as the pipeline fetches it)
+    saved = storage.read_json(storage.join(cache, data_lib.TEACHER_MANIFEST))
+    meta = storage.read_json(storage.join(data, 'metadata.json'))
   except (OSError, ValueError) as ex:
     return [f'distill.cached={cache} or data.paths={data} is unreadable ({ex}); {make}.']
   if not saved.get('complete'):

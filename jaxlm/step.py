@@ -114,8 +114,11 @@ def cached_program(cfg, mesh, objective=None, keep: int = _KEEP) -> tuple[Progra
   newest programs kept, with their executables (the tests' grids keep more)."""
   t, kind = cfg.train, cfg.train.get('objective', 'lm')
   section = lambda name: cfg[name].to_json() if name in cfg else None  # noqa: E731
+  # The teacher's and its cache's locations do not shape the student's program (the teacher stays outside it).
+  distill = (tuple(sorted((k, v) for k, v in cfg.distill.items() if k not in ('teacher', 'cached')))
+             if kind == 'distill' else None)
   key = (cfg.model.to_json(), cfg.optim.to_json(), section('pipeline'), t.steps, t.microbatches, kind,
-         cfg.stability.policy, bool(cfg.faults.lr_spike_steps), section('distill') if kind == 'distill' else None,
+         cfg.stability.policy, bool(cfg.faults.lr_spike_steps), distill,
          section('preference') if kind == 'preference' else None, objective, mesh)
   if key in _PROGRAMS:
     _PROGRAMS.move_to_end(key)

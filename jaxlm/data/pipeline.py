@@ -92,6 +92,18 @@ def _local(path: str, cache_dir: str) -> str:
   return local
 
 
+def _local_cache(path: str, cache_dir: str) -> str:
+  """A teacher cache (distill.cached) on a bucket as a verified local copy under `cache_dir`, as `_local` does for
+  data (its commit marker, teacher.json with complete=True, was checked at validation); a local path as it is."""
+  if not storage.is_url(path):
+    return os.path.expanduser(path)
+  storage.check(path, what='distill.cached')
+  start = time.time()
+  local = storage.local_copy(path, cache_dir)
+  logging.info('data: teacher cache %s verified in %s (%.1fs)', path, local, time.time() - start)
+  return local
+
+
 def open_prepared(path: str, vocab_size: int) -> Prepared:
   """Reads and checks a prepared directory: metadata, vocabulary size, tokenizer checksum, shard files."""
   meta_path = os.path.join(path, 'metadata.json')
@@ -295,11 +307,12 @@ def _conversations(data_cfg, p: Prepared, split: str, *, seed: int, num_epochs: 
   else:
     rows = stream_lib.ConversationRows
   if teacher_cache:  # distill.cached: tools/teacher's files, shard by shard, named as the data's
-    paths = [os.path.join(os.path.expanduser(teacher_cache), os.path.basename(s)) for s in p.shards(split)]
+    local = _local_cache(teacher_cache, data_cfg.cache_dir)
+    paths = [os.path.join(local, os.path.basename(s)) for s in p.shards(split)]
     if not all(os.path.exists(x) for x in paths):
       raise DataError(f'{teacher_cache} lacks the teacher log-probabilities of {p.path}\'s shards; make them with '
                       f'`python -m jaxlm.tools.teacher --teacher=RUN --data={p.path} --out={teacher_cache}`.')
-    with open(os.path.join(os.path.expanduser(teacher_cache), TEACHER_MANIFEST)) as f:
+    with open(os.path.join(local, TEACHER_MANIFEST)) as f:
       extra['teacher_k'] = json.load(f)['top_k']
     extra['teacher'] = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(paths))
   return rows(source, lengths, **extra, seed=seed, seq_len=data_cfg.seq_len, dtype=p.meta['dtype'],

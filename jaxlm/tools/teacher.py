@@ -7,14 +7,18 @@ conversation of a prepared chat dataset's train split and writes, for each posit
 tokens, their log-probabilities and the log of the mass left over (at --temperature), one ArrayRecord shard per
 data shard under the same name, plus `teacher.json` naming the teacher, the data, its tokenizer, K and the
 temperature. A distillation run with `distill.cached=DIR` reads them beside its batches and never loads the
-teacher; a cache made for other data, another tokenizer, K or temperature is refused at validation.
+teacher; a cache made for other data, another tokenizer, K or temperature is refused at validation. --out may be
+a bucket (gs://, s3://): each shard is uploaded whole, teacher.json last, and the run fetches a verified copy
+under data.cache_dir.
 Per token it costs 4·(2K + 1) bytes (int32 ids, float32 log-probs, the leftover). Killed, the same command resumes:
 finished shards are kept (each is written whole, then renamed), the rest are made.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
+import tempfile
 
 import jax
 import numpy as np
@@ -29,6 +33,7 @@ from jaxlm import rundir
 from jaxlm.data import chat as chat_lib
 from jaxlm.data import format as format_lib
 from jaxlm.data import pipeline as data_lib
+from jaxlm.data import storage
 from jaxlm.data import stream as stream_lib
 
 
@@ -83,31 +88,44 @@ def compute(teacher: str, data: str, out: str, *, top_k: int, temperature: float
   if not 0 < top_k <= m.vocab_size:
     raise TeacherCacheError(f'--top_k={top_k} must lie in [1, the vocabulary size {m.vocab_size}].')
   manifest = distill_lib.cache_identity(step_dir, data, meta, top_k, temperature, m.vocab_size)
-  path = os.path.join(out, data_lib.TEACHER_MANIFEST)
-  if os.path.exists(path):  # a resume: only of the same cache
-    with open(path) as f:
-      saved = {k: v for k, v in json.load(f).items() if k != 'complete'}
+  path = storage.join(out, data_lib.TEACHER_MANIFEST)
+  storage.check(out, what='--out')  # before the work: a wrong endpoint or bucket fails in seconds
+  if storage.exists(path):  # a resume: only of the same cache
+    saved = {k: v for k, v in storage.read_json(path).items() if k != 'complete'}
     if saved != manifest:
       raise TeacherCacheError(f'--out={out} holds a cache for {saved}; give another --out or delete it.')
-  os.makedirs(out, exist_ok=True)
-  format_lib.write_json(path, dict(manifest, complete=False), indent=1)
+  storage.makedirs(out)
+  storage.write_json(path, dict(manifest, complete=False), indent=1)
   targets = _targets_fn(dataclasses.replace(m, dtype='float32'), temperature, top_k)
   for shard in meta['splits']['train']['shards']:
-    dest = os.path.join(out, os.path.basename(shard['file']))
-    if os.path.exists(dest):  # made before the kill
+    dest = storage.join(out, os.path.basename(shard['file']))
+    if storage.exists(dest):  # made before the kill
       continue
     reader = array_record_module.ArrayRecordReader(os.path.join(data, shard['file']), 'readahead_buffer_size:0')
     try:
       conversations = [chat_lib.from_record(r, meta['dtype'])[0] for r in reader.read_all()]
     finally:
       reader.close()
-    with format_lib.replacing(dest) as tmp:
-      writer = array_record_module.ArrayRecordWriter(tmp, 'group_size:1')
-      for record in _records(targets, params, conversations, batch_size):
-        writer.write(record)
-      writer.close()
-  format_lib.write_json(path, dict(manifest, complete=True), indent=1)
+    _write_shard(dest, _records(targets, params, conversations, batch_size))
+  storage.write_json(path, dict(manifest, complete=True), indent=1)  # last: the cache's commit marker
   return manifest
+
+
+def _write_shard(dest: str, records) -> None:
+  """One ArrayRecord shard at `dest`, whole or not at all: written beside it and renamed, or (a bucket) written
+  locally and uploaded as one object; either way a killed run leaves no partial shard to be taken as finished."""
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+  with contextlib.ExitStack() as stack:
+    if storage.is_url(dest):
+      local = os.path.join(stack.enter_context(tempfile.TemporaryDirectory(prefix='jaxlm-teacher-')), 'shard')
+    else:
+      local = stack.enter_context(format_lib.replacing(dest))
+    writer = array_record_module.ArrayRecordWriter(local, 'group_size:1')
+    for record in records:
+      writer.write(record)
+    writer.close()
+    if storage.is_url(dest):
+      storage.upload(local, dest)
 
 
 def _records(targets, params, conversations: list, batch_size: int):
@@ -133,7 +151,7 @@ def _define_flags() -> None:
   flags.DEFINE_string('teacher', None, 'The teacher: a jaxlm run directory or import, or one step directory.')
   flags.DEFINE_string('data', None, 'Prepared chat data (prepare --format=chat) the student trains on.')
   flags.DEFINE_integer('top_k', None, 'Tokens kept per position (the vocabulary size: all of them).')
-  flags.DEFINE_string('out', None, 'Directory of the cache (distill.cached).')
+  flags.DEFINE_string('out', None, 'Directory of the cache (distill.cached): local, gs:// or s3://.')
   flags.DEFINE_float('temperature', 1.0, 'The teacher\'s logits are divided by it (distill.temperature).')
   flags.DEFINE_integer('batch_size', 16, 'Conversations per forward pass.')
 
