@@ -177,29 +177,54 @@ def xla_attention(q, k, v, segment_ids, order=None, block_q: int = 0, shards: in
   return jnp.moveaxis(out, 0, 2).reshape(*q.shape[:-1], v.shape[-1])
 
 
-def _window_blocks(q, k, v, segment_ids, *, width: int, block: int, scores_cfg: Scores):
+# The most scores (elements, all heads) one pass of a local layer's blocks forms at once; more go through a loop.
+LOCAL_MAX_SCORES = 1 << 26
+
+
+def _window_blocks(q, k, v, segment_ids, *, width: int, block: int, scores_cfg: Scores,
+                   max_scores: int = LOCAL_MAX_SCORES):
   """A local layer's attention by blocks of `block` queries over only the keys its window reaches, so its cost
   grows with T, not T²: queries [i·b, (i+1)·b) see keys [i·b − W, (i+1)·b) ((b, b + W) scores per block, not
   (b, T)). The W slots before the row's start are padding (segment 0), which no real query attends to; the mask
-  is the same as the whole row's, so the result is the same."""
+  is the same as the whole row's, so the result is the same.
+
+  The blocks are folded into the batch: B·T/b rows of b queries over their b + W keys, batched matmuls whose
+  shapes depend on B·T alone, so a step of B rows of T tokens costs the same per token at every T (a loop over
+  the T/b blocks, B rows each, ran more and smaller steps as T rose and B fell). A query's distance to a key slot
+  is the same in every block (W + j − j'), so one (b, b + W) causal mask serves all. Only when the scores would
+  pass `max_scores` do the blocks go through a loop, in as few equal groups (every row of B in each, so B's
+  sharding holds) as keep each group's under it, each group recomputed in the backward pass."""
   B, T = q.shape[:2]
   blocks = T // block
-  # Each block's keys gathered up front (a static index: (blocks, b + W) slots of the padded row, 1 + W/b times
-  # the keys), not sliced inside the loop: the loop's backward would add a whole-row gradient per block.
+  # Each block's keys gathered by a static index: (blocks, b + W) slots of the padded row, 1 + W/b times the keys.
   take = np.arange(blocks)[:, None] * block + np.arange(block + width)[None, :]
   pad = lambda x: jnp.pad(x, [(0, 0), (width, 0)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
-  keys = lambda x: jnp.moveaxis(pad(x)[:, take], 1, 0)  # noqa: E731  (blocks, B, b + W, ...)
-  rows = lambda x: jnp.moveaxis(x.reshape(B, blocks, block, *x.shape[2:]), 1, 0)  # noqa: E731  (blocks, B, b, ...)
-  positions = np.arange(-width, T)  # each padded key slot's position in the row
+  heads = q.shape[2]
+  per_block = B * block * (block + width) * heads
+  groups = next(g for g in range(1, blocks + 1) if blocks % g == 0 and (blocks // g) * per_block <= max_scores
+                or g == blocks)
+  n = blocks // groups  # blocks per group
 
-  def one(xs):
-    qb, kb, vb, sb, kvb, qo, ko = xs
-    return _scores_attention(qb, kb, vb, sb, qo, kvb, ko, scores_cfg)
+  def keys(x):  # (groups, B·n, b + W, ...)
+    tail = x.shape[2:]
+    x = pad(x)[:, take].reshape(B, groups, n, block + width, *tail)
+    return jnp.moveaxis(x, 1, 0).reshape(groups, B * n, block + width, *tail)
 
-  # Checkpointed: the backward pass recomputes a block's probabilities rather than keeping every block's.
-  out = jax.lax.map(jax.checkpoint(one), (rows(q), keys(k), keys(v), rows(segment_ids), keys(segment_ids),
-                                          jnp.asarray(np.arange(T).reshape(blocks, block)),
-                                          jnp.asarray(positions[take])))  # (blocks, B, b, H, Ev)
+  def rows(x):  # (groups, B·n, b, ...)
+    tail = x.shape[2:]
+    return jnp.moveaxis(x.reshape(B, groups, n, block, *tail), 1, 0).reshape(groups, B * n, block, *tail)
+
+  q_order, kv_order = np.arange(width, width + block), np.arange(block + width)  # relative to the block's keys
+
+  def one(qb, kb, vb, sb, kvb):
+    return _scores_attention(qb, kb, vb, sb, q_order, kvb, kv_order, scores_cfg)
+
+  args = (rows(q), keys(k), keys(v), rows(segment_ids), keys(segment_ids))
+  if groups == 1:
+    out = one(*(x[0] for x in args))[None]
+  else:  # checkpointed: the backward pass recomputes a group's probabilities rather than keeping every group's
+    out = jax.lax.map(lambda xs: jax.checkpoint(one)(*xs), args)  # (groups, B·n, b, H, Ev)
+  out = out.reshape(groups, B, n, block, *out.shape[3:])
   return jnp.moveaxis(out, 0, 1).reshape(*q.shape[:-1], v.shape[-1])
 
 
