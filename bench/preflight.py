@@ -28,6 +28,15 @@ ROWS = [
     ('palm_62b', 'v4:8x8x8', 1, 'v4-1024'),
     # 1536 hosts: the batch must be a multiple of them (the config's 3072 is); 256000 vocab splits 16 ways, not 12.
     ('palm_540b', 'v4:16x16x12', 2, '2 × v4-6144 (PaLM)', (1, 192, 16)),
+    # The families of #59 and #62 (their presets' own batch 16 and sequence length).
+    ('gemma3_1b', 'v5e:2x4', 1, 'v5e-8'),
+    ('olmo2_1b', 'v5e:2x4', 1, 'v5e-8'),
+    ('mistral_7b', 'v5p:2x2x1', 1, 'v5p-8'),
+    ('gpt_oss_20b', 'v5p:2x2x2', 1, 'v5p-16'),
+    ('deepseek_small', 'v5p:2x2x2', 1, 'v5p-16'),
+    # 671B parameters and their Adam state are ~10.7 TB in float32: 256 chips hold ~42 GiB each of it. Batch 16
+    # splits 16 ways, so the other 16 shard heads and expert widths (128 heads, 2048-wide experts).
+    ('deepseek_v3', 'v5p:4x8x8', 1, 'v5p-512', (1, 16, 16)),
 ]
 
 
