@@ -32,11 +32,13 @@ ROWS = [
     ('gemma3_1b', 'v5e:2x4', 1, 'v5e-8'),
     ('olmo2_1b', 'v5e:2x4', 1, 'v5e-8'),
     ('mistral_7b', 'v5p:2x2x1', 1, 'v5p-8'),
-    ('gpt_oss_20b', 'v5p:2x2x2', 1, 'v5p-16'),
+    # 20.9B parameters: v5p-16's 8 chips need 112 GiB each for the step, whatever --fit tries (2026-12-02).
+    ('gpt_oss_20b', 'v5p:2x2x4', 1, 'v5p-32'),
     ('deepseek_small', 'v5p:2x2x2', 1, 'v5p-16'),
-    # 671B parameters and their Adam state are ~10.7 TB in float32: 256 chips hold ~42 GiB each of it. Batch 16
-    # splits 16 ways, so the other 16 shard heads and expert widths (128 heads, 2048-wide experts).
-    ('deepseek_v3', 'v5p:4x8x8', 1, 'v5p-512', (1, 16, 16)),
+    # 671B parameters and their Adam state are ~10.7 TB in float32: 256 chips hold ~42 GiB each of it. Its 64
+    # hosts each read their own rows (batch 64, one each), over 16 fsdp ways; the other 16 shard heads and expert
+    # widths (128 heads, 2048-wide experts).
+    ('deepseek_v3', 'v5p:4x8x8', 1, 'v5p-512', (1, 16, 16), 64),
 ]
 
 
