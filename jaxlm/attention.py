@@ -177,8 +177,10 @@ def xla_attention(q, k, v, segment_ids, order=None, block_q: int = 0, shards: in
   return jnp.moveaxis(out, 0, 2).reshape(*q.shape[:-1], v.shape[-1])
 
 
-# The most scores (elements, all heads) one pass of a local layer's blocks forms at once; more go through a loop.
-LOCAL_MAX_SCORES = 1 << 26
+# The most scores (elements, all heads: 8 MiB in float32) one pass of a local layer's blocks forms at once; more go
+# through a loop of equal groups. Small enough that a group's scores and probabilities stay in a CPU's caches (one
+# pass over all of palm_tiny's 8k-token blocks, 64 MiB, ran its step ~1.7× slower than groups of 4 blocks).
+LOCAL_MAX_SCORES = 1 << 21
 
 
 def _window_blocks(q, k, v, segment_ids, *, width: int, block: int, scores_cfg: Scores,
@@ -188,12 +190,12 @@ def _window_blocks(q, k, v, segment_ids, *, width: int, block: int, scores_cfg: 
   (b, T)). The W slots before the row's start are padding (segment 0), which no real query attends to; the mask
   is the same as the whole row's, so the result is the same.
 
-  The blocks are folded into the batch: B·T/b rows of b queries over their b + W keys, batched matmuls whose
-  shapes depend on B·T alone, so a step of B rows of T tokens costs the same per token at every T (a loop over
-  the T/b blocks, B rows each, ran more and smaller steps as T rose and B fell). A query's distance to a key slot
-  is the same in every block (W + j − j'), so one (b, b + W) causal mask serves all. Only when the scores would
-  pass `max_scores` do the blocks go through a loop, in as few equal groups (every row of B in each, so B's
-  sharding holds) as keep each group's under it, each group recomputed in the backward pass."""
+  The blocks are folded into the batch: groups of n blocks of every row of B, B·n rows of b queries over their
+  b + W keys, n the most blocks whose scores stay within `max_scores` (at least one; every row of B in each group,
+  so B's sharding holds). For the same B·T above that bound, the groups have the same shapes at every T (a loop
+  over single blocks of B rows ran more and smaller steps as T rose and B fell). A query's distance to a key slot
+  is the same in every block (W + j − j'), so one (b, b + W) causal mask serves all. With more than one group,
+  each is recomputed in the backward pass rather than kept."""
   B, T = q.shape[:2]
   blocks = T // block
   # Each block's keys gathered by a static index: (blocks, b + W) slots of the padded row, 1 + W/b times the keys.
