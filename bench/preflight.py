@@ -36,9 +36,9 @@ ROWS = [
     ('gpt_oss_20b', 'v5p:2x2x4', 1, 'v5p-32'),
     ('deepseek_small', 'v5p:2x2x2', 1, 'v5p-16'),
     # 671B parameters and their Adam state are ~10.7 TB in float32: 256 chips hold ~42 GiB each of it. Its 64
-    # hosts each read their own rows (batch 64, one each), over 16 fsdp ways; the other 16 shard heads and expert
-    # widths (128 heads, 2048-wide experts).
-    ('deepseek_v3', 'v5p:4x8x8', 1, 'v5p-512', (1, 16, 16), 64),
+    # hosts each read their own rows (batch 64, one each), over 32 fsdp ways (4×8 of the 4×8×8 torus); the other 8
+    # shard heads and expert widths (128 heads, 2048-wide experts).
+    ('deepseek_v3', 'v5p:4x8x8', 1, 'v5p-512', (1, 32, 8), 64),
 ]
 
 
