@@ -15,10 +15,10 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jaxlm import cli, perf, preflight, sharding  # noqa: E402
+from jaxlm import cli, perf, sharding  # noqa: E402
 from jaxlm.tools import size  # noqa: E402
 
-# (config, target, slices, chips named as sold[, mesh (data, fsdp, tensor) per slice, batch size])
+# (config, target, slices, chips named as sold[, mesh (data, fsdp, tensor[, expert]) per slice, batch size])
 ROWS = [
     ('palm_1b', 'v5e:2x4', 1, 'v5e-8'),
     ('palm_1b', 'v5p:2x2x1', 1, 'v5p-8'),
@@ -36,16 +36,16 @@ ROWS = [
     ('gpt_oss_20b', 'v5p:2x2x4', 1, 'v5p-32'),
     ('deepseek_small', 'v5p:2x2x2', 1, 'v5p-16'),
     # 671B parameters and their Adam state are ~10.7 TB in float32: 256 chips hold ~42 GiB each of it. Its 64
-    # hosts each read their own rows (batch 64, one each), over 32 fsdp ways (4×8 of the 4×8×8 torus); the other 8
-    # shard heads and expert widths (128 heads, 2048-wide experts).
-    ('deepseek_v3', 'v5p:4x8x8', 1, 'v5p-512', (1, 32, 8), 64),
+    # hosts each read their own rows (batch 64, one each). 32 fsdp × 8 tensor ways need 124 GiB a chip (2026-12-02):
+    # every MoE layer's 256 experts gathered whole. Experts split 8 ways instead (fsdp 4 × expert 8 × tensor 8).
+    ('deepseek_v3', 'v5p:4x8x8', 1, 'v5p-512', (1, 4, 8, 8), 64),
 ]
 
 
 def row(name: str, target: str, slices: int, label: str, mesh=None, batch_size=None, *, fit: bool) -> str:
   cfg = cli.load_file(str(ROOT / 'configs' / f'{name}.py'))
   if mesh:
-    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh
+    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, cfg.mesh.expert = (*mesh, 1)[:4]
   if batch_size:
     cfg.train.batch_size = batch_size
   started = time.perf_counter()
@@ -59,9 +59,10 @@ def row(name: str, target: str, slices: int, label: str, mesh=None, batch_size=N
       setting, report = found, tried[-1][1]
   sizes = sharding.MeshShape.resolve(cfg.mesh, len(devices)).sizes
   b = perf.format_bytes
-  return (f'| {name} | {label} (`{target}`{f" ×{slices}" if slices > 1 else ""}) | {sizes[0]}×{sizes[1]}×{sizes[2]} '
-          f'| {setting["remat"]} | {setting["microbatches"]} | {b(report["memory"]["total_bytes"])} '
-          f'| {b(report["limit_bytes"])} | {"yes" if report["fits"] else "**no**"} | {report["kernel"]} '
+  expert = f' (expert {cfg.mesh.expert})' if cfg.mesh.get('expert', 1) > 1 else ''
+  where = f'{label} (`{target}`{f" ×{slices}" if slices > 1 else ""})'
+  return (f'| {name} | {where} | {sizes[0]}×{sizes[1]}×{sizes[2]}{expert} | {setting["remat"]} '
+          f'| {setting["microbatches"]} | {b(report["memory"]["total_bytes"])} | {b(report["limit_bytes"])} | {"yes" if report["fits"] else "**no**"} | {report["kernel"]} '
           f'| {report["compile_s"]:.0f} s | {time.perf_counter() - started:.0f} s |')
 
 
