@@ -61,9 +61,10 @@ def row(name: str, target: str, slices: int, label: str, mesh=None, batch_size=N
   b = perf.format_bytes
   expert = f' (expert {cfg.mesh.expert})' if cfg.mesh.get('expert', 1) > 1 else ''
   where = f'{label} (`{target}`{f" ×{slices}" if slices > 1 else ""})'
+  fits = 'yes' if report['fits'] else '**no**'
   return (f'| {name} | {where} | {sizes[0]}×{sizes[1]}×{sizes[2]}{expert} | {setting["remat"]} '
-          f'| {setting["microbatches"]} | {b(report["memory"]["total_bytes"])} | {b(report["limit_bytes"])} | {"yes" if report["fits"] else "**no**"} | {report["kernel"]} '
-          f'| {report["compile_s"]:.0f} s | {time.perf_counter() - started:.0f} s |')
+          f'| {setting["microbatches"]} | {b(report["memory"]["total_bytes"])} | {b(report["limit_bytes"])} '
+          f'| {fits} | {report["kernel"]} | {report["compile_s"]:.0f} s | {time.perf_counter() - started:.0f} s |')
 
 
 def main() -> None:
