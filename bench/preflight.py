@@ -35,10 +35,10 @@ ROWS = [
     # 20.9B parameters: v5p-16's 8 chips need 112 GiB each for the step, whatever --fit tries (2026-12-02).
     ('gpt_oss_20b', 'v5p:2x2x4', 1, 'v5p-32'),
     ('deepseek_small', 'v5p:2x2x2', 1, 'v5p-16'),
-    # 671B parameters and their Adam state are ~10.7 TB in float32: 256 chips hold ~42 GiB each of it. Its 64
-    # hosts each read their own rows (batch 64, one each). 32 fsdp × 8 tensor ways need 124 GiB a chip (2026-12-02):
-    # every MoE layer's 256 experts gathered whole. Experts split 8 ways instead (fsdp 4 × expert 8 × tensor 8).
-    ('deepseek_v3', 'v5p:4x8x8', 1, 'v5p-512', (1, 4, 8, 8), 64),
+    # 671B parameters and their Adam state are ~10.7 TB in float32. On v5p-512 (256 chips, 64 hosts: batch 64)
+    # neither 32 fsdp × 8 tensor ways (124 GiB a chip) nor fsdp 4 × expert 8 × tensor 8 (102 GiB) fits
+    # (2026-12-02); v5p-1024 halves the state a chip holds. Each of its 128 hosts reads one row.
+    ('deepseek_v3', 'v5p:8x8x8', 1, 'v5p-1024', (1, 8, 8, 8), 128),
 ]
 
 
