@@ -184,6 +184,12 @@ def xla_attention(q, k, v, segment_ids, order=None, block_q: int = 0, shards: in
   return jnp.moveaxis(out, 0, 2).reshape(*q.shape[:-1], v.shape[-1])
 
 
+# The most scores (elements, all heads: 8 MiB in float32) one pass of a local layer's blocks forms at once; more go
+# through a loop of equal groups. Small enough that a group's scores and probabilities stay in a CPU's caches (one
+# pass over all of palm_tiny's 8k-token blocks, 64 MiB, ran its step ~1.7× slower than groups of 4 blocks).
+LOCAL_MAX_SCORES = 1 << 21
+
+
 def _window_block(T: int, width: int, block_q: int, order, shards: int) -> int:
   """The query block of a local layer's `_window_blocks` (0: the row is too short for blocks to skip anything).
 
@@ -207,9 +213,12 @@ def _window_blocks(q, k, v, segment_ids, *, width: int, block: int, scores_cfg: 
   `order` (context parallelism's zig-zag order; None = array order) says where each array slot sits in the row:
   each block is a run of consecutive positions, and its keys are gathered from wherever the window's positions
   lie in the (all-gathered) keys. Under `shards` > 1 the blocks are taken in the shards' contiguous parts of T,
-  the part a batch axis (each context device computes its own queries' blocks), the blocks within it a loop."""
+  the part a batch axis (each context device computes its own queries' blocks), the blocks within it a loop. In
+  array order on one shard (no context parallelism) they go by `_window_groups`, folded into the batch."""
   B, T = q.shape[:2]
   order = np.arange(T) if order is None else np.asarray(order)
+  if shards == 1 and np.array_equal(order, np.arange(T)):
+    return _window_groups(q, k, v, segment_ids, width=width, block=block, scores_cfg=scores_cfg)
   blocks = T // block
   per = blocks // shards  # blocks in each shard's part of T
   starts = order[::block]  # (blocks,): each block's first position; the block holds [start, start + b)
@@ -238,6 +247,53 @@ def _window_blocks(q, k, v, segment_ids, *, width: int, block: int, scores_cfg: 
   out = jax.lax.map(jax.checkpoint(one), (rows(q), keys(k), keys(v), rows(segment_ids), keys(segment_ids),
                                           by_part(order), by_part(positions)))  # (per, B, shards, b, H, Ev)
   return jnp.moveaxis(out, 0, 2).reshape(*q.shape[:-1], v.shape[-1])
+
+
+def _window_groups(q, k, v, segment_ids, *, width: int, block: int, scores_cfg: Scores,
+                   max_scores: int = LOCAL_MAX_SCORES):
+  """A local layer's attention by blocks of `block` queries over only the keys its window reaches, so its cost
+  grows with T, not T²: queries [i·b, (i+1)·b) see keys [i·b − W, (i+1)·b) ((b, b + W) scores per block, not
+  (b, T)). The W slots before the row's start are padding (segment 0), which no real query attends to; the mask
+  is the same as the whole row's, so the result is the same.
+
+  The blocks are folded into the batch: groups of n blocks of every row of B, B·n rows of b queries over their
+  b + W keys, n the most blocks whose scores stay within `max_scores` (at least one; every row of B in each group,
+  so B's sharding holds). For the same B·T above that bound, the groups have the same shapes at every T (a loop
+  over single blocks of B rows ran more and smaller steps as T rose and B fell). A query's distance to a key slot
+  is the same in every block (W + j − j'), so one (b, b + W) causal mask serves all. With more than one group,
+  each is recomputed in the backward pass rather than kept."""
+  B, T = q.shape[:2]
+  blocks = T // block
+  # Each block's keys gathered by a static index: (blocks, b + W) slots of the padded row, 1 + W/b times the keys.
+  take = np.arange(blocks)[:, None] * block + np.arange(block + width)[None, :]
+  pad = lambda x: jnp.pad(x, [(0, 0), (width, 0)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+  heads = q.shape[2]
+  per_block = B * block * (block + width) * heads
+  groups = next(g for g in range(1, blocks + 1) if blocks % g == 0 and (blocks // g) * per_block <= max_scores
+                or g == blocks)
+  n = blocks // groups  # blocks per group
+
+  def keys(x):  # (groups, B·n, b + W, ...)
+    tail = x.shape[2:]
+    x = pad(x)[:, take].reshape(B, groups, n, block + width, *tail)
+    return jnp.moveaxis(x, 1, 0).reshape(groups, B * n, block + width, *tail)
+
+  def rows(x):  # (groups, B·n, b, ...)
+    tail = x.shape[2:]
+    return jnp.moveaxis(x.reshape(B, groups, n, block, *tail), 1, 0).reshape(groups, B * n, block, *tail)
+
+  q_order, kv_order = np.arange(width, width + block), np.arange(block + width)  # relative to the block's keys
+
+  def one(qb, kb, vb, sb, kvb):
+    return _scores_attention(qb, kb, vb, sb, q_order, kvb, kv_order, scores_cfg)
+
+  args = (rows(q), keys(k), keys(v), rows(segment_ids), keys(segment_ids))
+  if groups == 1:
+    out = one(*(x[0] for x in args))[None]
+  else:  # checkpointed: the backward pass recomputes a group's probabilities rather than keeping every group's
+    out = jax.lax.map(lambda xs: jax.checkpoint(one)(*xs), args)  # (groups, B·n, b, H, Ev)
+  out = out.reshape(groups, B, n, block, *out.shape[3:])
+  return jnp.moveaxis(out, 0, 1).reshape(*q.shape[:-1], v.shape[-1])
 
 
 def document_mask(segment_ids):

@@ -285,6 +285,21 @@ def test_a_local_layer_computes_only_the_keys_its_window_reaches():
     np.testing.assert_allclose(got, want, atol=2e-5)
   scores = [s[-1] for s in _dot_shapes(jax.make_jaxpr(zig)(*args).jaxpr) if len(s) == 5]
   assert scores and max(scores) == 2 * W, scores  # (shards, …, W + b) per block, never T
+  # Past max_scores the blocks (folded into the batch) go through a loop in groups, here 4 groups of 2: the same.
+  looped = lambda q, k, v, s: attention._window_groups(  # noqa: E731
+      q, k, v, s, width=W, block=W, scores_cfg=local, max_scores=2 * B * W * 2 * W * H)
+  assert len([e for e in jax.make_jaxpr(looped)(q, k, v, seg).jaxpr.eqns if e.primitive.name == 'scan']) == 1
+  want = [real(whole(q, k, v, seg), seg), *loss_grads(whole, q, k, v, seg)]
+  # On a mesh (rows over data, heads over tensor), in one pass and looped, equal to one device's whole rows.
+  mesh = jax.make_mesh((2, 1, 2, 1), sharding.AXES, devices=jax.devices()[:4],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 4)
+  put = lambda x, *spec: jax.device_put(x, jax.NamedSharding(mesh, jax.P(*spec)))  # noqa: E731
+  sharded = (put(q, 'data', None, 'tensor'), put(k, 'data', None, 'tensor'), put(v, 'data', None, 'tensor'),
+             put(seg, 'data'))
+  for fn, args in ((blocked, sharded), (looped, sharded)):
+    got = [real(jax.jit(fn)(*args), seg), *loss_grads(fn, *args)]
+    for g, w, tol in zip(got, want, (2e-6, 2e-5, 2e-5, 2e-5)):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=tol)
 
 
 def test_fused_kernels_take_a_window_and_splash_a_soft_cap():

@@ -24,12 +24,31 @@ PAIRS = [([3, 9, 14, 2], [20, 21, 22, 5], [30, 31]),
          ([11, 12, 13], [50, 5], [51, 52, 53])]
 
 
-def _hf_model(seed: int):
+_SHAPE = dict(vocab_size=V, hidden_size=32, intermediate_size=44, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=64,
+              pad_token_id=0)
+# family -> (config class, model class, its block's options). Gemma 2: every feature of its block in play on these
+# short pairs (a 4-token window on sequences of up to 9, soft-caps low enough to bend the scores and logits).
+FAMILIES = {
+    'llama': ('LlamaConfig', 'LlamaForCausalLM', {}),
+    'gemma2': ('Gemma2Config', 'Gemma2ForCausalLM',
+               dict(head_dim=8, sliding_window=4, layer_types=['sliding_attention', 'full_attention'],
+                    query_pre_attn_scalar=16, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                    hidden_activation='gelu_pytorch_tanh')),
+}
+
+
+def _hf_model(seed: int, family: str = 'llama'):
   torch.manual_seed(seed)
-  config = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=44, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
-                                    tie_word_embeddings=False, max_position_embeddings=64, pad_token_id=0)
-  model = transformers.LlamaForCausalLM(config).float().eval()
+  config_cls, model_cls, block = FAMILIES[family]
+  config = getattr(transformers, config_cls)(**_SHAPE, **block)
+  config._attn_implementation = 'eager'  # pylint: disable=protected-access  (Gemma 2's soft-cap needs it)
+  model = getattr(transformers, model_cls)(config).float().eval()
+  if family != 'llama':
+    with torch.no_grad():  # Gemma's (1 + w) norm scales start at w = 0: draw them away from init
+      for name, p in model.named_parameters():
+        if name.endswith('norm.weight'):
+          p.copy_(torch.rand_like(p) - 0.5)
   return model
 
 
@@ -124,18 +143,30 @@ def _trl_loss(loss_type, policy, reference, tmp_path):
   return float(loss), {k: v.grad.numpy() for k, v in policy.named_parameters()}
 
 
+_MODELS = {}  # family -> (policy, reference, m, params, reference params), built once per process
+
+
+def _models(family: str = 'llama'):
+  if family not in _MODELS:
+    policy, reference = _hf_model(0, family), _hf_model(1, family)  # a reference that differs: log-ratios not 0
+    m = _jaxlm_config(policy)
+    _MODELS[family] = policy, reference, m, _params(policy, m), _params(reference, m)
+  return _MODELS[family]
+
+
 @pytest.fixture(scope='module')
 def models():
-  policy, reference = _hf_model(0), _hf_model(1)  # a reference that differs: the log-ratios are not zero
-  m = _jaxlm_config(policy)
-  return policy, reference, m, _params(policy, m), _params(reference, m)
+  return _models()
 
 
-# The fast loop runs DPO's sigmoid; the other types run in the full suite (e2e).
-@pytest.mark.parametrize('loss_type', grid(preference.LOSS_TYPES, fast=['sigmoid']))
+# The fast loop runs DPO's sigmoid; the other types run in the full suite (e2e). Fine-tuning an imported family
+# (#59): DPO's sigmoid on Gemma 2's block (window, soft-caps, sandwich norms, GeGLU) equals TRL on the same model.
+@pytest.mark.parametrize('loss_type,family', grid(
+    [(t, 'llama') for t in preference.LOSS_TYPES] + [('sigmoid', 'gemma2')], fast=[('sigmoid', 'llama'),
+    ('sigmoid', 'gemma2')], ids=lambda v: v[0] if v[1] == 'llama' else '-'.join(v), unpack=True))
 @pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests
-def test_loss_and_gradients_equal_trl(models, loss_type, tmp_path):
-  policy, reference, m, params, ref_params = models
+def test_loss_and_gradients_equal_trl(loss_type, family, tmp_path):
+  policy, reference, m, params, ref_params = _models(family)
   want, hf_grads = _trl_loss(loss_type, copy.deepcopy(policy), reference, tmp_path)
   batch = _batch([_row([p], 24) for p in PAIRS])
   (got, metrics), grads = _jaxlm_loss(m, params, ref_params, batch, _pref(loss_type))

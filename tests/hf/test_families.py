@@ -1,5 +1,6 @@
 """Gemma 2, Gemma 3 (text), Mistral, OLMo 2 and OLMo 3 through import and export: jaxlm's logits equal transformers';
-a LoRA adapter trained on each loads in peft on the original model.
+a LoRA adapter trained on each loads in peft on the original model; SFT on an imported Gemma renders its own chat
+template and trains exactly transformers' assistant tokens.
 
 Each family is a tiny random transformers model (float32, eager attention) whose norm scales are drawn away from
 their init, saved with save_pretrained, imported with jaxlm.hf.import_llama and exported back. The sequences
@@ -254,3 +255,90 @@ def test_a_lora_adapter_on_the_family_loads_in_peft_on_the_hf_base_with_jaxlms_l
     tuned = peft.PeftModel.from_pretrained(original, str(tmp_path / 'adapter')).eval()
   assert not [str(w.message) for w in caught if 'key' in str(w.message).lower()]
   np.testing.assert_allclose(_torch_logits(hf, tuned, tokens), ours, atol=1e-4, rtol=0)
+
+
+# Gemma's chat template as Gemma 3's tokenizer_config.json writes it (a system message opens the first user turn;
+# the assistant's role is `model`; turns end with <end_of_turn>), and the same with transformers' {% generation %}
+# tags around what the model writes: the reference for the assistant mask.
+_GEMMA_CHAT = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' %}{%- set first = messages[0]['content'] | trim + '\\n\\n' %}"
+    "{%- set turns = messages[1:] %}{%- else %}{%- set first = '' %}{%- set turns = messages %}{%- endif %}"
+    "{%- for message in turns %}{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif %}"
+    "{%- if message['role'] == 'assistant' %}{{ '<start_of_turn>model\\n' }}MODEL_TURN"
+    "{%- else %}{{ '<start_of_turn>' + message['role'] + '\\n' + (first if loop.first else '') "
+    "+ message['content'] | trim + '<end_of_turn>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{%- endif %}")
+_TURN = "{{ message['content'] | trim + '<end_of_turn>' }}"
+GEMMA_CHAT = _GEMMA_CHAT.replace('MODEL_TURN', _TURN + "{{ '\\n' }}")
+GEMMA_CHAT_TAGGED = _GEMMA_CHAT.replace('MODEL_TURN', '{% generation %}' + _TURN + "{% endgeneration %}{{ '\\n' }}")
+CHATS = [[{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Add 2 and 3.'},
+          {'role': 'assistant', 'content': '5. '}, {'role': 'user', 'content': 'Spell it.'},
+          {'role': 'assistant', 'content': 'f i v e'}],
+         [{'role': 'user', 'content': 'A colour?'}, {'role': 'assistant', 'content': 'Blue.'}]]
+
+
+def test_sft_on_an_imported_gemma_renders_its_own_chat_template_and_trains_the_assistant_tokens(hf, tmp_path):
+  """SFT on a family (#59): an imported Gemma 3 carries its own chat template; `prepare --format=chat` with the
+  import renders each conversation as transformers' apply_chat_template does (the same ids), with loss weight on
+  exactly transformers' assistant mask (the model's answers and their <end_of_turn>); on the packed row (both
+  conversations, segment ids) the SFT loss and its gradients equal transformers' masked cross-entropy (1e-5)."""
+  torch, transformers = hf
+  from jaxlm.data import chat as chat_lib
+  from jaxlm.data import pipeline as data_lib
+  from jaxlm.data import prepare as prepare_lib
+  from jaxlm.data import tokenizer as tokenizer_lib
+  from jaxlm.hf import convert
+  from tests.data import chat_fixtures
+  hf_dir = chat_fixtures.make_tokenizer(str(tmp_path / 'hf'), template=GEMMA_CHAT, eos_token='<end_of_turn>',
+                                        added=('<start_of_turn>', '<end_of_turn>'))
+  # Padding: <|end_of_text|> (id 1), which the chats never use; torch's embedding gives the pad id's row no
+  # gradient (padding_idx), and here id 0 is <bos>. An untied head keeps each tensor's gradient its own.
+  original = _original(hf, 'gemma3_text', hf_dir, vocab_size=tokenizer_lib.load(hf_dir).vocab_size, pad_token_id=1,
+                       tie_word_embeddings=False)
+  result = import_hf.import_hf(hf_dir, str(tmp_path / 'run'))
+  imported = os.path.dirname(os.path.dirname(result['checkpoint']))
+  assert chat_lib.template_of(imported) == GEMMA_CHAT  # the family's own template came with the import
+  chat_fixtures.write_jsonl(tmp_path / 'chat.jsonl', [{'messages': c} for c in CHATS])
+  prepare_lib.prepare(prepare_lib.expand_inputs([str(tmp_path / 'chat.jsonl')]), str(tmp_path / 'chat'),
+                      tokenizer=imported, workers=1, data_format='chat', seq_len=96, eval_fraction=0.0,
+                      progress=False)
+  cfg = export.read_config(result['checkpoint'])
+  cfg.model.dtype = 'float32'
+  cfg.data.update(source='prepared', paths=str(tmp_path / 'chat'), seq_len=96)
+  m = model_lib.ModelConfig.from_config(cfg.model)
+  rows, _ = data_lib.make_train_rows(cfg.data, seed=0, vocab_size=m.vocab_size)
+  row = rows[0]
+  assert row['segment_ids'].max() == 2  # both conversations packed in one row, each its own segment
+  tok = transformers.AutoTokenizer.from_pretrained(imported)
+  logits, want, targets = [], [], []
+  for s in (1, 2):  # prepare's segments against transformers on each conversation alone
+    at = row['segment_ids'] == s
+    ids = [int(row['inputs'][at][0])] + row['targets'][at].tolist()
+    chat = next(c for c in CHATS if tok.apply_chat_template(c, tokenize=True, return_dict=True)['input_ids'] == ids)
+    mask = tok.apply_chat_template(chat, chat_template=GEMMA_CHAT_TAGGED, tokenize=True, return_dict=True,
+                                   return_assistant_tokens_mask=True)['assistant_masks']
+    np.testing.assert_array_equal(row['weights'][at], mask[1:])
+    turns = [c['content'].strip() + '<end_of_turn>' for c in chat if c['role'] == 'assistant']
+    assert tok.decode(np.asarray(ids)[np.asarray(mask) == 1]) == ''.join(turns)
+    logits.append(original(torch.tensor([ids[:-1]])).logits[0])
+    want.append(np.asarray(mask[1:], bool))
+    targets.append(torch.tensor(ids[1:]))
+  # transformers: the mean cross-entropy over the assistant targets of both conversations, and its gradients.
+  weighted = [torch.nn.functional.cross_entropy(lg[w], t[w], reduction='sum') for lg, w, t in zip(logits, want, targets)]
+  reference = sum(weighted) / sum(int(w.sum()) for w in want)
+  reference.backward()
+  params = import_hf.from_hf(import_hf.read_safetensors(hf_dir), m, scan_layers=True)
+  batch = {k: v[None] for k, v in row.items()}
+  assert 1 not in batch['inputs'][batch['segment_ids'] > 0]
+
+  def loss(p):
+    out = model_lib.Decoder(m).apply({'params': p}, batch['inputs'], batch['segment_ids'], batch['positions'])
+    return model_lib.loss_fn(out, batch['targets'], batch['weights'], 0.0)[1]['loss']
+
+  got, grads = jax.jit(jax.value_and_grad(loss))(params)
+  np.testing.assert_allclose(float(got), float(reference.detach()), rtol=1e-5)
+  mapped = convert.to_hf(jax.device_get(grads), m)
+  for name, p in original.named_parameters():
+    g = p.grad.numpy()
+    assert np.linalg.norm(mapped[name] - g) <= 1e-5 * max(np.linalg.norm(g), 1e-12), name
