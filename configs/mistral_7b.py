@@ -20,7 +20,8 @@ def get_config():
                  attention_window=4096,
                  attention='xla')  # a window, soft-cap or sinks: the masks of xla attention
   c.data.seq_len = 8192
-  c.train.update(steps=10_000, batch_size=16, eval_every=1000)
+  # 2 microbatches: with 1 the step needs more than a v5p-8's 95 GiB a chip (bench/RESULTS.md, Pre-flight).
+  c.train.update(steps=10_000, batch_size=16, eval_every=1000, microbatches=2)
   c.optim.update(lr=3e-4, warmup_steps=500)
   c.checkpoint.every = 1000
   return c
