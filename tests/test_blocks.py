@@ -145,10 +145,17 @@ def test_sharded_step_with_sliding_window_matches_single_device():
 def test_ring_cache_greedy_equals_full_recompute():
   """An all-local model (every option on) decodes from a W-slot ring per layer, prompts longer than W prefilled
   at once, and its greedy tokens equal greedy by full recompute without a cache."""
-  from jaxlm import generate as generate_lib
   # Untied: a tied random model's greedy path repeats its input token, which would hide a wrong cache.
   m = _features_config(attention=dataclasses.replace(_features_config().attention, global_every=0),
                        tie_embeddings=False)
+  cache = _greedy_equals_full_recompute(m)
+  assert cache['layers']['attention']['key'].shape[2] == W  # not 64
+
+
+def _greedy_equals_full_recompute(m) -> dict:
+  """Greedy from the KV cache equals greedy by full recompute on random parameters (prompts and replies several
+  windows long); returns the cache's shapes."""
+  from jaxlm import generate as generate_lib
   dummy = np.zeros((1, 8), np.int32)
   params = nn.unbox(jax.jit(model_lib.Decoder(m).init)(jax.random.PRNGKey(3), dummy, dummy + 1, dummy)['params'])
   rng = np.random.default_rng(4)
@@ -157,24 +164,14 @@ def test_ring_cache_greedy_equals_full_recompute():
   cached = generate_lib.generate(m, params, prompts, 12).tokens
   np.testing.assert_array_equal(np.array(cached), generate_lib.generate_without_cache(m, params, prompts, 12))
   assert len(set(cached[0])) > 3
-  cache = generate_lib.cache_shapes(generate_lib.inference_model(m), params, 2, 64)
-  assert cache['layers']['attention']['key'].shape[2] == W  # not 64
+  return generate_lib.cache_shapes(generate_lib.inference_model(m), params, 2, 64)
 
 
 def test_mixed_scanned_stack_decodes_with_a_ring_per_local_layer():
   """Local and global layers in one scanned stack (every option on): decoding goes layer by layer, parameters
   sliced from the stack, a local layer's cache a W-slot ring and a global layer's the whole sequence; greedy
   with the cache equals greedy by full recompute over prompts and replies several windows long."""
-  from jaxlm import generate as generate_lib
   m = _features_config(tie_embeddings=False)  # layers local, global, local (global_every=2), scanned
   assert m.scan_layers and m.attention.global_every == 2
-  dummy = np.zeros((1, 8), np.int32)
-  params = nn.unbox(jax.jit(model_lib.Decoder(m).init)(jax.random.PRNGKey(3), dummy, dummy + 1, dummy)['params'])
-  rng = np.random.default_rng(4)
-  params = jax.tree.map(lambda x: x + 0.5 * rng.standard_normal(x.shape).astype(np.float32), params)
-  prompts = [list(rng.integers(1, 97, 19)), list(rng.integers(1, 97, 11))]
-  cached = generate_lib.generate(m, params, prompts, 12).tokens
-  np.testing.assert_array_equal(np.array(cached), generate_lib.generate_without_cache(m, params, prompts, 12))
-  assert len(set(cached[0])) > 3
-  cache = generate_lib.cache_shapes(generate_lib.inference_model(m), params, 2, 64)
+  cache = _greedy_equals_full_recompute(m)
   assert [cache[f'layers_{i}']['attention']['key'].shape[1] for i in range(3)] == [W, 64, W]

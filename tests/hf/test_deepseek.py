@@ -42,6 +42,19 @@ MAX_ABS = {}
 ORIGINAL = {}  # 'model': the fixture's transformers model
 
 
+def _spread(original):
+  """A transformers DeepSeek model with random norm scales (so a dropped norm shows) and large router logits (the
+  chosen experts win by a wide margin, far from float32 ties); the model, changed in place."""
+  import torch
+  with torch.no_grad():
+    for name, p in original.named_parameters():
+      if name.endswith('norm.weight'):
+        p.copy_(torch.rand_like(p) + 0.5)
+      elif name.endswith('mlp.gate.weight'):
+        p.copy_(torch.randn_like(p))
+  return original
+
+
 @pytest.fixture(scope='module')
 def imported(tmp_path_factory):
   """(transformers model, its directory, jaxlm run directory, ModelConfig, params, tokens, transformers' logits)."""
@@ -50,13 +63,8 @@ def imported(tmp_path_factory):
   torch.manual_seed(0)
   config = transformers.DeepseekV3Config(**CONFIG)
   config._attn_implementation = 'eager'  # pylint: disable=protected-access
-  original = transformers.DeepseekV3ForCausalLM(config).float().eval()
+  original = _spread(transformers.DeepseekV3ForCausalLM(config).float().eval())
   with torch.no_grad():
-    for name, p in original.named_parameters():
-      if name.endswith('norm.weight'):
-        p.copy_(torch.rand_like(p) + 0.5)
-      elif name.endswith('mlp.gate.weight'):  # large router logits: the chosen experts win by a wide margin
-        p.copy_(torch.randn_like(p))
     for layer in original.model.layers[CONFIG['first_k_dense_replace']:]:
       layer.mlp.gate.e_score_correction_bias.copy_(torch.rand(CONFIG['n_routed_experts']) * 0.2 - 0.1)
   root = tmp_path_factory.mktemp('deepseek')
@@ -607,13 +615,7 @@ def test_deepseek_v2_imports_and_exports_with_transformers_logits(imported, tmp_
   v2 = {k: v for k, v in CONFIG.items() if k not in ('q_lora_rank', 'topk_group')}
   config = transformers.DeepseekV2Config(**v2, q_lora_rank=None, topk_method='group_limited_greedy', topk_group=1)
   config._attn_implementation = 'eager'  # pylint: disable=protected-access
-  original = transformers.DeepseekV2ForCausalLM(config).float().eval()
-  with torch.no_grad():
-    for name, p in original.named_parameters():
-      if name.endswith('norm.weight'):
-        p.copy_(torch.rand_like(p) + 0.5)
-      elif name.endswith('mlp.gate.weight'):  # large router logits: the chosen experts win by a wide margin
-        p.copy_(torch.randn_like(p))
+  original = _spread(transformers.DeepseekV2ForCausalLM(config).float().eval())
   original.save_pretrained(str(tmp_path / 'hf'), safe_serialization=True)
   for name in ('tokenizer.json', 'tokenizer_config.json'):  # the V3 fixture's tokenizer (its vocabulary size)
     shutil.copy(root / 'hf' / name, tmp_path / 'hf' / name)
