@@ -39,7 +39,6 @@ from jaxlm import mla as mla_lib
 from jaxlm import lora as lora_lib
 from jaxlm import model as model_lib
 from jaxlm import moe as moe_lib
-from jaxlm import optimizer as optimizer_lib
 from jaxlm import rundir
 from jaxlm.data import storage
 from jaxlm import sharding
