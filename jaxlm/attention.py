@@ -236,10 +236,8 @@ def _window_blocks(q, k, v, segment_ids, *, width: int, block: int, scores_cfg: 
   rows = lambda x: parts(x, block)  # noqa: E731
   by_part = lambda a: jnp.asarray(a.reshape(shards, per, -1).transpose(1, 0, 2))  # noqa: E731  (per, shards, n)
 
-  def one(xs):
+  def one(xs):  # the shards' blocks side by side: a batch axis
     qb, kb, vb, sb, kvb, qo, ko = xs
-    if shards == 1:
-      return _scores_attention(qb[:, 0], kb[:, 0], vb[:, 0], sb[:, 0], qo[0], kvb[:, 0], ko[0], scores_cfg)[:, None]
     attend = lambda *a: _scores_attention(*a, scores_cfg)  # noqa: E731
     return jax.vmap(attend, in_axes=(1, 1, 1, 1, 0, 1, 0), out_axes=1)(qb, kb, vb, sb, qo, kvb, ko)
 

@@ -77,30 +77,20 @@ def dataset_dirs(data_cfg, vocab_size: int) -> list[str]:
   return [_local(p, data_cfg.cache_dir) for p in paths]
 
 
-def _local(path: str, cache_dir: str) -> str:
-  """A prepared dataset on a bucket as a verified local copy under `cache_dir` (ArrayRecord readers read local
-  files only); files whose store hash is unchanged are not downloaded again. Local paths as they are."""
+def _local(path: str, cache_dir: str, what: str = 'data.paths', marker: str | None = 'metadata.json') -> str:
+  """A prepared dataset (or, what='distill.cached', a teacher cache) on a bucket as a verified local copy under
+  `cache_dir` (ArrayRecord readers read local files only); files whose store hash is unchanged are not downloaded
+  again. Local paths as they are. `marker`: the commit marker checked first (None: validation checked it; a teacher
+  cache's teacher.json with complete=True)."""
   if not storage.is_url(path):
-    return path
-  storage.check(path, what='data.paths')
-  if not storage.exists(storage.join(path, 'metadata.json')):  # the dataset's commit marker, uploaded last
-    raise DataError(f'{path} has no metadata.json: it is not a prepared dataset, or its upload did not finish; '
+    return os.path.expanduser(path)
+  storage.check(path, what=what)
+  if marker and not storage.exists(storage.join(path, marker)):  # the dataset's commit marker, uploaded last
+    raise DataError(f'{path} has no {marker}: it is not a prepared dataset, or its upload did not finish; '
                     f'run `python -m jaxlm.data.prepare --out={path}` (again).')
   start = time.time()
   local = storage.local_copy(path, cache_dir)
-  logging.info('data: %s verified in %s (%.1fs)', path, local, time.time() - start)
-  return local
-
-
-def _local_cache(path: str, cache_dir: str) -> str:
-  """A teacher cache (distill.cached) on a bucket as a verified local copy under `cache_dir`, as `_local` does for
-  data (its commit marker, teacher.json with complete=True, was checked at validation); a local path as it is."""
-  if not storage.is_url(path):
-    return os.path.expanduser(path)
-  storage.check(path, what='distill.cached')
-  start = time.time()
-  local = storage.local_copy(path, cache_dir)
-  logging.info('data: teacher cache %s verified in %s (%.1fs)', path, local, time.time() - start)
+  logging.info('data: %s %s verified in %s (%.1fs)', what, path, local, time.time() - start)
   return local
 
 
@@ -307,7 +297,7 @@ def _conversations(data_cfg, p: Prepared, split: str, *, seed: int, num_epochs: 
   else:
     rows = stream_lib.ConversationRows
   if teacher_cache:  # distill.cached: tools/teacher's files, shard by shard, named as the data's
-    local = _local_cache(teacher_cache, data_cfg.cache_dir)
+    local = _local(teacher_cache, data_cfg.cache_dir, what='distill.cached', marker=None)
     paths = [os.path.join(local, os.path.basename(s)) for s in p.shards(split)]
     if not all(os.path.exists(x) for x in paths):
       raise DataError(f'{teacher_cache} lacks the teacher log-probabilities of {p.path}\'s shards; make them with '
