@@ -74,7 +74,8 @@ def dequantize_mxfp4(blocks, scales) -> np.ndarray:
   uint8, one E8M0 exponent (bias 127) per 32 values -> (X, G·32, R), as transformers dequantizes them."""
   blocks, exponents = np.asarray(blocks, np.uint8), np.asarray(scales, np.int32) - 127
   if blocks.shape[:-1] != exponents.shape:
-    raise HFImportError(f'MXFP4 blocks of shape {blocks.shape} do not match their scales {exponents.shape}.')
+    raise HFImportError(f'MXFP4 blocks of shape {blocks.shape} do not match their scales {exponents.shape}; the '
+                        f'checkpoint is damaged or not gpt-oss\'s layout: download it again.')
   values = np.stack([FP4_VALUES[blocks & 0x0F], FP4_VALUES[blocks >> 4]], axis=-1)  # (X, R, G, 16, 2)
   values = np.ldexp(values.reshape(*exponents.shape, -1), exponents[..., None])  # (X, R, G, 32)
   return np.swapaxes(values.reshape(*blocks.shape[:-2], -1), -1, -2)
@@ -89,7 +90,8 @@ def dequantized(tensors: dict) -> dict:
   for name in names:
     scales = out.pop(name + '_scales', None)
     if scales is None:
-      raise HFImportError(f'tensor {name + "_scales"!r} is missing from the checkpoint ({name}_blocks needs it).')
+      raise HFImportError(f'tensor {name + "_scales"!r} is missing from the checkpoint ({name}_blocks needs it); '
+                          f'the download is incomplete: fetch every *.safetensors file again.')
     out[name] = dequantize_mxfp4(out.pop(name + '_blocks'), scales)
   return out
 
