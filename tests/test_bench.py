@@ -6,7 +6,9 @@ import re
 import subprocess
 import sys
 
-from tests.conftest import ROOT
+import pytest
+
+from tests.conftest import ROOT, made_once
 from tests.helpers import train_env
 
 
@@ -32,8 +34,21 @@ def test_cpu_step_compares_the_same_model_and_splits_phases(tmp_path):
   assert 'ratio jaxlm/torch' in out and 'whole train step' in out
 
 
-def test_mfu_and_matmul_benchmarks_print_their_tables():
-  out = run_bench('mfu.py', '--steps=2', '--warmup=1', '--config.train.deterministic=True')
+@pytest.fixture(scope='session')
+def mfu_run(tmp_path_factory):
+  """(stdout, JSON) of one bench/mfu.py run that both of its tests read: train.deterministic and the PyTorch
+  baseline in bfloat16 ride together (each is its own part of the output), one process and compile instead of two.
+  Made once for the run, every xdist worker included."""
+  with made_once(tmp_path_factory, 'mfu_run') as (path, done):
+    if not done:
+      out = run_bench('mfu.py', '--steps=2', '--warmup=1', '--config.train.deterministic=True', '--baseline=torch',
+                      '--notorch_compile', '--config.model.dtype=bfloat16', f'--json={path}/r.json')
+      (path / 'stdout.txt').write_text(out)
+    return (path / 'stdout.txt').read_text(), json.loads((path / 'r.json').read_text())
+
+
+def test_mfu_and_matmul_benchmarks_print_their_tables(mfu_run):
+  out, _ = mfu_run
   assert 'tokens/s' in out and 'MFU' in out and 'n/a (unknown peak)' in out
   # train.deterministic honoured as the trainer does, and the flags it ran with printed, first and in the table.
   assert 'train.deterministic=True; XLA_FLAGS: ' in out
@@ -57,12 +72,10 @@ def test_pipeline_bench_rows_compute_the_same_loss(tmp_path):
   assert 'bubble computed' in out.stdout and 'bubble measured' in out.stdout
 
 
-def test_mfu_baseline_torch_prints_both_rows_and_their_ratio(tmp_path):
+def test_mfu_baseline_torch_prints_both_rows_and_their_ratio(mfu_run):
   # bfloat16: the baseline must run mixed precision (autocast over float32 master weights), which plain float32
   # weights meeting bfloat16 activations did not (issue #23). Eager torch: no C++ compile in CI.
-  out = run_bench('mfu.py', '--steps=2', '--warmup=1', '--baseline=torch', '--notorch_compile',
-                  '--config.model.dtype=bfloat16', f'--json={tmp_path}/r.json')
-  r = json.loads((tmp_path / 'r.json').read_text())
+  out, r = mfu_run
   t = r['baseline']
   assert t['framework'] == 'torch' and t['device'] == 'cpu' and t['params'] == r['params']
   assert t['flops_per_token'] == r['flops_per_token'] and math.isfinite(t['loss'])
