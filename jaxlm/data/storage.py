@@ -24,7 +24,6 @@ import shutil
 import socket
 import tempfile
 import threading
-import time
 import urllib.parse
 
 from jaxlm.data import format as format_lib

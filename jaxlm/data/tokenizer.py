@@ -307,7 +307,7 @@ class HuggingFace(Tokenizer):
     eos = self.special_tokens.get('eos_token')
     candidates = []
     if eos and eos not in END_OF_TURN:
-      candidates.append((eos, f'the tokenizer\'s eos_token'))
+      candidates.append((eos, 'the tokenizer\'s eos_token'))
     candidates += [(t, f'the tokenizer\'s end-of-text token (eos_token {eos!r} ends a turn, not a document)'
                     if eos else 'the tokenizer\'s end-of-text token') for t in END_OF_TEXT]
     if eos:
