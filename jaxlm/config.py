@@ -18,6 +18,7 @@ from jaxlm import mtp
 from jaxlm import model
 from jaxlm import moe
 from jaxlm import optimizer
+from jaxlm import policy
 from jaxlm import pipeline as pipeline_lib
 from jaxlm import preflight
 from jaxlm import sharding
@@ -558,10 +559,10 @@ def _rl_errors(c) -> list[str]:
   if r is None:
     return []
   e = []
-  if r.loss_type not in step_lib.LOSS_TYPES:
-    e.append(f'rl.loss_type={r.loss_type!r} is unknown; use one of {", ".join(step_lib.LOSS_TYPES)}.')
-  if r.scale_rewards not in step_lib.SCALE_REWARDS:
-    e.append(f'rl.scale_rewards={r.scale_rewards!r} is unknown; use one of {", ".join(step_lib.SCALE_REWARDS)}.')
+  if r.loss_type not in policy.LOSS_TYPES:
+    e.append(f'rl.loss_type={r.loss_type!r} is unknown; use one of {", ".join(policy.LOSS_TYPES)}.')
+  if r.scale_rewards not in policy.SCALE_REWARDS:
+    e.append(f'rl.scale_rewards={r.scale_rewards!r} is unknown; use one of {", ".join(policy.SCALE_REWARDS)}.')
   if r.num_generations < 2 or c.train.batch_size % r.num_generations:
     e.append(f'rl.num_generations={r.num_generations} must be >= 2 and divide train.batch_size='
              f'{c.train.batch_size} (the completions of each step); group advantages need two or more.')

@@ -103,7 +103,7 @@ def token_logprobs(logits, tokens, temperature: float):
   """log softmax(logits / temperature) at `tokens`, float32: (..., V), (...) -> (...); temperature 0 counts as 1.
 
   The distribution before top-k / top-p, as TRL's GRPO trainer scores completions: the RL train step computes
-  the same function of the same logits (jaxlm.step.policy_loss), so the sampler's numbers are its old log-probs.
+  the same function of the same logits (jaxlm.policy.policy_loss), so the sampler's numbers are its old log-probs.
   """
   logits = logits.astype(jnp.float32) / (temperature or 1.0)
   picked = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]

@@ -3,7 +3,7 @@
 
 One step: B prompts × G completions sampled with jaxlm.generate on the run's mesh (the sampled tokens' log-probs
 come back from the decode loop), scored by the user's reward functions, group advantages on the host, then the
-ONE train step (jaxlm.step.build_program with a `PolicyObjective`) on per-token weights that encode the loss
+ONE train step (jaxlm.step.build_program with a `policy.PolicyObjective`) on per-token weights that encode the loss
 type over the global batch. Sampler and trainer are the same Flax model on the same mesh: their log-probs of the
 same tokens agree (`logprob_mismatch`, ~0), so the sampler's are the clipped ratio's old log-probs.
 
@@ -33,13 +33,14 @@ from jaxlm import config as config_lib
 from jaxlm import distributed
 from jaxlm import errors
 from jaxlm import generate as generate_lib
+from jaxlm import policy as policy_lib
 from jaxlm import preference as preference_lib
 from jaxlm import rundir
 from jaxlm import sharding
 from jaxlm import step as step_lib
 from jaxlm import train
 # rl.loss_type and rl.scale_rewards: declared beside the objective, where validation reads them too.
-from jaxlm.step import LOSS_TYPES, SCALE_REWARDS  # noqa: F401
+from jaxlm.policy import LOSS_TYPES, SCALE_REWARDS  # noqa: F401
 
 STD_EPS = 1e-4  # added to the std before dividing (TRL's)
 
@@ -262,9 +263,9 @@ def read_prompts(rl_cfg, tokenizer, prompt_slots: int) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------------- the rollout source
 
-def objective_of(rl_cfg) -> step_lib.PolicyObjective:
+def objective_of(rl_cfg) -> policy_lib.PolicyObjective:
   """The train step's objective for the `rl` section."""
-  return step_lib.PolicyObjective(temperature=rl_cfg.temperature, epsilon=rl_cfg.epsilon,
+  return policy_lib.PolicyObjective(temperature=rl_cfg.temperature, epsilon=rl_cfg.epsilon,
                                   epsilon_high=rl_cfg.epsilon_high or rl_cfg.epsilon, beta=rl_cfg.beta)
 
 
@@ -314,7 +315,7 @@ class Rollouts:
 
   Its checkpointed position is the prompt stream's (`iterator`); samples are seeded by step, so a resumed run draws
   the samples the killed one would have. The train step's objective is the clipped policy gradient
-  (step.PolicyObjective), its program compiled once per config in a process (step.cached_program).
+  (policy.PolicyObjective), its program compiled once per config in a process (step.cached_program).
   """
   evaluates = False  # held-out text is scored only when train.eval_every asks for it
 

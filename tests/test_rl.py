@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxlm import generate as generate_lib
+from jaxlm import policy as policy_lib
 from jaxlm import rl
 from jaxlm import sharding
 from jaxlm import step as step_lib
@@ -427,7 +428,7 @@ def test_loss_equals_trls(tmp_path, loss_type, beta):
   with torch.no_grad():
     logits = model(input_ids=ids, attention_mask=torch.cat([inputs['prompt_mask'], inputs['completion_mask']], 1)
                    ).logits[:, 2:-1].numpy()  # (8, 5, V): the completion's predicting positions
-  objective = step_lib.PolicyObjective(temperature=temperature, epsilon=epsilon, epsilon_high=epsilon_high, beta=beta)
+  objective = policy_lib.PolicyObjective(temperature=temperature, epsilon=epsilon, epsilon_high=epsilon_high, beta=beta)
   targets = inputs['completion_ids'].numpy().astype(np.int32)
   logps = np.asarray(objective.logprobs(logits, targets))
   mask = inputs['completion_mask'].numpy().astype(np.float32)
