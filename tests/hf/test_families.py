@@ -229,7 +229,7 @@ def _model_cfg(overrides: dict):
   return c
 
 
-@pytest.mark.parametrize('family', list(FAMILIES))
+@pytest.mark.parametrize('family', [*FAMILIES, 'gpt_oss'])
 def test_a_lora_adapter_on_the_family_loads_in_peft_on_the_hf_base_with_jaxlms_logits(hf, family, tmp_path):
   """Fine-tuning a family with LoRA: adapters on every projection of the imported model (B drawn away from 0) give
   logits that peft's adapter, written by jaxlm and loaded onto the original transformers model, reproduces (1e-4),
@@ -260,6 +260,16 @@ def test_a_lora_adapter_on_the_family_loads_in_peft_on_the_hf_base_with_jaxlms_l
     tuned = peft.PeftModel.from_pretrained(original, str(tmp_path / 'adapter')).eval()
   assert not [str(w.message) for w in caught if 'key' in str(w.message).lower()]
   np.testing.assert_allclose(_torch_logits(hf, tuned, tokens), ours, atol=1e-4, rtol=0)
+  if family == 'gpt_oss':  # experts are never adapted: the adapter targets attention alone (peft finds every
+    # module it names), and naming an expert projection is refused at validation
+    assert json.loads((tmp_path / 'adapter' / 'adapter_config.json').read_text())['target_modules'] == [
+        'k_proj', 'o_proj', 'q_proj', 'v_proj']
+    from jaxlm import config as config_lib
+    bad = load_config('palm_tiny')
+    bad.model.update(**overrides)
+    bad.model.lora.update(rank=4, targets=('query', 'gate'))
+    with pytest.raises(config_lib.ConfigError, match="model.lora.targets names gate: every layer's MLP is a mix"):
+      config_lib.validate(bad, 1)
 
 
 # SFT on each family with its own chat template (#59). Each template follows its released tokenizer's
