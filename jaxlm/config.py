@@ -190,6 +190,13 @@ def _lora_errors(c) -> list[str]:
   if not targets or any(t not in known for t in targets):
     only = '' if mla else f' ({", ".join(lora_lib.MLA_TARGETS)}: MLA\'s only)'
     e.append(f'model.lora.targets={tuple(targets)} must name some of {", ".join(known)}{only}.')
+  all_moe = c.model.get('moe_experts', 0) > 0 and c.model.get('moe_every', 1) == 1 and not c.model.get(
+      'moe_first_dense', 0)
+  named = [t for t in targets if t in lora_lib.MLP_TARGETS]
+  if all_moe and named and tuple(targets) != lora_lib.LORA_TARGETS:  # asked for by name, not the default's
+    e.append(f'model.lora.targets names {", ".join(named)}: every layer\'s MLP is a mixture of experts, which LoRA '
+             f'never adapts (its experts are not the dense projections a peft adapter exports, e.g. gpt-oss\'s '
+             f'fused expert weights); target the attention projections (query, key, value, out).')
   if lo.base_dtype not in lora_lib.LORA_BASE_DTYPES:
     e.append(f'model.lora.base_dtype={lo.base_dtype!r} is unknown; use one of {", ".join(lora_lib.LORA_BASE_DTYPES)}.')
   if c.optim.name == 'muon':

@@ -17,6 +17,7 @@ import numpy as np
 from flax import traverse_util
 
 LORA_TARGETS = ('query', 'key', 'value', 'out', 'gate', 'up', 'down')  # model.lora.targets: what LoRA adapts by default
+MLP_TARGETS = ('gate', 'up', 'down')  # a dense MLP's; a mixture of experts' MLPs are never adapted
 # Multi-head latent attention's own projections (jaxlm/mla.py), which model.lora.targets may name on such a model.
 MLA_TARGETS = ('query_a', 'kv_a', 'kv_b')
 LORA_BASE_DTYPES = ('float32', 'bfloat16')  # model.lora.base_dtype

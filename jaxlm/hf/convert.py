@@ -10,7 +10,7 @@ import math
 import jax
 import numpy as np
 
-from jaxlm import model as model_lib
+from jaxlm import lora as lora_lib, model as model_lib
 from jaxlm.hf import deepseek, gpt_oss
 from jaxlm.hf.families import (FAMILY_BLOCKS, FAMILY_MODEL_TYPES, ExportError, HFImportError,  # noqa: F401
                                family_architecture, family_config, family_overrides, features, norm_names,
@@ -207,6 +207,8 @@ def lora_to_peft(params: dict, m: model_lib.ModelConfig) -> dict[str, np.ndarray
 def peft_config(m: model_lib.ModelConfig, base_model: str = '') -> dict:
   """adapter_config.json for `lora_to_peft`'s tensors: plain LoRA with scale lora_alpha / r (no rsLoRA)."""
   adapted = {'query_b' if name == 'query' and m.mla.q_lora_rank else name for name in m.lora.targets}
+  if not any(not model_lib.is_moe(m, i) for i in range(m.num_layers)):  # no dense MLP: no MLP adapters (gpt-oss)
+    adapted -= set(lora_lib.MLP_TARGETS)
   modules = sorted(module.split('.')[-1] for name, (module, _) in _peft_modules(m).items() if name in adapted)
   return {'peft_type': 'LORA', 'task_type': 'CAUSAL_LM', 'r': m.lora.rank, 'lora_alpha': m.lora.alpha,
           'target_modules': modules, 'lora_dropout': 0.0,
