@@ -18,12 +18,16 @@ step while palm_small (xla attention) was bit-exact (issue #31). So `config.vali
 model.attention=cudnn with train.deterministic, and cudnn asked for under the flag by hand falls back to xla.
 
 Context parallelism (mesh.context = C > 1, `act_seq` split): the step hands the model every sequence in
-`sharding.zigzag_order` (shard i holds chunks i and 2C-1-i of 2C), so array order is not token order. Queries
-stay local; keys and values are all-gathered along the sequence (one (S, E) head per device under multi-query
-attention: cheap), and the causal mask comes from the zig-zag order, not from array indices. A local layer's
-queries take only the blocks of keys their window reaches (`_window_blocks`, by position in that order). Only
-`xla` takes that mask: cudnn's and splash's causal masks assume array order, so they fall back to xla with that
-reason.
+`sharding.zigzag_order` (shard i holds chunks i and 2C-1-i of 2C, c = T/2C tokens each), so array order is not
+token order. Queries stay local. A global layer all-gathers keys and values along the sequence (one (S, E) head
+per device under multi-query attention: cheap), and the causal mask comes from the zig-zag order, not from array
+indices. A local layer whose window fits in a chunk (W <= c) gathers nothing: each chunk needs only the W keys,
+values and segment ids before it, the tail of the chunk before it, which two collective-permutes bring from the
+neighbouring shards (`_halo_attention`); its queries then take the blocks of [halo + chunk] their window
+reaches, as on one device. So its communication and key/value memory per device do not grow with T. A window
+longer than a chunk reaches into shards beyond the neighbours: that layer gathers the whole sequence and takes
+only the blocks its window reaches (`_window_blocks`, by position in the zig-zag order). Only `xla` takes these
+masks: cudnn's and splash's causal masks assume array order, so they fall back to xla with that reason.
 
 A kernel that cannot run here (cudnn on a CPU, float32 for cudnn, splash off a TPU, an unsupported head size)
 falls back to `xla` and says so in the log, once per distinct reason: never silently.
@@ -248,7 +252,7 @@ def _window_blocks(q, k, v, segment_ids, *, width: int, block: int, scores_cfg: 
 
 
 def _window_groups(q, k, v, segment_ids, *, width: int, block: int, scores_cfg: Scores,
-                   max_scores: int = LOCAL_MAX_SCORES):
+                   max_scores: int = LOCAL_MAX_SCORES, before=None):
   """A local layer's attention by blocks of `block` queries over only the keys its window reaches, so its cost
   grows with T, not T²: queries [i·b, (i+1)·b) see keys [i·b − W, (i+1)·b) ((b, b + W) scores per block, not
   (b, T)). The W slots before the row's start are padding (segment 0), which no real query attends to; the mask
@@ -259,21 +263,24 @@ def _window_groups(q, k, v, segment_ids, *, width: int, block: int, scores_cfg: 
   so B's sharding holds). For the same B·T above that bound, the groups have the same shapes at every T (a loop
   over single blocks of B rows ran more and smaller steps as T rose and B fell). A query's distance to a key slot
   is the same in every block (W + j − j'), so one (b, b + W) causal mask serves all. With more than one group,
-  each is recomputed in the backward pass rather than kept."""
+  each is recomputed in the backward pass rather than kept.
+
+  `before`: (keys, values, segment ids), (B, W, ...) each, the W positions that precede each row (a context
+  shard's halo, `_halo_attention`) in place of the padding."""
   B, T = q.shape[:2]
   blocks = T // block
   # Each block's keys gathered by a static index: (blocks, b + W) slots of the padded row, 1 + W/b times the keys.
   take = np.arange(blocks)[:, None] * block + np.arange(block + width)[None, :]
-  pad = lambda x: jnp.pad(x, [(0, 0), (width, 0)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
   heads = q.shape[2]
   per_block = B * block * (block + width) * heads
   groups = next(g for g in range(1, blocks + 1) if blocks % g == 0 and (blocks // g) * per_block <= max_scores
                 or g == blocks)
   n = blocks // groups  # blocks per group
 
-  def keys(x):  # (groups, B·n, b + W, ...)
+  def keys(x, front):  # (groups, B·n, b + W, ...): the row after its W `front` slots (None: padding)
     tail = x.shape[2:]
-    x = pad(x)[:, take].reshape(B, groups, n, block + width, *tail)
+    x = jnp.pad(x, [(0, 0), (width, 0)] + [(0, 0)] * len(tail)) if front is None else jnp.concatenate([front, x], 1)
+    x = x[:, take].reshape(B, groups, n, block + width, *tail)
     return jnp.moveaxis(x, 1, 0).reshape(groups, B * n, block + width, *tail)
 
   def rows(x):  # (groups, B·n, b, ...)
@@ -285,7 +292,8 @@ def _window_groups(q, k, v, segment_ids, *, width: int, block: int, scores_cfg: 
   def one(qb, kb, vb, sb, kvb):
     return _scores_attention(qb, kb, vb, sb, q_order, kvb, kv_order, scores_cfg)
 
-  args = (rows(q), keys(k), keys(v), rows(segment_ids), keys(segment_ids))
+  front_k, front_v, front_s = (None,) * 3 if before is None else before
+  args = (rows(q), keys(k, front_k), keys(v, front_v), rows(segment_ids), keys(segment_ids, front_s))
   if groups == 1:
     out = one(*(x[0] for x in args))[None]
   else:  # checkpointed: the backward pass recomputes a group's probabilities rather than keeping every group's
@@ -541,9 +549,69 @@ def attention(q, k, v, segment_ids, impl: str = 'xla', block_q: int = 0, *, kv_s
       _log_once('%s attention refused these inputs (%s: %s); falling back to xla', kernel, type(e).__name__, e,
                 level=logging.WARNING)
   if context > 1:
-    # Queries (and so scores, probabilities and outputs) stay split along T; each device gathers the whole
-    # key and value sequence: K heads of (S, E) each, one under multi-query attention. The backward pass
-    # reduce-scatters their gradients. The mask's order is a constant: the step's zig-zag permutation.
-    order = sharding.zigzag_order(q.shape[1], context)
-    return xla_attention(q, gather_sequence(k), gather_sequence(v), segment_ids, order, block_q, context, scores_cfg)
+    return _context_attention(q, k, v, segment_ids, block_q, context, scores_cfg)
   return xla_attention(q, k, v, segment_ids, block_q=block_q, scores_cfg=scores_cfg)
+
+
+def _context_attention(q, k, v, segment_ids, block_q: int, context: int, scores_cfg: Scores):
+  """xla attention with the sequence split `context` ways in the zig-zag order: a local layer whose window fits
+  in one chunk (W <= T / 2C) by halos (`_halo_attention`), any other by the whole keys and values gathered."""
+  T = q.shape[1]
+  width = scores_cfg.window if isinstance(scores_cfg.window, int) else scores_cfg.width
+  if 0 < width <= T // (2 * context):
+    local = functools.partial(_halo_attention, width=width, block_q=block_q, context=context,
+                              scores_cfg=dataclasses.replace(scores_cfg, window=width))
+    if isinstance(scores_cfg.window, int):
+      return local(q, k, v, segment_ids)
+    # A traced window (scanned local and global layers): only the global branch gathers the whole sequence.
+    full = functools.partial(_context_attention, block_q=block_q, context=context,
+                             scores_cfg=dataclasses.replace(scores_cfg, window=0, width=0))
+    return jax.lax.cond(jnp.reshape(scores_cfg.window, ()) > 0, local, full, q, k, v, segment_ids)
+  # Queries (and so scores, probabilities and outputs) stay split along T; each device gathers the whole
+  # key and value sequence: K heads of (S, E) each, one under multi-query attention. The backward pass
+  # reduce-scatters their gradients. The mask's order is a constant: the step's zig-zag permutation. A local
+  # layer whose window is longer than a chunk comes here too: its queries reach back past the chunk before their
+  # own, into chunks that lie on shards other than the neighbours (chunk i-2 on shard i-2, ...), so one halo
+  # from each neighbour would not hold its keys; a multi-hop halo is not built (the short-window families,
+  # Mistral's 4k at 32k and gpt-oss's 128, fit a chunk).
+  order = sharding.zigzag_order(T, context)
+  return xla_attention(q, gather_sequence(k), gather_sequence(v), segment_ids, order, block_q, context, scores_cfg)
+
+
+def _halo_attention(q, k, v, segment_ids, *, width: int, block_q: int, context: int, scores_cfg: Scores):
+  """A local layer (window W <= c = T / 2C) under context parallelism, exchanging only halos, not the sequence.
+
+  Shard i holds chunks i and 2C-1-i (`sharding.zigzag_order`). A chunk's queries reach back at most W positions,
+  all inside the chunk before it: chunk i-1 (the first chunk of shard i-1) and chunk 2C-2-i (the second chunk
+  of shard i+1; for i = C-1 that is chunk C-1, its own first). So each shard sends the last W keys, values and
+  segment ids of its first chunk to shard i+1 and of its second chunk to shard i-1 (two collective-permutes;
+  chunk 0's halo arrives as zeros: segment 0, padding, never attended) and each chunk, after its halo, is a row
+  in array order: `_window_groups` over [halo + chunk], the same blocks and mask as one device's. Only the
+  context axis is manual (the shard_map's axis_names); batch and heads stay split as the rules say."""
+  (axes,) = nn.logical_to_mesh_axes(('act_seq',))
+  c = q.shape[1] // (2 * context)
+  block = next(d for d in range(min(block_q or width, c), 0, -1) if c % d == 0)
+  # The sinks (a traced parameter) enter as an argument, replicated, rather than closed over by the shard_map.
+  cfg = dataclasses.replace(scores_cfg, sinks=None)
+  ahead = [(j, j + 1) for j in range(context - 1)]  # shard j -> shard j+1; none into shard 0 (zeros)
+
+  def local(q, k, v, segment_ids, sinks):  # one shard's (B, 2c, ...): its two chunks
+    B = q.shape[0]
+    chunks = lambda x: x.reshape(B * 2, c, *x.shape[2:])  # noqa: E731  rows: (b, first), (b, second), ...
+    tails = [x.reshape(B, 2, c, *x.shape[2:])[:, :, c - width:] for x in (k, v, segment_ids)]  # (B, 2, W, ..)
+    first = jax.lax.ppermute([t[:, 0] for t in tails], axes, ahead)  # from shard i-1: chunk i-1's tail
+    second = jax.lax.ppermute([t[:, 1] for t in tails], axes, [(b, a) for a, b in ahead])  # from shard i+1
+    last = jax.lax.axis_index(axes) == context - 1
+    second = [jnp.where(last, t[:, 0], s) for t, s in zip(tails, second)]
+    before = [jnp.stack([f, s], 1).reshape(B * 2, width, *f.shape[2:]) for f, s in zip(first, second)]
+    out = _window_groups(chunks(q), chunks(k), chunks(v), chunks(segment_ids), width=width, block=block,
+                         scores_cfg=dataclasses.replace(cfg, sinks=sinks), before=before)
+    return out.reshape(B, 2 * c, *out.shape[2:])
+
+  P = jax.sharding.PartitionSpec
+  row = P(None, axes)
+  # Partial-manual: only the context axes are manual (jax.shard_map's axis_names, JAX 0.10 and 0.11 alike); the
+  # data, fsdp and tensor axes stay automatic, so the batch and heads keep the rules' sharding inside.
+  names = {axes} if isinstance(axes, str) else set(axes)
+  return jax.shard_map(local, in_specs=(row, row, row, row, P()), out_specs=row, axis_names=names)(
+      q, k, v, segment_ids, scores_cfg.sinks)

@@ -5,6 +5,8 @@ sum over tokens, so losses and gradients must equal the unsplit run's (float32, 
 layout (MQA, GQA, MHA), both blocks, packed documents, remat, and with fsdp and tensor beside context.
 """
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -37,7 +39,8 @@ def _random_params(program, seed=0):
 
 
 def _loss_and_grads(cfg, batch, **axes):
-  """(total loss, aux, gradients, batch) of one batch on the mesh `axes`, through the trainer's batch path."""
+  """(total loss, aux, gradients, batch, compiled step) of one batch on the mesh `axes`, through the trainer's
+  batch path."""
   mesh = _mesh(cfg, **axes)
   with sharding.activate(mesh):
     program = plain_program(cfg, mesh)
@@ -48,12 +51,23 @@ def _loss_and_grads(cfg, batch, **axes):
       logits = program.model.apply({'params': params}, b['inputs'], b['segment_ids'], b['positions'])
       return model_lib.loss_fn(logits, b['targets'], b['weights'], cfg.model.z_loss)
 
-    (total, aux), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, b)
-    return float(total), {k: float(v) for k, v in aux.items()}, jax.device_get(grads), b
+    compiled = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(params, b).compile()
+    (total, aux), grads = compiled(params, b)
+    return float(total), {k: float(v) for k, v in aux.items()}, jax.device_get(grads), b, compiled
+
+
+def _collectives(compiled, op) -> list[tuple[int, ...]]:
+  """The result shapes of the compiled program's `op` ('all-gather', 'collective-permute') instructions (each
+  array of an async start's tuple)."""
+  shapes = []
+  for line in compiled.as_text().splitlines():
+    if (m := re.search(rf'=\s*(.*?)\s{op}(-start)?\(', line)):
+      shapes += [tuple(int(d) for d in dims.split(',') if d) for dims in re.findall(r'\w+\[([\d,]*)\]', m.group(1))]
+  return shapes
 
 
 def _assert_same(got, want, what):
-  total, aux, grads, _ = got
+  total, aux, grads = got[:3]
   np.testing.assert_allclose(total, want[0], rtol=1e-5, err_msg=what)
   for k in ('loss', 'z_loss'):
     np.testing.assert_allclose(aux[k], want[1][k], rtol=1e-5, err_msg=f'{what}: {k}')
@@ -166,13 +180,55 @@ def test_train_and_eval_steps_match_single_device():
 @pytest.mark.e2e
 def test_sliding_window_context_matches_single_device():
   # Local (W = 8, so a 64-token row is 8 windows) and global layers in one scanned stack, with soft-cap, sinks
-  # and packed documents: each context shard's queries take only the keys their window reaches (the blocks in
-  # the zig-zag order, attention._window_blocks), and the loss and gradients equal one device's.
+  # and packed documents: each context shard's queries take only the keys their window reaches, and the loss and
+  # gradients equal one device's. With W <= the chunk (T / 2C = 8 at context 4, 16 at context 2) a local layer
+  # gets its keys by halos from its neighbours (attention._halo_attention), tensor beside it at context 2.
   cfg = _config(num_kv_heads=2, parallel_block=False, attention_window=8, attention_global_every=2,
                 attention_softcap=3.0, attention_sinks=True)
   batch = _packed_batch()
   want = _loss_and_grads(cfg, batch)
-  _assert_same(_loss_and_grads(cfg, batch, fsdp=2, context=4), want, 'window=8 fsdp=2 context=4')
+  got = _loss_and_grads(cfg, batch, fsdp=2, context=4)
+  _assert_same(got, want, 'window=8 fsdp=2 context=4')
+  # The local layers' halos: W keys (and values, segment ids) of each of the 2 rows a shard holds, passed on.
+  assert (2, 8, 2, 12) in _collectives(got[4], 'collective-permute')
+  _assert_same(_loss_and_grads(cfg, batch, fsdp=2, tensor=2, context=2), want, 'window=8 fsdp=2 tensor=2 context=2')
+
+
+def _forward(cfg, **axes):
+  """The compiled forward (logits) of `cfg`'s model on the mesh `axes`, for the packed batch."""
+  mesh = _mesh(cfg, **axes)
+  with sharding.activate(mesh):
+    program = plain_program(cfg, mesh)
+    params = jax.device_put(_random_params(program), program.state_shardings.params)
+    b = step.global_batch(_packed_batch(), program.batch_sharding)
+    apply = lambda p, b: program.model.apply({'params': p}, b['inputs'], b['segment_ids'], b['positions'])  # noqa: E731
+    return jax.jit(apply).lower(params, b).compile()
+
+
+def _gathered_keys(compiled) -> list[tuple[int, ...]]:
+  """The all-gathers of keys or values ((2, S, 2, 12) per device, S >= T = 64: K = 2 heads, unlike the queries'
+  4) or segment ids ((2, S)) along the whole sequence in `compiled`, for fsdp 2 × context 4 on `_config`'s model."""
+  return [s for s in _collectives(compiled, 'all-gather')
+          if len(s) in (2, 4) and s[0] == 2 and s[1] >= 64 and s[2:] in ((), (2, 12))]
+
+
+@pytest.mark.e2e
+def test_local_layers_under_context_pass_halos_not_the_sequence():
+  # An all-local stack (Mistral's) on fsdp 2 × context 4: its forward never all-gathers the keys, values or
+  # segment ids along the sequence; it passes halos of W = 8 positions, (2, 8, 2, 12) and (2, 8) per device. The
+  # same model with global layers (window 0), or with a window longer than a chunk (16 > T / 2C = 8: a query
+  # reaches past the chunk before its own; the blocks in the zig-zag order of attention._window_blocks), gathers
+  # them. (The backward's weight gradients of the key and value projections gather along the sequence in both, a
+  # choice of XLA's partitioner, so the forward is what tells them apart.)
+  cfg = _config(num_kv_heads=2, attention_window=8, attention_softcap=3.0, attention_sinks=True)
+  local = _forward(cfg, fsdp=2, context=4)
+  assert not _gathered_keys(local), _collectives(local, 'all-gather')
+  halos = _collectives(local, 'collective-permute')
+  assert (2, 8, 2, 12) in halos and (2, 8) in halos, halos
+  for window in (0, 16):
+    cfg.model.attention_window = window
+    gathered = _gathered_keys(_forward(cfg, fsdp=2, context=4))
+    assert (2, 64, 2, 12) in gathered and any(len(s) == 2 for s in gathered), (window, gathered)
 
 
 def _temp_bytes(cfg, **axes) -> int:

@@ -124,12 +124,14 @@ def test_collectives_are_parsed_from_hlo():
       '  %ag-start = (bf16[2,8]{1,0}, bf16[8,8]{1,0}) all-gather-start(%q)',
       '  %all-reduce.2 = (f32[16]{0}, f32[]{}) all-reduce(%a, %b), to_apply=%add',
       '  %fusion.3 = bf16[64,128]{1,0} fusion(%x), kind=kCustom, calls=%all-reduce-scatter.7',
+      # TPU's async permute: (operand, output, two u32[] context words); the output is what moves.
+      '  %cp-start = (bf16[8,128]{1,0}, bf16[8,128]{1,0}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%h)',
       '}',
       '%all-reduce-scatter.7 (input: bf16[256,128]) -> bf16[64,128] {',
       '  %all-reduce.9 = bf16[256,128]{1,0} all-reduce(%input), to_apply=%add',
       '}'])
   assert size.collectives(hlo) == {'all-gather': (2, 4 * 256 * 2 + 8 * 8 * 2), 'all-reduce': (1, 16 * 4 + 4),
-                                   'reduce-scatter': (1, 64 * 128 * 2)}
+                                   'reduce-scatter': (1, 64 * 128 * 2), 'collective-permute': (1, 8 * 128 * 2)}
 
 
 def test_fit_candidates_cheapest_first():

@@ -239,7 +239,9 @@ _OPS = {'all-gather': 'all-gather', 'all-gather-start': 'all-gather', 'reduce-sc
 def _shape_bytes(text: str, last_only: bool = False) -> int:
   shapes = _SHAPE.findall(text)
   if last_only:
-    shapes = shapes[-1:]
+    # An async start's result is (operand, output); a collective-permute's adds two u32[] context words (TPU),
+    # which a plain "last" took for the permute's size (4 B): the output is the last array that is not a scalar.
+    shapes = ([s for s in shapes if s[1]] or shapes)[-1:]
   total = 0
   for dtype, dims in shapes:
     bits = _BITS.get(dtype) or int(re.sub(r'\D', '', dtype.split('e')[0]) or 8)
