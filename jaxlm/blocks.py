@@ -195,3 +195,19 @@ def ring_cached_attention(module, q, k, v, segment_ids, window: int, scores):
   slots.value = slots.value.at[at].set(new_slots[T - keep:])
   index.value = i + T
   return out
+
+
+def tokens(x):
+  """(B, T, ...) -> (N, ...) with N = B·T, a free reshape: every weight matmul then has one token axis.
+
+  Why: a weight gradient contracts over the tokens; with two token axes (B, T) XLA:CPU canonicalises the dot
+  by physically transposing the (B, T, F) activation gradient first (one copy per matmul, per step). With one
+  axis the dot takes its operands as they lie. GPUs and TPUs are indifferent; the math is the same.
+
+  Under context parallelism (T split over devices) x stays (B, T, ...): merging a split B with a split T is not
+  a sharding XLA can keep once a device holds more than one row, so the reshape would all-gather every
+  projection's activations along the whole sequence, which is what context parallelism exists to avoid.
+  """
+  if attention_lib.context_ways() > 1:
+    return x
+  return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])

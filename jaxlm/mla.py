@@ -146,22 +146,22 @@ class MLA(nn.Module):
     R, En, Er, Ev = c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
     w, lora = self._weights()
     proj = lambda h, name: self.project(h, w[name].reshape(h.shape[-1], -1), name, m, lora.get(name))  # noqa: E731
-    x = x.reshape(B * T, D)  # (N, D): one token axis for every weight matmul (model.tokens)
+    x = blocks.tokens(x)  # (N, D): one token axis for every weight matmul ((B, T, D) under context)
     if c.q_lora_rank:
       q = proj(_rms(w['query_norm'], proj(x, 'query_a'), m), 'query_b')
     else:
       q = proj(x, 'query')
     q = q.reshape(B, T, H, En + Er)
     ckv = proj(x, 'kv_a')  # (N, R + Er)
-    latent = _rms(w['kv_norm'], ckv[:, :R], m).reshape(B, T, R)
+    latent = _rms(w['kv_norm'], ckv[..., :R], m).reshape(B, T, R)
     frequencies = None if m.rope_scaling == 'none' else rope_frequencies(dataclasses.replace(m, head_dim=Er))
-    k_rot = rope(ckv[:, R:].reshape(B, T, 1, Er), positions, m.rope_theta, frequencies)  # (B, T, 1, Er)
+    k_rot = rope(ckv[..., R:].reshape(B, T, 1, Er), positions, m.rope_theta, frequencies)  # (B, T, 1, Er)
     q = jnp.concatenate([q[..., :En], rope(q[..., En:], positions, m.rope_theta, frequencies)], -1)
     q = nn.with_logical_constraint(q, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
 
     def expand(latent, k_rot):  # (B, S, R), (B, S, 1, Er) -> keys (B, S, H, En + Er), values (B, S, H, Ev)
       S = latent.shape[1]
-      kv = proj(latent.reshape(B * S, R), 'kv_b').reshape(B, S, H, En + Ev)
+      kv = proj(blocks.tokens(latent), 'kv_b').reshape(B, S, H, En + Ev)
       k = jnp.concatenate([kv[..., :En], jnp.broadcast_to(k_rot, (B, S, H, Er)).astype(kv.dtype)], -1)
       k = nn.with_logical_constraint(k, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
       return k, nn.with_logical_constraint(kv[..., En:], ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
@@ -182,7 +182,7 @@ class MLA(nn.Module):
       out = attention_lib.attention(q, k, v, segment_ids, 'xla', m.attention.block_q,
                                     scores_cfg=scores)  # (B, T, H, Ev)
     out = nn.with_logical_constraint(out, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
-    return proj(out.reshape(B * T, H * Ev), 'out').reshape(B, T, D)
+    return proj(blocks.tokens(out.reshape(B, T, H * Ev)), 'out').reshape(B, T, D)
 
   def cached_attention(self, q, latent, k_rot, segment_ids, w_up, scores):
     """q (B, T, H, En + Er) over this layer's cache of R + Er numbers per token (the normed latent and the rotated

@@ -27,7 +27,7 @@ from jaxlm import mtp as mtp_lib
 from jaxlm import pipeline as pipeline_lib
 from jaxlm.blocks import (MLP_ACTIVATIONS, NORM_PLACEMENTS, AttentionConfig, MlpConfig,  # noqa: F401
                           NormsConfig, activation, biases, block_errors, is_local, ring_cached_attention,
-                          scores_config)
+                          scores_config, tokens)
 from jaxlm.rope import ROPE_SCALINGS, layer_frequencies, rope, rope_frequencies  # noqa: F401  (callers' names)
 
 
@@ -293,7 +293,7 @@ def dense(x, w, plain_weight_grad: bool):
   smaller of x and dy transposed and multiply plainly (bench/RESULTS.md, "Reaching 1.0×").
   GPUs and TPUs take transposed operands at full speed: there the copy would only cost memory traffic.
   """
-  return _dense_nn(x, w) if plain_weight_grad else jnp.dot(x, w)
+  return _dense_nn(x, w) if plain_weight_grad and x.ndim == 2 else jnp.dot(x, w)
 
 
 def project(x, w, name: str, m: ModelConfig, lora=None):
@@ -306,7 +306,7 @@ def project(x, w, name: str, m: ModelConfig, lora=None):
   branch runs in the compute dtype (not fp8): its matmuls are r wide.
   """
   if m.matmul_dtype == 'fp8':
-    y = fp8_ops.Fp8DirectDotGeneralOp(name=f'{name}_fp8')(x, w, (((1,), (0,)), ((), ())))
+    y = fp8_ops.Fp8DirectDotGeneralOp(name=f'{name}_fp8')(x, w, (((x.ndim - 1,), (0,)), ((), ())))
   else:
     y = dense(x, w, m.explicit_transpose_grads)
   if lora is not None:
@@ -319,16 +319,6 @@ def project(x, w, name: str, m: ModelConfig, lora=None):
 def inference_config(m: ModelConfig) -> ModelConfig:
   """The model as evaluated, sampled and exported: fp8 matmuls back in model.dtype, the same parameters."""
   return dataclasses.replace(m, matmul_dtype='dtype')
-
-
-def tokens(x):
-  """(B, T, ...) -> (N, ...) with N = B·T, a free reshape: every weight matmul then has one token axis.
-
-  Why: a weight gradient contracts over the tokens; with two token axes (B, T) XLA:CPU canonicalises the dot
-  by physically transposing the (B, T, F) activation gradient first (one copy per matmul, per step). With one
-  axis the dot takes its operands as they lie. GPUs and TPUs are indifferent; the math is the same.
-  """
-  return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
 class Attention(nn.Module):
@@ -383,7 +373,7 @@ class Attention(nn.Module):
     out = nn.with_logical_constraint(out, ('act_batch', 'act_seq', 'act_heads', 'act_kv'))
     # Named so the `attn_out` remat policy can keep it instead of recomputing the whole attention.
     out = checkpoint_name(out, 'attn_out')
-    out = project(out.reshape(B * T, H * E), wo.astype(dt).reshape(H * E, D), 'out', m, lora['out'])
+    out = project(tokens(out.reshape(B, T, H * E)), wo.astype(dt).reshape(H * E, D), 'out', m, lora['out'])
     return (out if bias is None else out + bias['out'].astype(dt)).reshape(B, T, D)
 
   def cached_attention(self, q, k, v, segment_ids, scores=attention_lib.PLAIN):
