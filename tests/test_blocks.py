@@ -128,13 +128,27 @@ def test_validate_refuses_paths_that_cannot_honour_the_features(overrides, mesh,
     config.validate(c, num_devices=8)
 
 
-def test_sharded_step_with_sliding_window_matches_single_device():
-  """Two training steps of a local/global model with soft-caps, sinks, attention biases and sandwich norms on
-  fsdp 4 × tensor 2 equal one device (1e-5), in loss and gradient norm; documents are packed two to a row."""
+# The blocks of the families a sharded step is checked on (gpt-oss's experts and biases on an expert mesh:
+# tests/test_moe.py; Mistral's all-local stack under context parallelism: tests/test_context.py).
+SHARDED_BLOCKS = {
+    # Gemma 2/3: local and global layers, two RoPE bases, soft-caps, sandwich (1 + w) norms, GeGLU, the embedding
+    # scaled; sinks and attention biases (gpt-oss's) ride along.
+    'gemma': dict(attention_window=W, attention_global_every=2, attention_softcap=3.0, attention_sinks=True,
+                  attention_bias=True, norm_placement='sandwich', norm_offset=True, mlp_activation='geglu',
+                  embed_scale=True, final_softcap=8.0, rope_local_theta=100.0),
+    # OLMo 2/3: post-norms, QK-norm over the whole projection (its heads split over tensor), local and global
+    # layers with YaRN on the global ones.
+    'olmo': dict(attention_window=W, attention_global_every=2, norm_placement='post', qk_norm='full',
+                 rope_local_theta=100.0, rope_scaling='yarn', rope_factor=2.0, rope_original_max_positions=8),
+}
+
+
+@pytest.mark.parametrize('block', list(SHARDED_BLOCKS))
+def test_sharded_step_with_sliding_window_matches_single_device(block):
+  """Two training steps of each family's block on fsdp 4 × tensor 2 equal one device (1e-5), in loss and
+  gradient norm; documents are packed two to a row."""
   cfg = odd_config(parallel_block=False)
-  cfg.model.update(attention_window=W, attention_global_every=2, attention_softcap=3.0, attention_sinks=True,
-                   attention_bias=True, norm_placement='sandwich', norm_offset=True, mlp_activation='geglu',
-                   embed_scale=True, final_softcap=8.0, rope_local_theta=100.0)
+  cfg.model.update(**SHARDED_BLOCKS[block])
   batch = random_batch(8, 24, cfg.model.vocab_size, docs=2)
   reference, _ = _two_steps(cfg.copy_and_resolve_references(), (1, 1, 1), batch)
   assert reference[1] < reference[0]  # the step did something

@@ -186,11 +186,12 @@ def test_export_refuses_blocks_no_family_computes():
       'MistralForCausalLM'
 
 
-@pytest.mark.parametrize('family', ['gemma2', 'mistral'])
+@pytest.mark.parametrize('family', list(FAMILIES))
 def test_greedy_with_the_kv_cache_equals_transformers_generate_beyond_the_window(hf, family, tmp_path):
   """jaxlm.generate (KV cache, ragged prompts left-padded in one batch) continues each prompt token for token as
   transformers' generate does, 24 tokens past prompts of 8 and 5: four windows of W = 8; local layers' caches
-  are rings of W slots."""
+  are rings of W slots (OLMo 2 has no window: every cache holds the whole sequence). gpt-oss's own:
+  tests/hf/test_gpt_oss.py."""
   torch, _ = hf
   from jaxlm import generate as generate_lib
   # Larger weights and an untied head: a tiny random model's greedy path otherwise repeats one token (tied, its own).
@@ -206,20 +207,24 @@ def test_greedy_with_the_kv_cache_equals_transformers_generate_beyond_the_window
       want = original.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):]
     assert got == want.tolist()
   assert len(set(ours[0])) > 3  # not one token repeated
+  if family == 'olmo2':  # no window: every layer caches the whole sequence
+    assert generate_lib.cache_shapes(generate_lib.inference_model(m), params, 2, 64)['layers']['attention'][
+        'key'].shape[2] == 64
+    return
   unwindowed = dataclasses.replace(m, attention=dataclasses.replace(m.attention, window=0))
   assert generate_lib.generate(unwindowed, params, prompts, 24).tokens != ours  # the window decides tokens
-  # A local layer's cache is a ring of W slots where the layer knows it is local when built: every layer local
-  # (Mistral, scanned), or unrolled layers (Gemma 2); a scanned local/global stack keeps S slots in every layer.
+  # A local layer's cache is a ring of W slots: every layer local (Mistral, scanned), unrolled layers (Gemma 2
+  # here), or a scanned local/global stack, which decodes layer by layer (Gemma 3, OLMo 3).
   if family == 'gemma2':
     m = dataclasses.replace(m, scan_layers=False)
     params = {k: v for k, v in params.items() if k != 'layers'} | {
         f'layers_{i}': jax.tree.map(lambda x, i=i: x[i], params['layers']) for i in range(2)}
     assert generate_lib.generate(m, params, prompts, 24).tokens == ours
   cache = generate_lib.cache_shapes(generate_lib.inference_model(m), params, 2, 64)
-  if family == 'gemma2':
-    assert [cache[f'layers_{i}']['attention']['key'].shape[1] for i in range(2)] == [WINDOW, 64]
-  else:
+  if family == 'mistral':
     assert cache['layers']['attention']['key'].shape[2] == WINDOW
+  else:
+    assert [cache[f'layers_{i}']['attention']['key'].shape[1] for i in range(2)] == [WINDOW, 64]
 
 
 def _model_cfg(overrides: dict):
