@@ -292,6 +292,7 @@ def dense(x, w, plain_weight_grad: bool):
   transposed-operand product to a slower Eigen path (bench/cpu_matmul.py), so on a CPU it pays to copy the
   smaller of x and dy transposed and multiply plainly (bench/RESULTS.md, "Reaching 1.0×").
   GPUs and TPUs take transposed operands at full speed: there the copy would only cost memory traffic.
+  A (B, T, I) x (context parallelism keeps its tokens unmerged: blocks.tokens) takes the plain product.
   """
   return _dense_nn(x, w) if plain_weight_grad and x.ndim == 2 else jnp.dot(x, w)
 
