@@ -85,6 +85,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.moe_routed_scale = 1.0  # deepseek_v3's routed_scaling_factor: the routed experts' weights times this
   m.moe_capacity_factor = 0.0  # 0 = dropless; else each expert takes ceil(factor·N·k/X) tokens, the rest dropped
   m.moe_aux_loss = 0.0  # Switch/GShard load-balancing loss coefficient (the loss is 1.0 at uniform routing); 0 = off
+  m.moe_aux_loss_form = 'switch'  # switch: mean of the MoE layers' (1.0 at uniform) | pooled: transformers' (k)
   m.moe_router_z_loss = 0.0  # router z-loss coefficient (ST-MoE): mean log(Σ exp(router logits))²; 0 = off
   m.moe_bias_rate = 1e-3  # auxiliary-loss-free balancing (the default): selection-bias step per update; 0 = off
   m.moe_impl = 'ragged'  # ragged (tokens sorted by expert, grouped GEMMs) | dense (every expert on every token: tests)

@@ -42,6 +42,7 @@ QK_NORMS = model.QK_NORMS
 MOE_ROUTERS = moe.ROUTERS
 MOE_IMPLS = moe.IMPLS
 MOE_TRANSPORTS = moe.TRANSPORTS
+MOE_AUX_LOSS_FORMS = moe.AUX_LOSS_FORMS
 
 def _model_errors(m) -> list[str]:
   e = []
@@ -154,6 +155,8 @@ def _moe_errors(c, num_devices: int) -> list[str]:
       e.append(f'model.{key}={m[key]} must be >= 0 (0 = off{", dropless" if key == "moe_capacity_factor" else ""}).')
   if m.moe_routed_scale <= 0:
     e.append(f'model.moe_routed_scale={m.moe_routed_scale} must be positive.')
+  if m.get('moe_aux_loss_form', 'switch') not in MOE_AUX_LOSS_FORMS:
+    e.append(f'model.moe_aux_loss_form={m.moe_aux_loss_form!r} is unknown; use one of {", ".join(MOE_AUX_LOSS_FORMS)}.')
   if m.get('moe_transport', 'auto') not in MOE_TRANSPORTS:
     e.append(f'model.moe_transport={m.moe_transport!r} is unknown; use one of {", ".join(MOE_TRANSPORTS)}.')
   if m.get('moe_buffer_factor', 0.0) < 0:

@@ -36,6 +36,9 @@ from jaxlm import sharding
 ROUTERS = ('mixtral', 'qwen3_moe', 'olmoe', 'deepseek_v3', 'deepseek_v2', 'gpt_oss')  # model.moe_router
 IMPLS = ('ragged', 'dense')  # model.moe_impl: sorted grouped GEMMs, or every expert on every token (reference)
 TRANSPORTS = ('auto', 'gather', 'all_to_all')  # model.moe_transport: how tokens reach their experts' devices
+# model.moe_aux_loss_form: the load-balancing loss as a mean over MoE layers of each one's Switch loss (1 at uniform
+# routing), or as transformers' load_balancing_loss_func computes it for Mixtral-style and gpt-oss models (`loss`).
+AUX_LOSS_FORMS = ('switch', 'pooled')
 STATS = 'moe_stats'  # the Flax collection each MoE layer writes its routing statistics into, when mutable
 
 
@@ -54,7 +57,8 @@ class MoeConfig:
   norm_topk_prob: bool = True
   routed_scale: float = 1.0
   capacity_factor: float = 0.0  # 0: dropless
-  aux_loss: float = 0.0  # the Switch load-balancing loss's weight (`loss`)
+  aux_loss: float = 0.0  # the load-balancing loss's weight (`loss`)
+  aux_loss_form: str = 'switch'  # AUX_LOSS_FORMS
   router_z_loss: float = 0.0
   bias_rate: float = 0.0  # auxiliary-loss-free balancing (`update_bias`)
   impl: str = 'ragged'  # IMPLS
@@ -536,14 +540,23 @@ def aux_loss(layer: dict, tokens, top_k: int, load=None):
 
 
 def loss(stats, m: MoeConfig, tokens, loads=None):
-  """The routing losses added to the training loss: moe_aux_loss · mean over MoE layers of `aux_loss`, plus
+  """The routing losses added to the training loss: moe_aux_loss · the load-balancing loss, plus
   moe_router_z_loss · mean over layers of the router z-loss (Σ log Z² / tokens). Linear in each microbatch's
   sums given the whole batch's `tokens` (and `loads`, per layer, when the batch is split), so the same update
-  whatever the split."""
+  whatever the split.
+
+  The load-balancing loss by model.moe_aux_loss_form: `switch`, the mean over MoE layers of `aux_loss` (1 at
+  uniform routing); `pooled`, transformers' load_balancing_loss_func (Mixtral, gpt-oss): every layer's
+  assignments and router probabilities summed first, X·Σ_e (assignments_e / (L·tokens))·(prob_e / (L·tokens)),
+  k at uniform routing. A checkpoint's router_aux_loss_coef means the latter (hf/gpt_oss.py imports it so)."""
   layers = per_layer(stats, m.every)
-  loads = [None] * len(layers) if loads is None else loads
+  loads = [s['load'] if l is None else l for (_, s), l in zip(layers, [None] * len(layers) if loads is None else loads)]
   total = 0.0
-  if m.aux_loss:
+  if m.aux_loss and m.aux_loss_form == 'pooled':
+    rows = tokens * len(layers)
+    f = jax.lax.stop_gradient(sum(loads)) / rows  # (X,): each expert's share of the assignments, k in all
+    total += m.aux_loss * m.experts * (f * sum(s['prob'] for _, s in layers) / rows).sum()
+  elif m.aux_loss:
     total += m.aux_loss * sum(aux_loss(s, tokens, m.top_k, l) for (_, s), l in zip(layers, loads)) / len(layers)
   if m.router_z_loss:
     total += m.router_z_loss * sum(s['z'] for _, s in layers) / tokens / len(layers)

@@ -1,5 +1,6 @@
 """Mixture of experts: the dropless grouped-GEMM path against the dense reference, padding, capacity, balancing."""
 
+import dataclasses
 import functools
 
 import jax
@@ -386,6 +387,31 @@ def test_aux_loss_is_one_at_uniform_routing():
   np.testing.assert_allclose(moe.aux_loss(uniform, n, K), 1.0, rtol=1e-6)
   skewed = {'load': jnp.zeros(X).at[0].set(n), 'prob': jnp.zeros(X).at[0].set(n)}
   np.testing.assert_allclose(moe.aux_loss(skewed, n, 1), X, rtol=1e-6)
+
+
+def test_pooled_aux_loss_is_k_at_uniform_routing_and_adds_up_over_microbatches():
+  """model.moe_aux_loss_form=pooled (transformers' load_balancing_loss_func; its parity: tests/hf/test_gpt_oss.py):
+  k at uniform routing; two layers' statistics pooled before the product, not a mean of their products; and, given
+  the whole batch's loads, two halves' losses add up to the whole batch's (the microbatch split)."""
+  n = 12.0
+  pooled = moe.MoeConfig(experts=X, top_k=K, aux_loss=1.0, aux_loss_form='pooled')
+  def layer(load, prob):
+    return {'load': jnp.asarray(load, jnp.float32), 'prob': jnp.asarray(prob, jnp.float32), 'z': jnp.zeros(())}
+
+  stats = lambda *layers: {f'layers_{i}': {'moe': l} for i, l in enumerate(layers)}  # noqa: E731
+  uniform = layer(np.full(X, n * K / X), np.full(X, n / X))
+  np.testing.assert_allclose(moe.loss(stats(uniform, uniform), pooled, n), K, rtol=1e-6)
+  rng = np.random.default_rng(0)
+  loads = [rng.multinomial(int(n * K), np.ones(X) / X).astype(np.float32) for _ in range(2)]
+  probs = [rng.dirichlet(np.ones(X), int(n)).sum(0) for _ in range(2)]
+  whole = float(moe.loss(stats(*map(layer, loads, probs)), pooled, n))
+  f, p = sum(loads) / (2 * n), sum(probs) / (2 * n)
+  np.testing.assert_allclose(whole, X * (f * p).sum(), rtol=1e-6)
+  switch = float(moe.loss(stats(*map(layer, loads, probs)), dataclasses.replace(pooled, aux_loss_form='switch'), n))
+  assert abs(switch * K - whole) > 1e-4  # not the Switch form rescaled: the layers are pooled first
+  halves = [float(moe.loss(stats(*[layer(l, q * w) for l, q in zip(loads, probs)]), pooled, n,
+                           [jnp.asarray(l) for l in loads])) for w in (0.25, 0.75)]
+  np.testing.assert_allclose(sum(halves), whole, rtol=1e-6)
 
 
 @pytest.mark.e2e  # seconds of compiles: the full suite runs it, the fast loop keeps unit-sized tests

@@ -151,9 +151,9 @@ def _trl_loss(loss_type, policy, reference, tmp_path):
   else:
     from trl import DPOConfig, DPOTrainer
     from trl.trainer.dpo_trainer import DataCollatorForPreference
-    # gpt-oss: TRL adds transformers' load-balancing loss (router_aux_loss_coef times the Switch loss pooled over
-    # all layers' tokens, top_k at uniform routing), which jaxlm's moe_aux_loss does not compute (a per-layer mean,
-    # 1 at uniform): compared here is DPO's own loss, with the routing regularizer off on both sides.
+    # gpt-oss: TRL adds transformers' load-balancing loss. jaxlm computes the same loss (moe_aux_loss_form=pooled,
+    # tests/hf/test_gpt_oss.py) but over the tokens it forwards, which are a sequence's inputs: transformers also
+    # routes each sequence's last token. Compared here is DPO's own loss, the routing regularizer off in TRL.
     moe = dict(router_aux_loss_coef=0.0) if hasattr(policy.config, 'output_router_logits') else {}
     args = DPOConfig(output_dir=str(tmp_path), loss_type=[loss_type], beta=0.7, bf16=False, report_to=[],
                      use_cpu=True, **moe)

@@ -65,7 +65,8 @@ def overrides(hf: dict, rope: dict) -> dict:
               moe_experts=hf['num_local_experts'], moe_top_k=k, moe_mlp_dim=hf['intermediate_size'], moe_every=1,
               moe_first_dense=0, moe_router='gpt_oss', moe_expert_bias=True, moe_router_bias=True,
               moe_bias_rate=0.0,  # its router has a learned bias; a selection bias would not export
-              moe_aux_loss=float(hf.get('router_aux_loss_coef', 0.0)))
+              # router_aux_loss_coef weighs transformers' pooled load-balancing loss (moe.loss)
+              moe_aux_loss=float(hf.get('router_aux_loss_coef', 0.0)), moe_aux_loss_form='pooled')
 
 
 def dequantize_mxfp4(blocks, scales) -> np.ndarray:

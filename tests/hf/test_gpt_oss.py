@@ -7,6 +7,7 @@ suite runs on two CPU cores, so the model is built, saved and imported once, and
 """
 
 import dataclasses
+import functools
 import os
 
 import jax
@@ -95,6 +96,26 @@ def test_import_equals_transformers_and_each_feature_matters(gpt_oss):
     changed[key] = off
     MOVED[key] = float(np.abs(_logits(model_lib.ModelConfig.from_config(changed), params, tokens) - theirs).max())
     assert MOVED[key] >= 1e-2, key
+
+
+def test_the_imported_load_balancing_loss_is_transformers_aux_loss(gpt_oss):
+  """router_aux_loss_coef imports as model.moe_aux_loss with moe_aux_loss_form=pooled: on the same tokens jaxlm's
+  routing loss equals coefficient · transformers' aux_loss (load_balancing_loss_func over every layer's router
+  logits; k at uniform routing), which the per-layer Switch form (1 at uniform) does not."""
+  from jaxlm import moe as moe_lib
+  torch, _, model, root, result, tokens, _ = gpt_oss
+  assert result['overrides']['moe_aux_loss_form'] == 'pooled'
+  assert result['overrides']['moe_aux_loss'] == model.config.router_aux_loss_coef
+  with torch.no_grad():
+    want = float(model(torch.from_numpy(tokens.astype(np.int64)), output_router_logits=True).aux_loss)
+  _, m, params = _imported(root, result)
+  positions = np.tile(np.arange(tokens.shape[1], dtype=np.int32), (tokens.shape[0], 1))
+  _, stats = jax.jit(functools.partial(model_lib.Decoder(m).apply, mutable=[moe_lib.STATS]))(
+      {'params': params}, tokens, np.ones_like(tokens), positions)
+  routing = lambda moe: float(moe_lib.loss(stats[moe_lib.STATS], moe, float(tokens.size)))  # noqa: E731
+  unit = dataclasses.replace(m.moe, aux_loss=1.0)
+  np.testing.assert_allclose(routing(unit), want, rtol=1e-5)
+  assert abs(routing(dataclasses.replace(unit, aux_loss_form='switch')) - want) > 0.1 * want  # another loss
 
 
 def test_export_reloads_in_transformers_with_the_same_logits(gpt_oss):
