@@ -166,11 +166,9 @@ def xla_attention(q, k, v, segment_ids, order=None, block_q: int = 0, shards: in
   if block:
     local = functools.partial(_window_blocks, width=width, block=block, scores_cfg=scores_cfg, order=order,
                               shards=shards)
-    if isinstance(scores_cfg.window, int):
-      return local(q, k, v, segment_ids)
     full = functools.partial(xla_attention, order=order, block_q=block_q, shards=shards,
                              scores_cfg=dataclasses.replace(scores_cfg, width=0))
-    return jax.lax.cond(jnp.reshape(scores_cfg.window, ()) > 0, local, full, q, k, v, segment_ids)
+    return _local_or_full(scores_cfg, local, full, q, k, v, segment_ids)
   order = np.arange(T) if order is None else np.asarray(order)
   blocks = T // (shards * block_q) if block_q else 1
   if blocks <= 1:
@@ -194,6 +192,19 @@ def xla_attention(q, k, v, segment_ids, order=None, block_q: int = 0, shards: in
 LOCAL_MAX_SCORES = 1 << 21
 
 
+def _local_or_full(scores_cfg: Scores, local, full, *args):
+  """`local(*args)` for a local layer, `full(*args)` for a global one: by the window itself when it is a number,
+  by a `cond` on it when traced (a scanned stack of both kinds: one layer body, the kind a per-layer value)."""
+  if isinstance(scores_cfg.window, int):
+    return local(*args) if scores_cfg.window > 0 else full(*args)
+  return jax.lax.cond(jnp.reshape(scores_cfg.window, ()) > 0, local, full, *args)
+
+
+def _largest_divisor(n: int, cap: int) -> int:
+  """The largest divisor of n no greater than cap (>= 1): a block size that splits n evenly."""
+  return next(d for d in range(min(cap, n), 0, -1) if n % d == 0)
+
+
 def _window_block(T: int, width: int, block_q: int, order, shards: int) -> int:
   """The query block of a local layer's `_window_blocks` (0: the row is too short for blocks to skip anything).
 
@@ -202,7 +213,7 @@ def _window_block(T: int, width: int, block_q: int, order, shards: int) -> int:
   order = np.arange(T) if order is None else np.asarray(order)
   breaks = np.flatnonzero(np.diff(order) != 1) + 1  # where a run of consecutive positions ends
   runs = int(np.gcd.reduce(np.concatenate([breaks, [T // shards]]).astype(np.int64)))
-  block = next(d for d in range(min(block_q or width, runs), 0, -1) if runs % d == 0)
+  block = _largest_divisor(runs, block_q or width)
   return block if T % shards == 0 and T > block + width else 0
 
 
@@ -561,12 +572,10 @@ def _context_attention(q, k, v, segment_ids, block_q: int, context: int, scores_
   if 0 < width <= T // (2 * context):
     local = functools.partial(_halo_attention, width=width, block_q=block_q, context=context,
                               scores_cfg=dataclasses.replace(scores_cfg, window=width))
-    if isinstance(scores_cfg.window, int):
-      return local(q, k, v, segment_ids)
     # A traced window (scanned local and global layers): only the global branch gathers the whole sequence.
     full = functools.partial(_context_attention, block_q=block_q, context=context,
                              scores_cfg=dataclasses.replace(scores_cfg, window=0, width=0))
-    return jax.lax.cond(jnp.reshape(scores_cfg.window, ()) > 0, local, full, q, k, v, segment_ids)
+    return _local_or_full(scores_cfg, local, full, q, k, v, segment_ids)
   # Queries (and so scores, probabilities and outputs) stay split along T; each device gathers the whole
   # key and value sequence: K heads of (S, E) each, one under multi-query attention. The backward pass
   # reduce-scatters their gradients. The mask's order is a constant: the step's zig-zag permutation. A local
@@ -590,7 +599,7 @@ def _halo_attention(q, k, v, segment_ids, *, width: int, block_q: int, context: 
   context axis is manual (the shard_map's axis_names); batch and heads stay split as the rules say."""
   (axes,) = nn.logical_to_mesh_axes(('act_seq',))
   c = q.shape[1] // (2 * context)
-  block = next(d for d in range(min(block_q or width, c), 0, -1) if c % d == 0)
+  block = _largest_divisor(c, block_q or width)
   # The sinks (a traced parameter) enter as an argument, replicated, rather than closed over by the shard_map.
   cfg = dataclasses.replace(scores_cfg, sinks=None)
   ahead = [(j, j + 1) for j in range(context - 1)]  # shard j -> shard j+1; none into shard 0 (zeros)
