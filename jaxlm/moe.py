@@ -550,7 +550,7 @@ def loss(stats, m: MoeConfig, tokens, loads=None):
   assignments and router probabilities summed first, X·Σ_e (assignments_e / (L·tokens))·(prob_e / (L·tokens)),
   k at uniform routing. A checkpoint's router_aux_loss_coef means the latter (hf/gpt_oss.py imports it so)."""
   layers = per_layer(stats, m.every)
-  loads = [s['load'] if l is None else l for (_, s), l in zip(layers, [None] * len(layers) if loads is None else loads)]
+  loads = [s['load'] for _, s in layers] if loads is None else loads
   total = 0.0
   if m.aux_loss and m.aux_loss_form == 'pooled':
     rows = tokens * len(layers)
